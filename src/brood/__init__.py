@@ -1,0 +1,50 @@
+"""brood: a runtime for recursive language models with a managed child-run lifecycle."""
+
+from brood.api import RunHandle, RunInfo, RunResult, Supervisor
+from brood.errors import (
+    BackendError,
+    BroodError,
+    ChildCleanupError,
+    ChildFailed,
+    ChildNotReady,
+    InvalidArgument,
+    LimitExceeded,
+    ModelError,
+    StaleHandle,
+    StoreError,
+    SupervisorClosed,
+)
+from brood.lifecycle import TRANSITIONS, RunState
+from brood.limits import Limits
+from brood.models import CallableModel, Completion, Model, OpenAIModel, ScriptedModel
+from brood.session import Observation, Session
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "TRANSITIONS",
+    "BackendError",
+    "BroodError",
+    "CallableModel",
+    "ChildCleanupError",
+    "ChildFailed",
+    "ChildNotReady",
+    "Completion",
+    "InvalidArgument",
+    "LimitExceeded",
+    "Limits",
+    "Model",
+    "ModelError",
+    "Observation",
+    "OpenAIModel",
+    "RunHandle",
+    "RunInfo",
+    "RunResult",
+    "RunState",
+    "ScriptedModel",
+    "Session",
+    "StaleHandle",
+    "StoreError",
+    "Supervisor",
+    "SupervisorClosed",
+]

@@ -1,0 +1,252 @@
+"""The Python API: `Supervisor` and the `RunHandle` it returns (DESIGN.md section 4)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import cloudpickle
+
+from brood.backends.base import make_backend
+from brood.backends.local import owner_token
+from brood.errors import ChildFailed, ChildNotReady, InvalidArgument, StaleHandle
+from brood.lifecycle import RunState
+from brood.limits import Limits
+from brood.models.base import Model, resolve_model
+from brood.store.base import Store, open_store
+from brood.supervisor.core import Core, Run, RunInfo
+from brood.supervisor.loop import LoopThread
+from brood.supervisor.observers import Observers
+
+__all__ = ["RunHandle", "RunInfo", "RunResult", "Supervisor"]
+
+
+class RunResult(NamedTuple):
+    """How a run ended: `error` is the reason when it did not complete."""
+
+    run_id: str
+    state: str
+    answer: str | None
+    error: str | None
+    usage: dict[str, Any]
+
+
+def _model_blob(model: object) -> tuple[bytes, str | None, tuple[str, ...]]:
+    m = resolve_model(model)
+    preload = ("openai",) if type(m).__name__ == "OpenAIModel" else ()
+    try:
+        return cloudpickle.dumps(m), m.name, preload
+    except Exception as exc:
+        raise InvalidArgument(
+            f"the model {m.describe()!r} cannot be pickled to ship to workers: {exc}; build "
+            "clients lazily inside complete() or chat_fn"
+        ) from exc
+
+
+def _context_blob(context: object) -> bytes | None:
+    if context is None:
+        return None
+    try:
+        return cloudpickle.dumps(context)
+    except Exception as exc:
+        raise InvalidArgument(f"context cannot be pickled: {exc}") from exc
+
+
+class Supervisor:
+    """Owns every run started through it and all their children, on one asyncio loop.
+
+    `model` is a chat_fn callable, a spec string (`openai:MODEL@URL`) or a `brood.Model`;
+    without one, BROOD_MODEL is used. `store` is a journal URL (default: a temporary SQLite
+    file removed at close). Leaving the `with` block, or `close()`, cancels what is still
+    running and confirms every worker's exit; if it cannot, `ChildCleanupError` is raised
+    and the supervisor refuses reuse.
+    """
+
+    def __init__(
+        self,
+        model: str | Callable[..., Any] | Model | None = None,
+        *,
+        limits: Limits | None = None,
+        store: str | None = None,
+        on_start: Callable[[RunInfo], Any] | None = None,
+        on_end: Callable[[RunInfo], Any] | None = None,
+        backend: str = "local",
+    ) -> None:
+        if limits is not None and not isinstance(limits, Limits):
+            raise InvalidArgument(f"limits must be brood.Limits(...), got {type(limits).__name__}")
+        self.limits = limits or Limits()
+        model = model if model is not None else os.environ.get("BROOD_MODEL")
+        if model is None:
+            raise InvalidArgument(
+                "no model: pass Supervisor(model=chat_fn or 'openai:MODEL@URL'), or set BROOD_MODEL"
+            )
+        blob, name, preload = _model_blob(model)
+        self._store: Store = open_store(store)
+        self._observers = Observers(on_start, on_end)
+        self._loop = LoopThread()
+        owner = owner_token()
+        try:
+            self._backend = make_backend(backend, owner)
+            self._core = Core(model_blob=blob, model_name=name, limits=self.limits,
+                              store=self._store, backend=self._backend,
+                              observers=self._observers, owner=owner)
+            self._loop.call(self._backend.start(preload))
+        except BaseException:
+            self._shutdown()
+            raise
+        self._closed = False
+
+    # ---- starting runs -----------------------------------------------------------------
+    def spawn(self, prompt: str, *, context: Any = None, timeout: float | None = None,
+              model: str | Callable[..., Any] | Model | None = None) -> RunHandle:
+        """Start a root run and return its handle at once."""
+        run = self._loop.call(self._create(prompt, context, timeout, model, driven=False))
+        return RunHandle(self, run)
+
+    def run(self, prompt: str, *, context: Any = None, timeout: float | None = None,
+            model: str | Callable[..., Any] | Model | None = None) -> RunResult:
+        """Run a root run to its end and return how it ended (never raises for a failed run)."""
+        h = self.spawn(prompt, context=context, timeout=timeout, model=model)
+        self._loop.call(h._run.done.wait())
+        return h.outcome()
+
+    async def _create(self, prompt: str, context: Any, timeout: float | None, model: Any,
+                      driven: bool) -> Run:
+        blob, name = (None, None) if model is None else _model_blob(model)[:2]
+        return await self._core.create_root(prompt, context_blob=_context_blob(context),
+                                            model_blob=blob, model_name=name, timeout=timeout,
+                                            driven=driven)
+
+    # ---- introspection -----------------------------------------------------------------
+    @property
+    def store(self) -> Store:
+        return self._store
+
+    def statistics(self) -> dict[str, Any]:
+        """A snapshot: runs by state, free slots, queued starts."""
+        async def snap() -> dict[str, Any]:
+            states: dict[str, int] = {}
+            for r in self._core.runs.values():
+                states[r.rec.state.value] = states.get(r.rec.state.value, 0) + 1
+            return {"runs": states, "free_slots": self._core.free_slots,
+                    "queued": len(self._core.start_queue)}
+        return self._loop.call(snap())
+
+    # ---- closing -----------------------------------------------------------------------
+    def close(self) -> None:
+        """Cancel every run still going, confirm every worker's exit, close the journal.
+
+        Raises ChildCleanupError (answer preserved on it) if some exit could not be confirmed.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._loop.call(self._core.close())
+        finally:
+            self._shutdown()
+        if self._core.broken is not None:
+            raise self._core.broken
+
+    def _shutdown(self) -> None:
+        self._loop.stop()
+        self._observers.drain()
+        self._store.close()
+
+    def __enter__(self) -> Supervisor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_live(self, what: str) -> None:
+        if self._closed:
+            raise StaleHandle(f"{what} belongs to a supervisor that was closed")
+
+
+class RunHandle:
+    """A root run started by `Supervisor.spawn`. Used after close it raises StaleHandle."""
+
+    def __init__(self, sup: Supervisor, run: Run, stale_reason: Callable[[], str | None]
+                 | None = None) -> None:
+        self._sup = sup
+        self._run = run
+        self._stale_reason = stale_reason
+        self.id = run.id
+
+    def __repr__(self) -> str:
+        return f"<RunHandle {self.id} {self._run.rec.state.value}>"
+
+    def _check(self) -> None:
+        why = self._stale_reason() if self._stale_reason else None
+        if why:
+            raise StaleHandle(f"handle {self.id} is stale: {why}")
+        self._sup._check_live(f"handle {self.id}")
+
+    def status(self) -> str:
+        """The run's state; never blocks."""
+        self._check()
+        return self._run.rec.state.value
+
+    @property
+    def done(self) -> bool:
+        return self.status() in {s.value for s in RunState if s.terminal}
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Block until the run ends and return its answer; raises ChildFailed if it did not
+        complete. On timeout raises TimeoutError and the run keeps running."""
+        self._check()
+
+        async def wait() -> None:
+            try:
+                await asyncio.wait_for(self._run.done.wait(), timeout)
+            except TimeoutError:
+                raise TimeoutError(
+                    f"run {self.id} is still {self._run.rec.state.value} after {timeout} s; "
+                    "it keeps running: wait again, or cancel() it"
+                ) from None
+
+        self._sup._loop.call(wait())
+        return self.result()
+
+    def result(self) -> str:
+        """The answer if completed; ChildNotReady while going; ChildFailed otherwise."""
+        self._check()
+        rec = self._run.rec
+        if not rec.state.terminal:
+            raise ChildNotReady(f"run {self.id} is {rec.state.value}; use wait() to block")
+        if rec.state is RunState.COMPLETED:
+            return rec.answer or ""
+        raise ChildFailed(f"run {self.id} {rec.state.value}: {rec.reason}", run_id=self.id,
+                          status=rec.state.value, reason=rec.reason)
+
+    def outcome(self) -> RunResult:
+        rec = self._run.rec
+        error = None if rec.state is RunState.COMPLETED else rec.reason
+        return RunResult(rec.id, rec.state.value, rec.answer, error, dict(rec.usage))
+
+    def cancel(self) -> str:
+        """Cancel the run and its whole subtree; returns once every exit is confirmed."""
+        self._check()
+        state = self._sup._loop.call(
+            self._sup._core.finish(self._run, RunState.CANCELLED, "cancelled by user"))
+        return state.value
+
+    def send(self, message: str) -> None:
+        """A follow-up instruction the run sees before its next model turn."""
+        self._check()
+        if not isinstance(message, str):
+            raise InvalidArgument("send(message): message must be str")
+        self._sup._loop.call(self._sup._core.send_message(self._run, message))
+
+    def tree(self) -> dict[str, Any]:
+        """The run and its descendants: id, state, reason, answer, duration, usage, children."""
+        self._check()
+
+        async def snap() -> dict[str, Any]:
+            return self._sup._core.snapshot(self._run)
+
+        return self._sup._loop.call(snap())
+

@@ -1,0 +1,254 @@
+"""The local backend: one worker process per run, forked from a warm zygote.
+
+The supervisor starts one zygote (`python -m brood.worker.zygote`), which forks workers into
+their own sessions; each worker connects back over a Unix socket and waits in a small warm
+pool, so starting a run is one message. Every process brood starts carries BROOD_OWNER in
+its environment, which lets a later supervisor find and kill what a dead one left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+
+from brood.backends.base import WorkerConn
+from brood.errors import BackendError
+from brood.protocol import (
+    HEADER,
+    MAX_FRAME,
+    Exited,
+    Fork,
+    Forked,
+    GroupGone,
+    Hello,
+    Msg,
+    ProtocolError,
+    Quit,
+    decode,
+    encode,
+)
+
+WARM_WORKERS = 2  # ready workers kept forked; each idles at about 1 MiB of its own memory
+ZYGOTE_START_TIMEOUT_S = 60.0  # a cold import on a loaded machine can take seconds
+OWNER_ENV = "BROOD_OWNER"
+
+
+async def read_frame(reader: asyncio.StreamReader) -> Msg | None:
+    try:
+        head = await reader.readexactly(HEADER.size)
+        (size,) = HEADER.unpack(head)
+        if size > MAX_FRAME:
+            raise ProtocolError(f"frame of {size} bytes exceeds the {MAX_FRAME}-byte bound")
+        return decode(await reader.readexactly(size))
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return None
+
+
+def owner_token() -> str:
+    """`PID:STARTTIME` of this process: unique even when the pid is reused later."""
+    return f"{os.getpid()}:{_start_time(os.getpid())}"
+
+
+def _start_time(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return "?"
+
+
+def _owner_alive(token: str) -> bool:
+    pid, _, start = token.partition(":")
+    try:
+        return _start_time(int(pid)) == start
+    except ValueError:
+        return False
+
+
+def processes_owned(predicate: object = None) -> dict[int, str]:
+    """{pid: owner token} of every process that carries BROOD_OWNER."""
+    found: dict[int, str] = {}
+    prefix = (OWNER_ENV + "=").encode()
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read()
+        except OSError:
+            continue
+        for item in env.split(b"\0"):
+            if item.startswith(prefix):
+                found[int(entry)] = item[len(prefix):].decode(errors="replace")
+                break
+    return found
+
+
+def sweep_orphans() -> list[int]:
+    """Kill processes left by supervisors that died; returns their pids."""
+    killed = []
+    for pid, token in processes_owned().items():
+        if pid == os.getpid() or _owner_alive(token):
+            continue
+        for kill in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+            with contextlib.suppress(OSError):
+                kill()
+        killed.append(pid)
+    return killed
+
+
+def pids_in_group(pgid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid:
+                pids.append(int(entry))
+        except (OSError, IndexError, ValueError):
+            continue
+    return pids
+
+
+class LocalBackend:
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self._dir = tempfile.mkdtemp(prefix="brood-")
+        self.sock_path = os.path.join(self._dir, "sup.sock")
+        self._zygote: subprocess.Popen[bytes] | None = None
+        self._ctrl_writer: asyncio.StreamWriter | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._idle: asyncio.Queue[WorkerConn] = asyncio.Queue()
+        self.conns: dict[int, WorkerConn] = {}
+        self._early_exit: dict[int, int] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._ready = asyncio.Event()
+        self._closed = False
+
+    async def start(self, preload: tuple[str, ...] = ()) -> None:
+        sweep_orphans()
+        self._server = await asyncio.start_unix_server(self._on_connect, path=self.sock_path)
+        sup_end, zyg_end = socket.socketpair()
+        env = dict(os.environ, **{OWNER_ENV: self.owner})
+        try:
+            self._zygote = subprocess.Popen(
+                [sys.executable, "-m", "brood.worker.zygote", str(zyg_end.fileno()),
+                 self.sock_path, *preload],
+                pass_fds=[zyg_end.fileno()],
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise BackendError(f"could not start the worker zygote: {exc}") from exc
+        finally:
+            zyg_end.close()
+        reader, self._ctrl_writer = await asyncio.open_unix_connection(sock=sup_end)
+        self._track(self._read_ctrl(reader))
+        self._fork(WARM_WORKERS)
+        try:
+            await asyncio.wait_for(self._ready.wait(), ZYGOTE_START_TIMEOUT_S)
+        except TimeoutError as exc:
+            raise BackendError(
+                f"the worker zygote did not fork a worker within {ZYGOTE_START_TIMEOUT_S:g} s"
+            ) from exc
+
+    def _track(self, coro: object) -> None:
+        task = asyncio.ensure_future(coro)  # type: ignore[call-overload]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _fork(self, count: int) -> None:
+        if self._ctrl_writer is not None and not self._ctrl_writer.is_closing():
+            self._ctrl_writer.write(encode(Fork(count)))
+
+    async def _read_ctrl(self, reader: asyncio.StreamReader) -> None:
+        while (msg := await read_frame(reader)) is not None:
+            if isinstance(msg, Forked):
+                self._ready.set()
+            elif isinstance(msg, Exited):
+                conn = self.conns.get(msg.pid)
+                if conn is None:
+                    self._early_exit[msg.pid] = msg.status
+                else:
+                    conn.mark_exited(msg.status)
+            elif isinstance(msg, GroupGone):
+                conn = self.conns.pop(msg.pid, None)
+                if conn is not None:
+                    conn.gone.set()
+        # The zygote is gone: nothing can be confirmed any more for workers not yet reaped.
+        for conn in self.conns.values():
+            conn.mark_exited(-signal.SIGKILL)
+
+    async def _on_connect(self, reader: asyncio.StreamReader,
+                          writer: asyncio.StreamWriter) -> None:
+        hello = await read_frame(reader)
+        if not isinstance(hello, Hello):
+            writer.close()
+            return
+        conn = WorkerConn(hello.pid, writer)
+        self.conns[hello.pid] = conn
+        if hello.pid in self._early_exit:
+            conn.mark_exited(self._early_exit.pop(hello.pid))
+        self._ready.set()
+        await self._idle.put(conn)
+        try:
+            while (msg := await read_frame(reader)) is not None:
+                if conn.handler is not None:
+                    conn.handler(msg)
+        finally:
+            conn.closed.set()
+            writer.close()
+
+    async def acquire(self) -> WorkerConn:
+        if self._closed:
+            raise BackendError("the local backend is closed")
+        self._fork(1)  # keep the warm pool full: one fork for each worker handed out
+        while True:
+            conn = await self._idle.get()
+            if not conn.exited.done() and not conn.closed.is_set():
+                return conn
+
+    def release_unused(self, conn: WorkerConn) -> None:
+        self._idle.put_nowait(conn)
+
+    def signal_group(self, conn: WorkerConn, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(conn.pid, sig)
+
+    def group_pids(self, conn: WorkerConn) -> list[int]:
+        return pids_in_group(conn.pid)
+
+    def idle_pids(self) -> list[int]:
+        return [c.pid for c in self.conns.values() if c.handler is None]
+
+    async def close(self) -> None:
+        """Stop the zygote (which kills every worker group it still tracks) and wait for it."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._ctrl_writer is not None:
+            with contextlib.suppress(Exception):
+                self._ctrl_writer.write(encode(Quit()))
+                self._ctrl_writer.close()
+        if self._zygote is not None:
+            zygote = self._zygote
+            try:
+                await asyncio.wait_for(asyncio.to_thread(zygote.wait), 10.0)
+            except TimeoutError:
+                zygote.kill()
+                await asyncio.to_thread(zygote.wait)
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        shutil.rmtree(self._dir, ignore_errors=True)

@@ -1,0 +1,113 @@
+"""The error tree. Every brood error derives from `BroodError`.
+
+Each message says what happened, the values involved, and what to do about it.
+These classes are importable on both sides of the process boundary: a worker re-raises
+the supervisor's refusals as the same classes inside the REPL.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "BackendError",
+    "BroodError",
+    "ChildCleanupError",
+    "ChildFailed",
+    "ChildNotReady",
+    "InvalidArgument",
+    "LimitExceeded",
+    "ModelError",
+    "StaleHandle",
+    "StoreError",
+    "SupervisorClosed",
+]
+
+
+class BroodError(Exception):
+    """Base class of every error brood raises on purpose."""
+
+
+class InvalidArgument(BroodError, ValueError):
+    """An argument has the wrong type or value; the message names it and the fix."""
+
+
+class LimitExceeded(BroodError):
+    """A request was refused at admission because it would break a limit.
+
+    `kind` names the limit (`"max_children"`, `"max_children_per_run"`, …), `value` is what
+    the request would have reached, `limit` the configured bound.
+    """
+
+    def __init__(self, kind: str, value: float, limit: float, hint: str = "") -> None:
+        self.kind = kind
+        self.value = value
+        self.limit = limit
+        msg = f"limit {kind} exceeded: this request would reach {value}, the limit is {limit}"
+        msg += f"; {hint}" if hint else f"; raise Limits({kind}=...) or do with fewer"
+        super().__init__(msg)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.kind, self.value, self.limit))
+
+
+class ChildFailed(BroodError):
+    """A child run ended without an answer (failed, cancelled or timed out).
+
+    `status` is its final state and `reason` why. For batched calls, `failed` lists the
+    failed indices and `answers` holds every answer, `None` where a child failed.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        run_id: str | None = None,
+        status: str | None = None,
+        reason: str | None = None,
+        failed: list[int] | None = None,
+        answers: list[str | None] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.run_id = run_id
+        self.status = status
+        self.reason = reason
+        self.failed = failed or []
+        self.answers = answers or []
+
+
+class ChildNotReady(BroodError):
+    """`rlm_result` was called on a child that has not ended yet."""
+
+
+class StaleHandle(BroodError):
+    """A handle was used after the session or supervisor that made it was reset or closed."""
+
+
+class ChildCleanupError(BroodError):
+    """Exit of some worker processes could not be confirmed.
+
+    `pids` lists the processes that may still be alive, `answer` keeps the final answer of
+    the run being cleaned up (if it had one). The supervisor refuses new work afterwards.
+    """
+
+    def __init__(self, message: str, *, pids: list[int], answer: str | None = None) -> None:
+        super().__init__(message)
+        self.pids = pids
+        self.answer = answer
+
+
+class SupervisorClosed(BroodError):
+    """The supervisor is closed (or refused reuse after a cleanup failure)."""
+
+
+class ModelError(BroodError):
+    """A model call failed or returned something that is not text."""
+
+
+class StoreError(BroodError):
+    """The journal could not be opened, read or written."""
+
+
+class BackendError(BroodError):
+    """A backend could not start, signal or reap a worker."""

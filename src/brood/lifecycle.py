@@ -1,0 +1,120 @@
+"""Run states and the one table of legal moves between them.
+
+`move` is the only function that changes a run's state; the supervisor calls it and journals
+the move before anyone is told of it. Terminal states never change.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from brood.errors import BroodError
+
+__all__ = ["TERMINAL", "TRANSITIONS", "IllegalTransition", "RunRecord", "RunState", "move"]
+
+
+class RunState(enum.StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    CANCELLING = "cancelling"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    TIMED_OUT = "timed_out"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL
+
+
+TERMINAL = frozenset(
+    {RunState.COMPLETED, RunState.FAILED, RunState.CANCELLED, RunState.TIMED_OUT}
+)
+
+TRANSITIONS: dict[RunState, frozenset[RunState]] = {
+    RunState.QUEUED: frozenset(
+        {RunState.RUNNING, RunState.CANCELLING, RunState.CANCELLED, RunState.FAILED}
+    ),
+    RunState.RUNNING: frozenset(
+        {
+            RunState.COMPLETED,
+            RunState.FAILED,
+            RunState.CANCELLING,
+            RunState.TIMED_OUT,
+        }
+    ),
+    # A cancel in progress can still end another way: the worker's answer or crash may
+    # land before exit is confirmed, or the run's own timer may have started the cancel.
+    RunState.CANCELLING: frozenset(
+        {RunState.CANCELLED, RunState.FAILED, RunState.TIMED_OUT, RunState.COMPLETED}
+    ),
+    RunState.COMPLETED: frozenset(),
+    RunState.FAILED: frozenset(),
+    RunState.CANCELLED: frozenset(),
+    RunState.TIMED_OUT: frozenset(),
+}
+
+
+class IllegalTransition(BroodError):
+    """A move that the transition table does not allow."""
+
+
+@dataclass
+class RunRecord:
+    """What the journal keeps of one run (DESIGN.md section 2)."""
+
+    id: str
+    root_id: str
+    parent_id: str | None
+    depth: int
+    key: str | None
+    prompt: str
+    model: str | None = None
+    pool: str | None = None
+    context_ref: str | None = None
+    attempt: int = 0
+    state: RunState = RunState.QUEUED
+    reason: str | None = None
+    answer: str | None = None
+    error: str | None = None
+    usage: dict[str, Any] = field(default_factory=dict)
+    created_at: float = field(default_factory=time.time)
+    started_at: float | None = None
+    ended_at: float | None = None
+    pid: int | None = None
+
+    @property
+    def duration(self) -> float | None:
+        if self.started_at is None:
+            return None
+        return (self.ended_at or time.time()) - self.started_at
+
+
+def move(record: RunRecord, to: RunState, reason: str | None = None) -> tuple[RunState, RunState]:
+    """Move `record` to state `to`, checking the table; returns (from, to).
+
+    A terminal move needs a reason. Raises `IllegalTransition` for a move the table does
+    not allow; the record is unchanged then.
+    """
+    frm = record.state
+    if to not in TRANSITIONS[frm]:
+        raise IllegalTransition(
+            f"run {record.id} is {frm.value}; it cannot move to {to.value}"
+            + (" (a terminal run never changes)" if frm.terminal else "")
+        )
+    if to.terminal and not reason:
+        raise IllegalTransition(f"run {record.id}: a move to {to.value} needs a reason")
+    now = time.time()
+    record.state = to
+    if reason is not None:
+        record.reason = reason
+    if to is RunState.RUNNING:
+        record.started_at = now
+    if to.terminal:
+        record.ended_at = now
+        if record.started_at is None:
+            record.started_at = now
+    return frm, to

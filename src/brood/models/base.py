@@ -1,0 +1,95 @@
+"""The model interface and the adapter for plain `chat_fn` callables."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from brood.errors import InvalidArgument, ModelError
+
+Messages = list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One model reply with whatever usage the model reported (0 when unknown)."""
+
+    text: str
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cost: float = 0.0
+
+
+class Model:
+    """Base class of brood models. Subclasses implement `complete`.
+
+    A model object is shipped to each worker by value and used only there, so it must be
+    picklable (cloudpickle); build network clients lazily inside `complete`.
+    """
+
+    name: str | None = None
+
+    def complete(self, messages: Messages, model: str | None = None) -> Completion:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return self.name or type(self).__name__
+
+
+def check_text(value: object, source: str) -> str:
+    if not isinstance(value, str):
+        raise ModelError(
+            f"{source} returned {type(value).__name__}, not text; a chat_fn must return the "
+            "reply as a str"
+        )
+    return value
+
+
+class CallableModel(Model):
+    """Wraps `chat_fn(messages, model=None) -> str`, the form OpenEnv's repl_env uses."""
+
+    def __init__(self, chat_fn: Callable[..., Any], name: str | None = None) -> None:
+        if not callable(chat_fn):
+            raise InvalidArgument(f"model must be callable, got {type(chat_fn).__name__}")
+        self.chat_fn = chat_fn
+        self.name = name or getattr(chat_fn, "__name__", None)
+
+    def complete(self, messages: Messages, model: str | None = None) -> Completion:
+        try:
+            reply = self.chat_fn(messages, model=model) if model else self.chat_fn(messages)
+        except ModelError:
+            raise
+        except Exception as exc:
+            raise ModelError(f"chat_fn {self.name!r} raised {type(exc).__name__}: {exc}") from exc
+        return Completion(check_text(reply, f"chat_fn {self.name!r}"))
+
+
+def resolve_model(model: object) -> Model:
+    """A `Model` for a callable, a spec string or a Model object.
+
+    Spec strings: `openai:MODEL`, `openai:MODEL@BASE_URL`, `scripted:demo`.
+    """
+    if isinstance(model, Model):
+        return model
+    if isinstance(model, str):
+        kind, _, rest = model.partition(":")
+        if kind == "openai" and rest:
+            from brood.models.openai import OpenAIModel
+
+            name, _, url = rest.partition("@")
+            return OpenAIModel(name, base_url=url or None)
+        if kind == "scripted" and rest == "demo":
+            from brood.models.scripted import demo_model
+
+            return demo_model()
+        raise InvalidArgument(
+            f"unknown model spec {model!r}; use 'openai:MODEL', 'openai:MODEL@http://HOST/v1' "
+            "or 'scripted:demo', or pass a chat_fn callable or a brood.Model"
+        )
+    if callable(model):
+        return CallableModel(model)
+    raise InvalidArgument(
+        f"model must be a chat_fn callable, a spec string or a brood.Model, "
+        f"got {type(model).__name__}"
+    )

@@ -1,0 +1,266 @@
+"""Wire messages between the supervisor, the zygote and workers.
+
+Frames are a 4-byte big-endian length followed by one msgpack-encoded, tagged msgspec struct.
+Both sides import this module; it imports nothing of either side.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from typing import Any
+
+import msgspec
+
+from brood import errors
+
+HEADER = struct.Struct(">I")
+MAX_FRAME = 256 * 1024 * 1024  # a frame larger than this is a protocol error, not data
+
+
+class Msg(msgspec.Struct, tag=True, omit_defaults=True):
+    pass
+
+
+# ---- zygote <-> supervisor ------------------------------------------------------------------
+class Fork(Msg):
+    count: int
+
+
+class Forked(Msg):
+    pid: int
+
+
+class Exited(Msg):
+    """A worker process was reaped; `status` is its return code (-N for signal N)."""
+
+    pid: int
+    status: int
+
+
+class GroupGone(Msg):
+    """No process of the worker's process group is left: exit is confirmed."""
+
+    pid: int
+
+
+class Quit(Msg):
+    pass
+
+
+# ---- worker -> supervisor -------------------------------------------------------------------
+class Hello(Msg):
+    pid: int
+
+
+class SpawnReq(Msg):
+    req_id: int
+    prompts: list[str]
+    context: bytes | None = None  # cloudpickled context value, shared by every prompt
+    model: str | None = None
+    timeout: float | None = None
+    step: int = 0
+
+
+class CancelReq(Msg):
+    req_id: int
+    child_id: str
+
+
+class SendReq(Msg):
+    req_id: int
+    child_id: str
+    message: str
+
+
+class Blocked(Msg):
+    """The run waits on children (`blocked=True`) or wants to compute again (False).
+
+    A block releases the run's concurrency slot; an unblock is answered once a slot is free.
+    """
+
+    req_id: int
+    blocked: bool
+
+
+class ModelCall(Msg):
+    kind: str  # "turn" or "llm_query"
+    model: str | None
+    latency: float
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cost: float = 0.0
+    error: str | None = None
+
+
+class StepDone(Msg):
+    step: int
+    code: str
+    stdout: str
+    stderr: str
+    error: str | None
+    duration: float
+
+
+class Progress(Msg):
+    line: str
+
+
+class Final(Msg):
+    answer: str
+    reason: str = "answer"
+
+
+class Failed(Msg):
+    reason: str
+    error: str
+
+
+class StepResult(Msg):
+    req_id: int
+    stdout: str
+    stderr: str
+    error: str | None
+    done: bool
+    answer: str | None
+
+
+# ---- supervisor -> worker -------------------------------------------------------------------
+class Start(Msg):
+    run_id: str
+    depth: int
+    prompt: str
+    context: bytes | None
+    model: bytes  # cloudpickled brood.models.Model
+    limits: dict[str, Any]
+    driven: bool = False  # True for a Session root: steps come from Exec, not a model
+    messages: list[str] = []
+
+
+class ErrorInfo(msgspec.Struct, omit_defaults=True):
+    type: str
+    message: str
+    fields: dict[str, Any] = {}
+
+
+class Reply(Msg):
+    req_id: int
+    value: Any = None
+    error: ErrorInfo | None = None
+
+
+class ChildUpdate(Msg):
+    child_id: str
+    state: str
+    answer: str | None = None
+    reason: str | None = None
+    error: str | None = None
+
+
+class Deliver(Msg):
+    message: str
+
+
+class Exec(Msg):
+    req_id: int
+    code: str
+
+
+class Stop(Msg):
+    pass
+
+
+AnyMsg = (
+    Fork | Forked | Exited | GroupGone | Quit | Hello | SpawnReq | CancelReq | SendReq | Blocked
+    | ModelCall | StepDone | Progress | Final | Failed | StepResult | Start | Reply | ChildUpdate
+    | Deliver | Exec | Stop
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(AnyMsg)
+
+
+class ProtocolError(errors.BroodError):
+    """A frame could not be decoded; the peer is broken or not a brood process."""
+
+
+def encode(msg: Msg) -> bytes:
+    body = _encoder.encode(msg)
+    return HEADER.pack(len(body)) + body
+
+
+def decode(body: bytes) -> Msg:
+    try:
+        return _decoder.decode(body)  # type: ignore[no-any-return]
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"undecodable frame of {len(body)} bytes: {exc}") from exc
+
+
+def error_info(exc: BaseException) -> ErrorInfo:
+    fields = {
+        k: v
+        for k, v in vars(exc).items()
+        if isinstance(v, str | int | float | list | type(None)) and not k.startswith("_")
+    }
+    return ErrorInfo(type=type(exc).__name__, message=str(exc), fields=fields)
+
+
+def rebuild_error(info: ErrorInfo) -> BaseException:
+    """The exception an ErrorInfo describes, as a brood error class where one matches."""
+    cls = getattr(errors, info.type, None)
+    if not (isinstance(cls, type) and issubclass(cls, BaseException)):
+        cls = {"TimeoutError": TimeoutError, "ValueError": ValueError}.get(info.type)
+    if cls is None:
+        return errors.BroodError(f"{info.type}: {info.message}")
+    exc = cls.__new__(cls)
+    BaseException.__init__(exc, info.message)
+    for k, v in info.fields.items():
+        setattr(exc, k, v)
+    return exc
+
+
+class SyncChannel:
+    """Blocking framed messages over a socket or a pair of pipe fds; sends are thread-safe."""
+
+    def __init__(self, rfile: Any, wfile: Any) -> None:
+        self._r = rfile
+        self._w = wfile
+        self._lock = threading.Lock()
+
+    @classmethod
+    def over_socket(cls, sock: socket.socket, *, buffered: bool = True) -> SyncChannel:
+        """A channel over `sock`. Pass buffered=False when the reader waits in select():
+        a buffered reader could hold a whole frame that select() no longer sees."""
+        rfile = sock.makefile("rb", buffering=65536 if buffered else 0)
+        return cls(rfile, sock.makefile("wb", buffering=0))
+
+    def send(self, msg: Msg) -> None:
+        data = encode(msg)
+        with self._lock:
+            self._w.write(data)
+            flush = getattr(self._w, "flush", None)
+            if flush is not None:
+                flush()
+
+    def recv(self) -> Msg | None:
+        """The next message, or None at end of stream."""
+        head = self._read(HEADER.size)
+        if head is None:
+            return None
+        (size,) = HEADER.unpack(head)
+        if size > MAX_FRAME:
+            raise ProtocolError(f"frame of {size} bytes exceeds the {MAX_FRAME}-byte bound")
+        body = self._read(size)
+        if body is None:
+            return None
+        return decode(body)
+
+    def _read(self, n: int) -> bytes | None:
+        buf = b""
+        while len(buf) < n:
+            chunk = self._r.read(n - len(buf))
+            if not chunk:
+                return None
+            buf += chunk
+        return buf

@@ -1,0 +1,125 @@
+"""`Session`: a step-driven root run, for RL environments (DESIGN.md section 4).
+
+The trainer supplies the root's code step by step; children the code starts run on their
+own model. A Session's root does not hold a `max_concurrency` slot: between steps it is the
+trainer, not the root, that computes.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from brood.api import RunHandle, Supervisor
+from brood.errors import BroodError, InvalidArgument
+from brood.lifecycle import RunState
+from brood.limits import Limits
+from brood.models.base import Model
+from brood.supervisor.core import Run
+
+__all__ = ["Observation", "Session"]
+
+
+@dataclass
+class Observation:
+    stdout: str = ""
+    stderr: str = ""
+    error: str | None = None
+    done: bool = False
+    answer: str | None = None
+    children: list[dict[str, str]] = field(default_factory=list)
+
+
+class Session:
+    """An environment: `reset(prompt, context)` starts an episode, `step(code)` runs code in
+    the root's REPL, `close()` ends it. Handles from an earlier episode raise StaleHandle."""
+
+    def __init__(self, model: str | Callable[..., Any] | Model | None = None, *,
+                 limits: Limits | None = None, store: str | None = None) -> None:
+        self._sup = Supervisor(model, limits=limits, store=store)
+        self._root: Run | None = None
+        self._episode = 0
+        self._req = itertools.count(1)
+        self._closed = False
+
+    @property
+    def run_id(self) -> str | None:
+        return self._root.id if self._root else None
+
+    def reset(self, prompt: str, context: Any = None) -> Observation:
+        """End the current episode (its children are cancelled, exit confirmed) and start a
+        new one whose root waits for `step`."""
+        self._check_open()
+        self._end_episode("session reset")
+        self._episode += 1
+        self._root = self._sup._loop.call(self._start(prompt, context))
+        return Observation()
+
+    async def _start(self, prompt: str, context: Any) -> Run:
+        run = await self._sup._create(prompt, context, None, None, driven=True)
+        await run.started.wait()
+        return run
+
+    def step(self, code: str) -> Observation:
+        """Run `code` in the root's REPL and return what it printed. When the code calls
+        FINAL, `done` is True, `answer` is set and the root's children are cancelled."""
+        self._check_open()
+        if not isinstance(code, str):
+            raise InvalidArgument(f"step(code): code must be str, got {type(code).__name__}")
+        root = self._root
+        if root is None:
+            raise BroodError("no episode: call reset(prompt) before step()")
+        if root.rec.state.terminal:
+            raise BroodError(f"the episode has ended ({root.rec.state.value}: "
+                             f"{root.rec.reason}); call reset()")
+        core = self._sup._core
+
+        async def step() -> Any:
+            res = await core.exec_step(root, code, next(self._req))
+            if res.done:
+                await root.done.wait()
+            return res
+
+        res = self._sup._loop.call(step())
+        return Observation(res.stdout, res.stderr, res.error, res.done, res.answer,
+                           self.children())
+
+    def children(self) -> list[dict[str, str]]:
+        root = self._root
+        if root is None:
+            return []
+        return [{"id": c.id, "status": c.rec.state.value} for c in root.children]
+
+    def handle(self) -> RunHandle:
+        """A handle on this episode's root; stale after the next reset or close."""
+        self._check_open()
+        if self._root is None:
+            raise BroodError("no episode: call reset(prompt) first")
+        episode = self._episode
+        return RunHandle(self._sup, self._root, lambda: (
+            "its session was reset" if self._episode != episode else
+            "its session was closed" if self._closed else None))
+
+    def _end_episode(self, reason: str) -> None:
+        root = self._root
+        if root is not None and not root.rec.state.terminal:
+            self._sup._loop.call(self._sup._core.finish(root, RunState.CANCELLED, reason))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BroodError("the session is closed; make a new Session")
+
+    def close(self) -> None:
+        """End the episode and stop every worker, confirming exit."""
+        if self._closed:
+            return
+        self._closed = True
+        self._sup.close()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

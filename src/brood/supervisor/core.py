@@ -1,0 +1,480 @@
+"""The supervisor core: owns every run of every tree, on one asyncio loop.
+
+Everything here runs on the supervisor's loop thread, which is the single writer of run
+state. `_move` is where a run changes state: it applies the transition table and waits for
+the journal to commit before anyone (parent worker, caller, observer) is told.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import signal
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from brood.backends.base import Backend, WorkerConn
+from brood.errors import (
+    BroodError,
+    ChildCleanupError,
+    InvalidArgument,
+    LimitExceeded,
+    SupervisorClosed,
+)
+from brood.lifecycle import RunRecord, RunState, move
+from brood.limits import Limits
+from brood.protocol import (
+    Blocked,
+    CancelReq,
+    ChildUpdate,
+    Deliver,
+    Exec,
+    Failed,
+    Final,
+    ModelCall,
+    Msg,
+    Progress,
+    Reply,
+    SendReq,
+    SpawnReq,
+    Start,
+    StepDone,
+    StepResult,
+    Stop,
+    error_info,
+)
+from brood.store.base import Store
+from brood.supervisor.observers import Observers
+
+KILL_CONFIRM_S = 5.0  # after SIGKILL, a group still present this long is reported, not awaited
+GONE_SETTLE_S = 0.2  # after the leader exits, how long reaping its group's rest may take
+DRAIN_ON_EXIT_S = 1.0  # read what a dead worker sent last before calling its exit a crash
+
+Q, RUN, CANCELLING = RunState.QUEUED, RunState.RUNNING, RunState.CANCELLING
+
+
+def new_run_id() -> str:
+    return "r-" + secrets.token_hex(3)
+
+
+@dataclass
+class RunInfo:
+    """What observers and handles see of a run."""
+
+    run_id: str
+    parent_id: str | None
+    root_id: str
+    depth: int
+    prompt: str
+    state: str
+    reason: str | None
+    answer: str | None
+    error: str | None
+    duration: float | None
+    usage: dict[str, Any]
+
+
+@dataclass(eq=False)
+class Run:
+    rec: RunRecord
+    model_blob: bytes
+    context_blob: bytes | None
+    model_name: str | None
+    timeout: float | None
+    parent: Run | None
+    driven: bool = False
+    children: list[Run] = field(default_factory=list)
+    conn: WorkerConn | None = None
+    holds_slot: bool = False
+    messages: list[str] = field(default_factory=list)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+    ending: asyncio.Task[RunState] | None = None
+    timer: asyncio.TimerHandle | None = None
+    seq: dict[int, int] = field(default_factory=dict)
+    pending: dict[int, asyncio.Future[Any]] = field(default_factory=dict)
+    last_line: str = ""
+    tree_children: int = 0  # roots only: children started in the whole tree
+    tree_usage: dict[str, float] = field(default_factory=dict)  # roots only
+
+    @property
+    def id(self) -> str:
+        return self.rec.id
+
+    def info(self) -> RunInfo:
+        r = self.rec
+        return RunInfo(r.id, r.parent_id, r.root_id, r.depth, r.prompt, r.state.value,
+                       r.reason, r.answer, r.error, r.duration, dict(r.usage))
+
+
+class Core:
+    def __init__(self, *, model_blob: bytes, model_name: str | None, limits: Limits,
+                 store: Store, backend: Backend, observers: Observers, owner: str) -> None:
+        self.model_blob = model_blob
+        self.model_name = model_name
+        self.limits = limits
+        self.store = store
+        self.backend = backend
+        self.observers = observers
+        self.owner = owner
+        self.runs: dict[str, Run] = {}
+        self.free_slots = limits.max_concurrency
+        self.start_queue: deque[Run] = deque()
+        self.resume_queue: deque[tuple[Run, asyncio.Future[None]]] = deque()
+        self.closing = False
+        self.broken: ChildCleanupError | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # ---- bookkeeping -------------------------------------------------------------------
+    def _task(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _move(self, run: Run, to: RunState, reason: str | None = None) -> None:
+        frm, _ = move(run.rec, to, reason)
+        await asyncio.wrap_future(self.store.transition(run.rec, frm.value, to.value))
+        parent = run.parent
+        if parent is not None and parent.conn is not None and not parent.rec.state.terminal:
+            r = run.rec
+            parent.conn.send(ChildUpdate(r.id, to.value, r.answer, r.reason, r.error))
+
+    def _event(self, run: Run, kind: str, data: dict[str, Any]) -> None:
+        self.store.event(run.id, kind, data)
+
+    def check_open(self) -> None:
+        if self.broken is not None:
+            raise SupervisorClosed(
+                f"this supervisor refused new work after a cleanup failure ({self.broken}); "
+                "make a new Supervisor"
+            )
+        if self.closing:
+            raise SupervisorClosed("the supervisor is closed; make a new one")
+
+    # ---- creating runs -----------------------------------------------------------------
+    async def create_root(self, prompt: str, *, context_blob: bytes | None,
+                          model_blob: bytes | None = None, model_name: str | None = None,
+                          timeout: float | None = None, driven: bool = False) -> Run:
+        self.check_open()
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise InvalidArgument("prompt must be a non-empty str")
+        rid = new_run_id()
+        rec = RunRecord(id=rid, root_id=rid, parent_id=None, depth=0, key=None, prompt=prompt,
+                        model=model_name or self.model_name)
+        run = Run(rec, model_blob or self.model_blob, context_blob, model_name, timeout,
+                  None, driven=driven)
+        await self._admit(run)
+        return run
+
+    async def _admit(self, run: Run) -> None:
+        self.runs[run.id] = run
+        await asyncio.wrap_future(self.store.insert_run(run.rec, self.owner))
+        if run.driven:
+            # A Session's root is driven by the trainer between steps; it holds no slot.
+            self._task(self._launch(run))
+        else:
+            self.start_queue.append(run)
+            self._grant()
+
+    async def spawn_children(self, parent: Run, msg: SpawnReq) -> list[str]:
+        if self.closing or parent.rec.state is not RUN or parent.ending is not None:
+            raise BroodError(f"run {parent.id} is {parent.rec.state.value} and ending; it "
+                             "cannot start children")
+        if not self.limits.can_start_child(parent.rec.depth):
+            raise LimitExceeded("max_depth", parent.rec.depth + 2, self.limits.max_depth)
+        if not msg.prompts:
+            return []
+        root = self.runs[parent.rec.root_id]
+        self.limits.admit_children(tree_total=root.tree_children,
+                                   run_total=len(parent.children), count=len(msg.prompts))
+        root.tree_children += len(msg.prompts)
+        timeout = msg.timeout if msg.timeout is not None else self.limits.child_timeout
+        children = []
+        for prompt in msg.prompts:
+            seq = parent.seq.get(msg.step, 0)
+            parent.seq[msg.step] = seq + 1
+            rec = RunRecord(id=new_run_id(), root_id=parent.rec.root_id, parent_id=parent.id,
+                            depth=parent.rec.depth + 1, key=f"{msg.step}:{seq}", prompt=prompt,
+                            model=msg.model or parent.rec.model)
+            child = Run(rec, parent.model_blob, msg.context, msg.model or parent.model_name,
+                        timeout, parent)
+            parent.children.append(child)
+            children.append(child)
+            self.runs[child.id] = child
+        await asyncio.gather(*(asyncio.wrap_future(self.store.insert_run(c.rec, self.owner))
+                               for c in children))
+        self.start_queue.extend(children)
+        self._grant()
+        return [c.id for c in children]
+
+    # ---- concurrency slots -------------------------------------------------------------
+    def _grant(self) -> None:
+        """Hand free slots out: parents resuming after a wait first, then queued starts."""
+        while self.free_slots > 0:
+            if self.resume_queue:
+                run, fut = self.resume_queue.popleft()
+                if fut.done():
+                    continue
+                run.holds_slot = True
+                self.free_slots -= 1
+                fut.set_result(None)
+            elif self.start_queue:
+                run = self.start_queue.popleft()
+                if run.rec.state is not Q:
+                    continue
+                run.holds_slot = True
+                self.free_slots -= 1
+                self._task(self._launch(run))
+            else:
+                break
+
+    def _release(self, run: Run) -> None:
+        if run.holds_slot:
+            run.holds_slot = False
+            self.free_slots += 1
+            self._grant()
+
+    async def _launch(self, run: Run) -> None:
+        try:
+            conn = await self.backend.acquire()
+        except Exception as exc:
+            await self.finish(run, RunState.FAILED, f"backend error: {exc}")
+            return
+        if run.rec.state is not Q:
+            self.backend.release_unused(conn)
+            return
+        run.conn = conn
+        conn.handler = lambda msg: self._on_msg(run, msg)
+        conn.on_exit = lambda status: self._task(self._on_exit(run, status))
+        run.rec.pid = conn.pid
+        await self._move(run, RUN)
+        if run.rec.state is not RUN:
+            return
+        r = run.rec
+        conn.send(Start(run_id=r.id, depth=r.depth, prompt=r.prompt, context=run.context_blob,
+                        model=run.model_blob, limits=self.limits.to_dict(), driven=run.driven,
+                        messages=run.messages))
+        run.messages = []
+        if run.timeout is not None:
+            run.timer = asyncio.get_running_loop().call_later(
+                run.timeout, lambda: self._task(self.finish(
+                    run, RunState.TIMED_OUT, f"timed out after {run.timeout:g} s")))
+        run.started.set()
+        self.observers.emit("on_start", run.info())
+
+    # ---- messages from workers ---------------------------------------------------------
+    def _on_msg(self, run: Run, msg: Msg) -> None:
+        if isinstance(msg, SpawnReq | CancelReq | SendReq):
+            self._task(self._answer(run, msg.req_id, self._request(run, msg)))
+        elif isinstance(msg, Blocked):
+            if msg.blocked:
+                self._release(run)
+            else:
+                self._task(self._answer(run, msg.req_id, self._unblock(run)))
+        elif isinstance(msg, ModelCall):
+            self._account(run, msg)
+        elif isinstance(msg, StepDone):
+            self._event(run, "step", {"step": msg.step, "code": msg.code, "stdout": msg.stdout,
+                                      "stderr": msg.stderr, "error": msg.error,
+                                      "duration": msg.duration})
+        elif isinstance(msg, Progress):
+            run.last_line = msg.line
+        elif isinstance(msg, Final):
+            run.rec.answer = msg.answer
+            self._task(self.finish(run, RunState.COMPLETED, msg.reason, answer=msg.answer))
+        elif isinstance(msg, Failed):
+            self._task(self.finish(run, RunState.FAILED, msg.reason, error=msg.error))
+        elif isinstance(msg, StepResult):
+            fut = run.pending.pop(msg.req_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+
+    async def _answer(self, run: Run, req_id: int, work: Any) -> None:
+        try:
+            value = await work
+            reply = Reply(req_id, value=value)
+        except Exception as exc:
+            reply = Reply(req_id, error=error_info(exc))
+        if run.conn is not None:
+            run.conn.send(reply)
+
+    async def _request(self, run: Run, msg: SpawnReq | CancelReq | SendReq) -> Any:
+        if isinstance(msg, SpawnReq):
+            return await self.spawn_children(run, msg)
+        child = self.runs.get(msg.child_id)
+        if child is None or child.parent is not run:
+            raise InvalidArgument(f"{msg.child_id} is not a child of run {run.id}")
+        if isinstance(msg, CancelReq):
+            state = await self.finish(child, RunState.CANCELLED, "cancelled by parent")
+            return state.value
+        await self.send_message(child, msg.message)
+        return None
+
+    async def _unblock(self, run: Run) -> None:
+        if run.holds_slot or run.driven or run.rec.state is not RUN:
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.resume_queue.append((run, fut))
+        self._grant()
+        await fut
+
+    async def send_message(self, run: Run, message: str) -> None:
+        if run.rec.state.terminal or run.ending is not None:
+            raise BroodError(f"run {run.id} is {run.rec.state.value}; a follow-up cannot "
+                             "reach a run that has ended")
+        self._event(run, "message", {"message": message,
+                                     "delivered": run.conn is not None})
+        if run.conn is not None and run.rec.state is RUN:
+            run.conn.send(Deliver(message))
+        else:
+            run.messages.append(message)
+
+    def _account(self, run: Run, msg: ModelCall) -> None:
+        u = run.rec.usage
+        u["model_calls"] = u.get("model_calls", 0) + 1
+        u["input_tokens"] = u.get("input_tokens", 0) + msg.input_tokens
+        u["output_tokens"] = u.get("output_tokens", 0) + msg.output_tokens
+        u["cost"] = u.get("cost", 0.0) + msg.cost
+        self._event(run, "model_call", {"kind": msg.kind, "model": msg.model,
+                                        "latency": msg.latency, "input_tokens": msg.input_tokens,
+                                        "output_tokens": msg.output_tokens, "error": msg.error})
+        root = self.runs[run.rec.root_id]
+        t = root.tree_usage
+        t["tokens"] = t.get("tokens", 0) + msg.input_tokens + msg.output_tokens
+        t["cost"] = t.get("cost", 0.0) + msg.cost
+        over = None
+        if self.limits.token_budget is not None and t["tokens"] > self.limits.token_budget:
+            over = "tokens"
+        elif self.limits.cost_budget is not None and t["cost"] > self.limits.cost_budget:
+            over = "cost"
+        if over and root.ending is None:
+            self._task(self.finish(root, RunState.CANCELLED, f"budget: {over}"))
+
+    # ---- ending runs -------------------------------------------------------------------
+    async def finish(self, run: Run, state: RunState, reason: str, *, answer: str | None = None,
+                     error: str | None = None) -> RunState:
+        """End `run` (and its subtree) in `state`; returns the state it really ended in.
+
+        The first caller decides how a run ends; later callers wait for that ending. The
+        work is shielded: a caller that is cancelled does not interrupt cleanup.
+        """
+        if run.rec.state.terminal:
+            return run.rec.state
+        if run.ending is None:
+            run.ending = self._task(self._end(run, state, reason, answer, error))
+        return await asyncio.shield(run.ending)
+
+    async def _end(self, run: Run, state: RunState, reason: str, answer: str | None,
+                   error: str | None) -> RunState:
+        rec = run.rec
+        if run.timer is not None:
+            run.timer.cancel()
+        if answer is not None:
+            rec.answer = answer
+        if error is not None:
+            rec.error = error
+        if state in (RunState.CANCELLED, RunState.TIMED_OUT) and rec.state is RUN:
+            await self._move(run, CANCELLING, reason)
+        why = {RunState.COMPLETED: "parent finished", RunState.FAILED: "parent failed",
+               RunState.TIMED_OUT: "parent timed out"}.get(state, "parent cancelled")
+        open_children = [c for c in run.children if not c.rec.state.terminal]
+        await asyncio.gather(*(self.finish(c, RunState.CANCELLED, why) for c in open_children))
+        confirmed = await self._stop_worker(run)
+        self._release(run)
+        if not confirmed and run.conn is not None:
+            pids = self.backend.group_pids(run.conn)
+            err = ChildCleanupError(
+                f"exit of run {run.id}'s worker group {run.conn.pid} could not be confirmed; "
+                f"processes {pids} may still be alive; this supervisor refuses new work",
+                pids=pids, answer=rec.answer)
+            self.broken = self.broken or err
+        await self._move(run, state, reason)
+        for fut in run.pending.values():
+            if not fut.done():
+                fut.set_exception(BroodError(f"run {run.id} ended ({state.value}: {reason})"))
+        run.done.set()
+        self.observers.emit("on_end", run.info())
+        return state
+
+    async def _stop_worker(self, run: Run) -> bool:
+        """The one escalation: Stop → grace → SIGTERM group → term_grace → SIGKILL group.
+
+        Returns True once no process of the worker's group is left.
+        """
+        conn = run.conn
+        if conn is None or conn.gone.is_set():
+            return True
+        lim = self.limits
+        conn.send(_STOP)
+        if await _wait(conn.exited, lim.shutdown_grace) and await _wait_event(
+                conn.gone, GONE_SETTLE_S):
+            return True
+        for sig, grace in ((signal.SIGTERM, lim.term_grace), (signal.SIGKILL, KILL_CONFIRM_S)):
+            self.backend.signal_group(conn, sig)
+            if await _wait_event(conn.gone, grace):
+                return True
+        return False
+
+    async def _on_exit(self, run: Run, status: int) -> None:
+        """The worker died. Unless its run is already ending, that is a crash."""
+        if run.ending is not None or run.rec.state.terminal:
+            return
+        if run.conn is not None:
+            await _wait_event(run.conn.closed, DRAIN_ON_EXIT_S)  # a Final may still be queued
+            await asyncio.sleep(0)
+        if run.ending is not None or run.rec.state.terminal:
+            return
+        how = f"signal {-status}" if status < 0 else f"status {status}"
+        await self.finish(run, RunState.FAILED, f"worker exited with {how}")
+
+    # ---- driving a Session root --------------------------------------------------------
+    async def exec_step(self, run: Run, code: str, req_id: int) -> StepResult:
+        if run.conn is None or run.rec.state is not RUN:
+            raise BroodError(f"run {run.id} is {run.rec.state.value}; it takes no more steps")
+        fut: asyncio.Future[StepResult] = asyncio.get_running_loop().create_future()
+        run.pending[req_id] = fut
+        run.conn.send(Exec(req_id, code))
+        return await fut
+
+    # ---- shutting down -----------------------------------------------------------------
+    async def close(self, reason: str = "supervisor closed") -> None:
+        self.closing = True
+        roots = [r for r in self.runs.values() if r.parent is None and not r.rec.state.terminal]
+        await asyncio.gather(*(self.finish(r, RunState.CANCELLED, reason) for r in roots))
+        await self.backend.close()
+
+    def snapshot(self, run: Run) -> dict[str, Any]:
+        r = run.rec
+        return {"run_id": r.id, "parent_id": r.parent_id, "depth": r.depth, "key": r.key,
+                "prompt": r.prompt, "state": r.state.value, "reason": r.reason,
+                "answer": r.answer, "duration": r.duration, "usage": dict(r.usage),
+                "last_line": run.last_line, "started_at": r.started_at,
+                "children": [self.snapshot(c) for c in run.children]}
+
+
+_STOP = Stop()
+
+
+async def _wait(fut: asyncio.Future[Any], timeout: float) -> bool:
+    if fut.done():
+        return True
+    try:
+        await asyncio.wait_for(asyncio.shield(fut), timeout)
+        return True
+    except TimeoutError:
+        return False
+
+
+async def _wait_event(event: asyncio.Event, timeout: float) -> bool:
+    if event.is_set():
+        return True
+    try:
+        await asyncio.wait_for(event.wait(), timeout)
+        return True
+    except TimeoutError:
+        return False
+
+
+__all__ = ["Core", "Run", "RunInfo"]

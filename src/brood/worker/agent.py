@@ -1,0 +1,157 @@
+"""The agent loop: model reply -> every repl block in order -> output back -> until FINAL."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from brood.protocol import Final, Progress, StepDone, StepResult
+from brood.worker.helpers import Runtime
+from brood.worker.repl import Repl, truncate
+
+OPEN_FENCE = re.compile(r"^\s*```\s*(repl|python|py)\s*$")
+ANY_FENCE = re.compile(r"^\s*```")
+NO_CODE = (
+    "Your reply had no ```repl block, so nothing ran. Write code in a ```repl fence, "
+    "or call FINAL(answer) inside one to finish."
+)
+ANSWER_NOW = (
+    "You have used all {n} iterations. Answer now: reply with one ```repl block that calls "
+    "FINAL(answer) with your best answer."
+)
+
+
+@dataclass
+class Blocks:
+    code: list[str]
+    problem: str | None = None
+
+
+def extract_blocks(reply: str) -> Blocks:
+    """Every ```repl / ```python block of a reply, in order; a problem if a fence is unclosed."""
+    blocks: list[str] = []
+    current: list[str] | None = None
+    other_open = False
+    opened_at = 0
+    for n, line in enumerate(reply.splitlines(), 1):
+        if current is not None:
+            if line.strip() == "```":
+                blocks.append("\n".join(current))
+                current = None
+            else:
+                current.append(line)
+        elif other_open:
+            if line.strip() == "```":
+                other_open = False
+        elif OPEN_FENCE.match(line):
+            current, opened_at = [], n
+        elif ANY_FENCE.match(line):
+            other_open = True
+    if current is not None:
+        return Blocks(
+            blocks,
+            f"Your reply opens a ```repl fence on line {opened_at} but never closes it, so that "
+            "block did not run. Close every block with a line of ```.",
+        )
+    return Blocks(blocks)
+
+
+class Agent:
+    """Runs one run's loop in the worker's main thread."""
+
+    def __init__(self, rt: Runtime, repl: Repl, limits: dict[str, Any]) -> None:
+        self.rt = rt
+        self.repl = repl
+        self.limits = limits
+
+    def run_code(self, code: str) -> tuple[str, str, str | None]:
+        """Run one block as a REPL step; journal it; returns (stdout, stderr, error)."""
+        self.rt.step += 1
+        out = self.repl.run(code, self.limits.get("step_timeout"))
+        stderr = out.stderr
+        if self.rt.notes:
+            stderr += "".join(n + "\n" for n in self.rt.notes)
+            self.rt.notes.clear()
+        self.rt.link.send(
+            StepDone(self.rt.step, code, out.stdout, stderr, out.error, out.duration)
+        )
+        last = (out.stdout.strip().splitlines() or [""])[-1]
+        if last:
+            self.rt.link.send(Progress(last[-200:]))
+        return out.stdout, stderr, out.error
+
+    def feedback(self, reply: str) -> str:
+        blocks = extract_blocks(reply)
+        parts: list[str] = []
+        limit = int(self.limits.get("output_limit", 20_000))
+        for i, code in enumerate(blocks.code, 1):
+            stdout, stderr, _ = self.run_code(code)
+            text = stdout + (stderr if stderr else "")
+            label = f"block {i} of {len(blocks.code)}" if len(blocks.code) > 1 else "output"
+            parts.append(f"[{label}]\n" + (truncate(text, limit) if text else "(no output)"))
+            if self.rt.final is not None:
+                break
+        if blocks.problem:
+            parts.append(blocks.problem)
+        elif not blocks.code:
+            parts.append(NO_CODE)
+        return "\n\n".join(parts)
+
+    def notices(self) -> str:
+        """Follow-up messages and settled children since the last turn, one line each."""
+        link = self.rt.link
+        with link.cond:
+            inbox, link.inbox[:] = list(link.inbox), []
+            settled = [
+                u for cid, u in link.children.items()
+                if u.state in ("completed", "failed", "cancelled", "timed_out")
+                and cid not in self.rt.seen
+            ]
+        lines = [f"[message from your parent] {m}" for m in inbox]
+        for u in settled:
+            self.rt.seen.add(u.child_id)
+            h = self.rt.handles.get(u.child_id)
+            task = f" (task: {h.prompt[:60]!r})" if h else ""
+            how = "answered; collect it with rlm_result" if u.state == "completed" else (
+                f"ended {u.state}: {u.reason or u.error}")
+            lines.append(f"[notice] child {u.child_id}{task} {how}")
+        return "\n".join(lines)
+
+    def loop(self, first_message: str, system: str) -> Final:
+        rt = self.rt
+        messages: list[dict[str, Any]] = [
+            {"role": "system", "content": system},
+            {"role": "user", "content": first_message},
+        ]
+        max_iter = int(self.limits.get("max_iterations", 20))
+        for _ in range(max_iter):
+            extra = self.notices()
+            if extra:
+                messages[-1]["content"] = extra + "\n\n" + messages[-1]["content"]
+            reply = rt.call_model(messages, "turn", None)
+            messages.append({"role": "assistant", "content": reply})
+            feedback = self.feedback(reply)
+            if rt.final is not None:
+                return Final(rt.final)
+            messages.append({"role": "user", "content": feedback})
+        messages[-1]["content"] += "\n\n" + ANSWER_NOW.format(n=max_iter)
+        reply = rt.call_model(messages, "turn", None)
+        blocks = extract_blocks(reply)
+        for code in blocks.code:
+            self.run_code(code)
+            if rt.final is not None:
+                return Final(rt.final)
+        return Final(reply.strip(), reason="answer after max_iterations")
+
+    def driven(self) -> None:
+        """A Session root: steps come from the trainer's code, not from a model."""
+        rt = self.rt
+        while True:
+            ex = rt.link.execs.get()
+            stdout, stderr, error = self.run_code(ex.code)
+            done = rt.final is not None
+            rt.link.send(StepResult(ex.req_id, stdout, stderr, error, done, rt.final))
+            if done:
+                rt.link.send(Final(rt.final or ""))
+                return

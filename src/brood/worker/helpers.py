@@ -1,0 +1,543 @@
+"""The REPL helpers of DESIGN.md section 3, and the handles they return.
+
+Their docstrings are the documentation the model reads: `prompt.py` builds the system
+prompt from them, so keep each one short and exact.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import contextmanager
+from typing import Any
+
+import cloudpickle
+
+from brood.errors import ChildFailed, ChildNotReady, InvalidArgument, StaleHandle
+from brood.models.base import Model
+from brood.protocol import Blocked, CancelReq, ChildUpdate, ModelCall, SendReq, SpawnReq
+from brood.worker.link import TERMINAL_STATES, Link
+from brood.worker.repl import FinalSignal, StepClock
+
+BATCH_THREADS = 16  # concurrent plain model calls of one run
+
+
+class Runtime:
+    """What the helpers of one run share: the link, the model, the step clock, the answer."""
+
+    def __init__(
+        self,
+        link: Link,
+        model: Model,
+        *,
+        run_id: str,
+        depth: int,
+        can_spawn: bool,
+        clock: StepClock,
+        max_depth: int,
+    ) -> None:
+        self.link = link
+        self.model = model
+        self.run_id = run_id
+        self.depth = depth
+        self.can_spawn = can_spawn
+        self.max_depth = max_depth
+        self.clock = clock
+        self.step = 0
+        self.final: str | None = None
+        self.namespace: dict[str, Any] = {}
+        self.closed: str | None = None  # why handles are stale, once they are
+        self.handles: dict[str, ChildHandle] = {}
+        self.seen: set[str] = set()  # children whose outcome the code has already observed
+        self.notes: list[str] = []  # one-time notes for the model, shown with step output
+        self.depth_noted = False
+        self._pool: ThreadPoolExecutor | None = None
+        self._blocked = 0
+        self._block_lock = threading.Lock()
+        self._task_ids = itertools.count(1)
+
+    # ---- model calls -------------------------------------------------------------------
+    def call_model(self, messages: list[dict[str, Any]], kind: str, model: str | None) -> str:
+        start = time.perf_counter()
+        error = None
+        try:
+            with self.clock.paused():
+                done = self.model.complete(messages, model=model)
+            return done.text
+        except BaseException as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            usage = locals().get("done")
+            self.link.send(
+                ModelCall(
+                    kind=kind,
+                    model=model or self.model.name,
+                    latency=time.perf_counter() - start,
+                    input_tokens=getattr(usage, "input_tokens", 0),
+                    output_tokens=getattr(usage, "output_tokens", 0),
+                    cost=getattr(usage, "cost", 0.0),
+                    error=error,
+                )
+            )
+
+    def pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(BATCH_THREADS, thread_name_prefix="brood-call")
+        return self._pool
+
+    # ---- waiting on children -----------------------------------------------------------
+    @contextmanager
+    def blocked(self) -> Iterator[None]:
+        """While code waits on children: stop the step clock and give up the compute slot."""
+        with self.clock.paused():
+            with self._block_lock:
+                self._blocked += 1
+                if self._blocked == 1:
+                    self.link.send(Blocked(req_id=0, blocked=True))
+            try:
+                yield
+            finally:
+                with self._block_lock:
+                    self._blocked -= 1
+                    resume = self._blocked == 0
+                if resume:
+                    # Answered once the supervisor grants a slot again.
+                    self.link.request(Blocked(req_id=self.link.next_id(), blocked=False))
+
+    def wait_for(self, ready: Callable[[], bool], timeout: float | None) -> bool:
+        with self.link.cond:
+            if ready():
+                return True
+        with self.blocked(), self.link.cond:
+            return self.link.cond.wait_for(ready, timeout)
+
+    def state_of(self, child_id: str) -> ChildUpdate:
+        with self.link.cond:
+            return self.link.children[child_id]
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise StaleHandle(self.closed)
+
+    # ---- starting children -------------------------------------------------------------
+    def spawn_children(
+        self,
+        prompts: Sequence[str],
+        *,
+        context: Any = None,
+        model: str | None = None,
+        timeout: float | None = None,
+    ) -> list[ChildHandle]:
+        self.check_open()
+        blob = cloudpickle.dumps(context) if context is not None else None
+        ids: list[str] = self.link.request(
+            SpawnReq(
+                req_id=self.link.next_id(),
+                prompts=list(prompts),
+                context=blob,
+                model=model,
+                timeout=timeout,
+                step=self.step,
+            )
+        )
+        handles = []
+        with self.link.cond:
+            for child_id, prompt in zip(ids, prompts, strict=True):
+                self.link.children.setdefault(child_id, ChildUpdate(child_id, "queued"))
+                handles.append(ChildHandle(self, child_id, prompt))
+        for h in handles:
+            self.handles[h.id] = h
+        return handles
+
+    def note_depth(self) -> None:
+        if not self.depth_noted:
+            self.depth_noted = True
+            self.notes.append(
+                f"note: this run is at depth {self.depth} of max_depth={self.max_depth}, so "
+                "rlm_query answers with a plain model call (llm_query) instead of a child run"
+            )
+
+    def collect(self, handles: Sequence[Handle], timeout: float | None) -> list[str]:
+        """Wait for every handle; answers in order, or ChildFailed naming failed indices."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for h in handles:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            if not h.wait_done(left):
+                pending = [x.id for x in handles if not x.done]
+                raise TimeoutError(
+                    f"{len(pending)} of {len(handles)} still running after {timeout} s "
+                    f"({', '.join(pending[:5])}); they keep running: wait again later, "
+                    "or cancel them"
+                )
+        answers: list[str | None] = []
+        failed: list[int] = []
+        for i, h in enumerate(handles):
+            try:
+                answers.append(h.result())
+            except ChildFailed:
+                answers.append(None)
+                failed.append(i)
+        if failed:
+            reasons = "; ".join(f"#{i} {handles[i].failure()}" for i in failed[:5])
+            raise ChildFailed(
+                f"{len(failed)} of {len(handles)} failed: {reasons}; "
+                "e.answers holds every answer (None where failed)",
+                failed=failed,
+                answers=answers,
+            )
+        return [a for a in answers if a is not None]
+
+
+class ChildHandle:
+    """A child run started by this run. Never blocks except `wait` and `cancel`."""
+
+    def __init__(self, rt: Runtime, child_id: str, prompt: str) -> None:
+        self._rt = rt
+        self.id = child_id
+        self.prompt = prompt
+
+    def __repr__(self) -> str:
+        return f"<ChildHandle {self.id} {self.status()}>"
+
+    @property
+    def done(self) -> bool:
+        return self.status() in TERMINAL_STATES
+
+    def status(self) -> str:
+        self._rt.check_open()
+        return self._rt.state_of(self.id).state
+
+    def failure(self) -> str:
+        u = self._rt.state_of(self.id)
+        return f"{self.id} {u.state}: {u.reason or u.error or 'no reason recorded'}"
+
+    def result(self) -> str:
+        self._rt.check_open()
+        u = self._rt.state_of(self.id)
+        if u.state not in TERMINAL_STATES:
+            raise ChildNotReady(
+                f"child {self.id} is {u.state}; use rlm_wait(h) to block, or check "
+                "rlm_status(h) in a later step"
+            )
+        self._rt.seen.add(self.id)
+        if u.state == "completed":
+            return u.answer or ""
+        raise ChildFailed(
+            f"child {self.id} {u.state}: {u.reason or u.error}",
+            run_id=self.id,
+            status=u.state,
+            reason=u.reason or u.error,
+        )
+
+    def wait_done(self, timeout: float | None) -> bool:
+        self._rt.check_open()
+        return self._rt.wait_for(lambda: self._rt.link.children[self.id].state in TERMINAL_STATES,
+                                 timeout)
+
+    def wait(self, timeout: float | None = None) -> str:
+        if not self.wait_done(timeout):
+            raise TimeoutError(
+                f"child {self.id} is still {self.status()} after {timeout} s; it keeps "
+                "running: wait again later, or rlm_cancel(h)"
+            )
+        return self.result()
+
+    def cancel(self) -> str:
+        self._rt.check_open()
+        if self.done:
+            return self.status()
+        with self._rt.blocked():
+            state: str = self._rt.link.request(
+                CancelReq(req_id=self._rt.link.next_id(), child_id=self.id)
+            )
+        self._rt.seen.add(self.id)
+        return state
+
+    def send(self, message: str) -> None:
+        self._rt.check_open()
+        if not isinstance(message, str):
+            raise InvalidArgument(f"rlm_send(h, message): message must be str, got "
+                                  f"{type(message).__name__}")
+        self._rt.link.request(
+            SendReq(req_id=self._rt.link.next_id(), child_id=self.id, message=message)
+        )
+
+
+class Task:
+    """Work started by `spawn` that is not a single child run: plain model calls, a batch."""
+
+    def __init__(self, rt: Runtime, future: Future[Any], what: str,
+                 children: Sequence[ChildHandle] = ()) -> None:
+        self._rt = rt
+        self._future = future
+        self.id = f"t-{next(rt._task_ids)}"
+        self.what = what
+        self.children = list(children)
+
+    def __repr__(self) -> str:
+        return f"<Task {self.id} {self.what} {self.status()}>"
+
+    @property
+    def done(self) -> bool:
+        return self._future.done()
+
+    def status(self) -> str:
+        if not self._future.done():
+            return "running"
+        return "failed" if self._future.exception() is not None else "completed"
+
+    def result(self) -> Any:
+        if not self._future.done():
+            raise ChildNotReady(f"task {self.id} ({self.what}) is still running")
+        return self._future.result()
+
+    def wait_done(self, timeout: float | None) -> bool:
+        if self._future.done():
+            return True
+        try:
+            with self._rt.blocked():
+                self._future.exception(timeout)
+            return True
+        except FutureTimeout:
+            return False
+
+    def wait(self, timeout: float | None = None) -> Any:
+        if not self.wait_done(timeout):
+            raise TimeoutError(
+                f"task {self.id} ({self.what}) still running after {timeout} s; it keeps "
+                "running: wait again later"
+            )
+        return self._future.result()
+
+    def cancel(self) -> str:
+        for h in self.children:
+            h.cancel()
+        self._future.cancel()
+        return "cancelled" if self._future.cancelled() else self.status()
+
+    def failure(self) -> str:
+        exc = self._future.exception() if self._future.done() else None
+        return f"{self.id} failed: {exc}"
+
+
+Handle = ChildHandle | Task
+
+
+def _check_prompt(value: object, where: str) -> str:
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{where}: prompt must be str, got {type(value).__name__}")
+    return value
+
+
+def _check_prompts(value: object, where: str) -> list[str]:
+    if isinstance(value, str) or not isinstance(value, list | tuple):
+        raise InvalidArgument(
+            f"{where}: prompts must be a list of str, got {type(value).__name__}"
+        )
+    return [_check_prompt(p, f"{where}[{i}]") for i, p in enumerate(value)]
+
+
+def _check_handle(value: object, where: str) -> Handle:
+    if not isinstance(value, ChildHandle | Task):
+        raise InvalidArgument(
+            f"{where} takes a handle from rlm_spawn/rlm_query(blocking=False)/spawn, "
+            f"got {type(value).__name__}"
+        )
+    return value
+
+
+def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
+    """The functions placed in the REPL namespace, bound to one run."""
+
+    def llm_query(prompt: str, model: str | None = None) -> str:
+        """One plain model call: the model's reply to `prompt`."""
+        _check_prompt(prompt, "llm_query")
+        return rt.call_model([{"role": "user", "content": prompt}], "llm_query", model)
+
+    def llm_query_batched(prompts: list[str], model: str | None = None) -> list[str]:
+        """Concurrent plain model calls; replies in the order of `prompts`, same length."""
+        prompts = _check_prompts(prompts, "llm_query_batched")
+        with rt.clock.paused():
+            return list(rt.pool().map(lambda p: llm_query(p, model), prompts))
+
+    def rlm_query(
+        prompt: str,
+        *,
+        blocking: bool = True,
+        context: Any = None,
+        model: str | None = None,
+        timeout: float | None = None,
+    ) -> Any:
+        """Start a child run (a whole RLM with its own REPL) on `prompt`.
+
+        blocking=True waits and returns its answer (raises ChildFailed if it fails);
+        blocking=False returns a ChildHandle at once. `context` becomes the child's
+        `context` variable; `timeout` bounds its wall-clock seconds.
+        """
+        _check_prompt(prompt, "rlm_query")
+        if not rt.can_spawn:
+            rt.note_depth()
+            if blocking:
+                return llm_query(prompt, model)
+            return spawn(llm_query, prompt, model)
+        (h,) = rt.spawn_children([prompt], context=context, model=model, timeout=timeout)
+        return h.wait() if blocking else h
+
+    def rlm_query_batched(prompts: list[str], **kw: Any) -> list[str]:
+        """Concurrent blocking children; answers in order. If any fails, raises ChildFailed
+        once all have settled, naming the failed indices, with e.answers (None where failed)."""
+        prompts = _check_prompts(prompts, "rlm_query_batched")
+        if not rt.can_spawn:
+            rt.note_depth()
+            return llm_query_batched(prompts, kw.get("model"))
+        return rt.collect(rt.spawn_children(prompts, **kw), None)
+
+    def rlm_spawn(prompt: str, **kw: Any) -> Any:
+        """Start a child run without waiting: same as rlm_query(prompt, blocking=False)."""
+        return rlm_query(prompt, blocking=False, **kw)
+
+    def rlm_status(h: Handle) -> str:
+        """The child's state: queued, running, cancelling, completed, failed, cancelled or
+        timed_out. Never blocks."""
+        return _check_handle(h, "rlm_status").status()
+
+    def rlm_result(h: Handle) -> Any:
+        """The child's answer if completed; raises ChildNotReady if it is still going,
+        ChildFailed (with the reason) if it ended otherwise."""
+        return _check_handle(h, "rlm_result").result()
+
+    def rlm_wait(h: Handle, timeout: float | None = None) -> Any:
+        """Block until the child ends and return its answer (raises ChildFailed). On timeout
+        raises TimeoutError and the child keeps running."""
+        return _check_handle(h, "rlm_wait").wait(timeout)
+
+    def rlm_wait_all(hs: list[Handle], timeout: float | None = None) -> list[Any]:
+        """rlm_wait over several handles: answers in order; ChildFailed names failed indices
+        (e.answers has None there). On timeout TimeoutError; the children keep running."""
+        return rt.collect([_check_handle(h, "rlm_wait_all") for h in hs], timeout)
+
+    def rlm_wait_any(hs: list[Handle], timeout: float | None = None) -> Handle:
+        """Block until one of the handles has ended and return that handle. On timeout
+        TimeoutError; the children keep running."""
+        handles = [_check_handle(h, "rlm_wait_any") for h in hs]
+        if not handles:
+            raise InvalidArgument("rlm_wait_any needs at least one handle")
+        children = [h for h in handles if isinstance(h, ChildHandle)]
+        tasks = [h for h in handles if isinstance(h, Task)]
+
+        def first() -> Handle | None:
+            return next((h for h in handles if h.done), None)
+
+        def ready() -> bool:
+            return any(rt.link.children[h.id].state in TERMINAL_STATES for h in children) or any(
+                t.done for t in tasks
+            )
+
+        if tasks:
+            for t in tasks:  # wake the waiter when a task finishes
+                t._future.add_done_callback(lambda _f: _notify(rt.link))
+        if not rt.wait_for(ready, timeout):
+            raise TimeoutError(
+                f"none of {len(handles)} handles ended within {timeout} s; they keep running"
+            )
+        done = first()
+        assert done is not None
+        return done
+
+    def rlm_cancel(h: Handle) -> str:
+        """Cancel the child and its whole subtree; returns once their exit is confirmed,
+        with the final status."""
+        return _check_handle(h, "rlm_cancel").cancel()
+
+    def rlm_send(h: Handle, message: str) -> None:
+        """Send a follow-up instruction; the child sees it before its next model turn."""
+        handle = _check_handle(h, "rlm_send")
+        if not isinstance(handle, ChildHandle):
+            raise InvalidArgument("rlm_send needs a child-run handle, not a task")
+        handle.send(message)
+
+    def rlm_children() -> list[ChildHandle]:
+        """This run's child handles, newest last."""
+        with rt.link.cond:
+            ids = list(rt.link.children)
+        return [rt.handles[i] for i in ids if i in rt.handles]
+
+    def spawn(fn: Callable[..., Any], *args: Any, **kw: Any) -> Handle:
+        """Start a query helper (llm_query, llm_query_batched, rlm_query, rlm_query_batched)
+        without waiting; returns a Task, or a ChildHandle for rlm_query. Collect it later
+        with rlm_await."""
+        if fn is rlm_query or fn is rlm_spawn:
+            kw["blocking"] = False
+            return rlm_query(*args, **kw)  # type: ignore[no-any-return]
+        if fn is rlm_query_batched and rt.can_spawn:
+            prompts = _check_prompts(args[0] if args else kw.pop("prompts", None),
+                                     "spawn(rlm_query_batched)")
+            handles = rt.spawn_children(prompts, **kw)
+            fut = rt.pool().submit(rt.collect, handles, None)
+            return Task(rt, fut, "rlm_query_batched", handles)
+        if fn in (llm_query, llm_query_batched, rlm_query_batched):
+            return Task(rt, rt.pool().submit(fn, *args, **kw), fn.__name__)
+        raise InvalidArgument(
+            "spawn(fn, ...) starts one of llm_query, llm_query_batched, rlm_query, "
+            f"rlm_query_batched; got {getattr(fn, '__name__', fn)!r}"
+        )
+
+    def rlm_await(task: Handle, timeout: float | None = None) -> Any:
+        """Collect a Task or ChildHandle, possibly in a later step. On timeout TimeoutError;
+        the work keeps running."""
+        return _check_handle(task, "rlm_await").wait(timeout)
+
+    def rlm_await_all(tasks: list[Handle], timeout: float | None = None) -> list[Any]:
+        """rlm_await over several tasks or handles; results in order."""
+        return rt.collect([_check_handle(t, "rlm_await_all") for t in tasks], timeout)
+
+    def FINAL(answer: Any) -> None:  # noqa: N802 - the name the model knows
+        """End the run with `answer` (converted to str). Nothing after it runs."""
+        if answer is None:
+            raise InvalidArgument("FINAL(answer): answer is None; pass the answer text")
+        rt.final = answer if isinstance(answer, str) else str(answer)
+        raise FinalSignal
+
+    def FINAL_VAR(name: str) -> None:  # noqa: N802
+        """End the run with the value of the REPL variable called `name`."""
+        if not isinstance(name, str):
+            raise InvalidArgument("FINAL_VAR(name): pass the variable's name as a str, "
+                                  "e.g. FINAL_VAR('answer')")
+        if name not in rt.namespace:
+            raise NameError(f"FINAL_VAR: no variable {name!r}; variables: "
+                            f"{sorted(SHOW_VARS())}")
+        FINAL(rt.namespace[name])
+
+    def SHOW_VARS() -> dict[str, str]:  # noqa: N802
+        """The user variables of the REPL, as {name: type}."""
+        reserved = HELPER_NAMES | {"context", "__builtins__", "__name__"}
+        return {
+            k: type(v).__name__
+            for k, v in rt.namespace.items()
+            if k not in reserved and not k.startswith("_")
+        }
+
+    helpers = {f.__name__: f for f in (
+        llm_query, llm_query_batched, rlm_query, rlm_query_batched, rlm_spawn, rlm_status,
+        rlm_result, rlm_wait, rlm_wait_all, rlm_wait_any, rlm_cancel, rlm_send, rlm_children,
+        spawn, rlm_await, rlm_await_all, FINAL, FINAL_VAR, SHOW_VARS,
+    )}
+    return helpers
+
+
+def _notify(link: Link) -> None:
+    with link.cond:
+        link.cond.notify_all()
+
+
+HELPER_NAMES = frozenset({
+    "llm_query", "llm_query_batched", "rlm_query", "rlm_query_batched", "rlm_spawn",
+    "rlm_status", "rlm_result", "rlm_wait", "rlm_wait_all", "rlm_wait_any", "rlm_cancel",
+    "rlm_send", "rlm_children", "spawn", "rlm_await", "rlm_await_all", "FINAL", "FINAL_VAR",
+    "SHOW_VARS",
+})

@@ -1,0 +1,91 @@
+"""The worker's end of its connection to the supervisor.
+
+A reader thread takes every incoming frame: replies resolve pending requests, child updates
+go to a table that waits are built on, follow-up messages to an inbox, and `Stop` ends the
+process at once (the cooperative step of the cleanup escalation).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+from brood.protocol import (
+    ChildUpdate,
+    Deliver,
+    Exec,
+    Msg,
+    Reply,
+    Stop,
+    SyncChannel,
+    rebuild_error,
+)
+
+TERMINAL_STATES = frozenset({"completed", "failed", "cancelled", "timed_out"})
+
+
+class Link:
+    def __init__(self, chan: SyncChannel) -> None:
+        self.chan = chan
+        self._ids = itertools.count(1)
+        self._pending: dict[int, Future[Any]] = {}
+        self._pending_lock = threading.Lock()
+        self.cond = threading.Condition()
+        self.children: dict[str, ChildUpdate] = {}  # guarded by cond; insertion = start order
+        self.inbox: list[str] = []  # guarded by cond
+        self.execs: queue.Queue[Exec] = queue.Queue()
+
+    def start_reader(self) -> None:
+        threading.Thread(target=self._read_loop, name="brood-link", daemon=True).start()
+
+    def send(self, msg: Msg) -> None:
+        self.chan.send(msg)
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def request(self, msg: Msg) -> Any:
+        """Send a request (a message with `req_id`) and block until its reply."""
+        fut: Future[Any] = Future()
+        with self._pending_lock:
+            self._pending[msg.req_id] = fut  # type: ignore[attr-defined]
+        self.chan.send(msg)
+        return fut.result()
+
+    def _read_loop(self) -> None:
+        try:
+            while True:
+                msg = self.chan.recv()
+                if msg is None or isinstance(msg, Stop):
+                    break
+                self._dispatch(msg)
+        except Exception:
+            pass
+        # The supervisor asked us to stop, or it is gone: either way this run is over, and a
+        # worker never serves a second run. Exit without running the model's cleanup code.
+        os._exit(0)
+
+    def _dispatch(self, msg: Msg) -> None:
+        if isinstance(msg, Reply):
+            with self._pending_lock:
+                fut = self._pending.pop(msg.req_id, None)
+            if fut is None:
+                return
+            if msg.error is not None:
+                fut.set_exception(rebuild_error(msg.error))
+            else:
+                fut.set_result(msg.value)
+        elif isinstance(msg, ChildUpdate):
+            with self.cond:
+                self.children[msg.child_id] = msg
+                self.cond.notify_all()
+        elif isinstance(msg, Deliver):
+            with self.cond:
+                self.inbox.append(msg.message)
+                self.cond.notify_all()
+        elif isinstance(msg, Exec):
+            self.execs.put(msg)

@@ -1,0 +1,83 @@
+"""A worker process: connect to the supervisor, wait for one run, run it, wait to be stopped."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import traceback
+
+import cloudpickle
+
+from brood.models.base import Model
+from brood.protocol import Failed, Final, Hello, Start, SyncChannel
+from brood.worker.agent import Agent
+from brood.worker.helpers import Runtime, make_helpers
+from brood.worker.link import Link
+from brood.worker.prompt import describe_context, system_prompt
+from brood.worker.repl import Repl
+
+
+def first_message(start: Start, context: object) -> str:
+    parts = [start.prompt, "", describe_context(context)]
+    parts += [f"[message from your parent] {m}" for m in start.messages]
+    return "\n".join(parts)
+
+
+def serve(sock_path: str) -> None:
+    """Entry of a forked worker. Never returns normally: the process ends with os._exit."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(sock_path)
+    chan = SyncChannel.over_socket(sock)
+    chan.send(Hello(os.getpid()))
+    start = chan.recv()
+    if not isinstance(start, Start):
+        os._exit(0)  # the supervisor closed before giving this warm worker a run
+    link = Link(chan)
+    link.start_reader()
+    try:
+        run(start, link)
+    except BaseException as exc:  # anything that escapes the loop fails the run, with a reason
+        link.send(Failed(reason=_reason(exc), error=traceback.format_exc()[-4000:]))
+    # Stay until the supervisor's Stop (handled by the reader thread) ends the process.
+    threading.Event().wait()
+
+
+def _reason(exc: BaseException) -> str:
+    from brood.errors import ModelError
+
+    if isinstance(exc, ModelError):
+        return f"model error: {exc}"
+    return f"worker error: {type(exc).__name__}: {exc}"
+
+
+def run(start: Start, link: Link) -> None:
+    model = cloudpickle.loads(start.model)
+    if not isinstance(model, Model):
+        raise TypeError(f"the model shipped to the worker is a {type(model).__name__}")
+    context = cloudpickle.loads(start.context) if start.context is not None else None
+    limits = start.limits
+    can_spawn = start.depth + 1 < int(limits.get("max_depth", 1))
+    repl_holder: dict[str, Repl] = {}
+    rt = Runtime(
+        link,
+        model,
+        run_id=start.run_id,
+        depth=start.depth,
+        can_spawn=can_spawn,
+        clock=None,  # type: ignore[arg-type]  # set below, once the REPL exists
+        max_depth=int(limits.get("max_depth", 1)),
+    )
+    helpers = make_helpers(rt)
+    repl = repl_holder["repl"] = Repl(helpers, context)
+    rt.clock = repl.clock
+    rt.namespace = repl.namespace
+    agent = Agent(rt, repl, limits)
+    if start.driven:
+        agent.driven()
+        return
+    final = agent.loop(first_message(start, context), system_prompt(helpers, can_spawn=can_spawn))
+    link.send(final)
+
+
+__all__ = ["Final", "serve"]

@@ -1,0 +1,52 @@
+"""The system prompt, generated from the helpers' docstrings so it cannot drift from them."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+INTRO = """You solve a task by writing Python in a persistent REPL. Put code in ```repl fences;
+every block of your reply runs in order and you see what it prints. Variables persist across
+steps. The variable `context` holds the task's context. Split big work into pieces: ask a
+plain model with llm_query, or start child runs (each a whole solver with its own REPL) with
+rlm_query / rlm_spawn; spawned children run while you keep working, and you collect them later.
+When you know the answer, call FINAL(answer) in a repl block.
+
+Helpers available in the REPL:
+"""
+
+OUTRO = """
+Finished children are announced at the start of your next turn. Errors name the mistake and
+the fix; read them. Do not guess an answer you have not computed."""
+
+
+def describe_helper(fn: Callable[..., Any]) -> str:
+    sig = str(inspect.signature(fn)).replace("'", "")
+    doc = inspect.cleandoc(fn.__doc__ or "")
+    body = "\n".join("    " + line for line in doc.splitlines())
+    return f"- {fn.__name__}{sig}\n{body}"
+
+
+def system_prompt(helpers: dict[str, Callable[..., Any]], *, can_spawn: bool) -> str:
+    parts = [INTRO]
+    parts += [describe_helper(fn) for fn in helpers.values()]
+    if not can_spawn:
+        parts.append(
+            "\nThis run is at the deepest level allowed: rlm_query answers with a plain model "
+            "call instead of a child run."
+        )
+    parts.append(OUTRO)
+    return "\n".join(parts)
+
+
+def describe_context(context: Any) -> str:
+    if context is None:
+        return "There is no context: `context` is None."
+    size = f"{len(context):,} characters" if isinstance(context, str) else None
+    if size is None:
+        try:
+            size = f"{len(context):,} items"
+        except TypeError:
+            size = "one value"
+    return f"`context` is a {type(context).__name__} of {size}."

@@ -1,0 +1,167 @@
+"""The persistent REPL namespace: run code, capture output, enforce the step's compute limit."""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import contextlib
+import io
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+
+class StepTimeout(BaseException):
+    """The step used up its compute limit (a BaseException so `except Exception` cannot hide it)."""
+
+
+class FinalSignal(BaseException):
+    """Raised by FINAL to end the step at once; the executor catches it."""
+
+
+def _blocked(name: str, why: str) -> Callable[..., Any]:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"{name}() is blocked on purpose in the brood REPL: {why}")
+
+    refuse.__name__ = name
+    return refuse
+
+
+BLOCKED_BUILTINS = {
+    "input": "no person reads this REPL; put what you need in a variable or ask via your answer",
+    "exit": "it would kill the worker; call FINAL(answer) to end the run",
+    "quit": "it would kill the worker; call FINAL(answer) to end the run",
+    "help": "it waits for a person; read a docstring with print(obj.__doc__)",
+    "breakpoint": "no debugger is attached; print the values you want to see",
+}
+
+
+def truncate(text: str, limit: int) -> str:
+    """`text` cut to `limit` characters, keeping its head and tail, with a note that says so."""
+    if len(text) <= limit:
+        return text
+    half = max(limit // 2, 1)
+    cut = len(text) - 2 * half
+    return (
+        text[:half]
+        + f"\n[... output truncated: {len(text):,} characters, {cut:,} not shown; "
+        "print less, or slice the value ...]\n"
+        + text[-half:]
+    )
+
+
+class StepClock:
+    """Counts one step's own compute time; waits on children and models are not counted.
+
+    Uses ITIMER_REAL in the main thread: when the remaining time runs out, SIGALRM raises
+    StepTimeout in the code being run. `paused()` stops the clock during waits.
+    """
+
+    def __init__(self) -> None:
+        self.limit: float | None = None
+        self._depth = 0
+        self._main = threading.main_thread()
+
+    def _on_alarm(self, signum: int, frame: Any) -> None:
+        raise StepTimeout(f"the step used its compute limit of {self.limit:g} s")
+
+    @contextlib.contextmanager
+    def running(self, limit: float | None) -> Iterator[None]:
+        self.limit = limit
+        if limit is None or threading.current_thread() is not self._main:
+            yield
+            return
+        old = signal.signal(signal.SIGALRM, self._on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, limit)
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+            self.limit = None
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        if self.limit is None or threading.current_thread() is not self._main:
+            yield
+            return
+        self._depth += 1
+        remaining = signal.setitimer(signal.ITIMER_REAL, 0)[0] if self._depth == 1 else 0.0
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0 and self.limit is not None:
+                signal.setitimer(signal.ITIMER_REAL, max(remaining, 1e-3))
+
+
+@dataclass
+class StepOutput:
+    stdout: str
+    stderr: str
+    error: str | None
+    duration: float
+
+
+class Repl:
+    """One run's namespace. `run(code)` executes a block and returns what it printed."""
+
+    def __init__(self, helpers: dict[str, Any], context: Any) -> None:
+        safe_builtins = dict(vars(builtins))
+        for name, why in BLOCKED_BUILTINS.items():
+            safe_builtins[name] = _blocked(name, why)
+        self.namespace: dict[str, Any] = {"__builtins__": safe_builtins, "__name__": "__repl__"}
+        self.namespace.update(helpers)
+        self.namespace["context"] = context
+        self.reserved = frozenset(self.namespace)
+        self.clock = StepClock()
+
+    def user_variables(self) -> dict[str, str]:
+        return {
+            k: type(v).__name__
+            for k, v in self.namespace.items()
+            if k not in self.reserved and not k.startswith("_")
+        }
+
+    def run(self, code: str, step_timeout: float | None) -> StepOutput:
+        out, err = io.StringIO(), io.StringIO()
+        error: str | None = None
+        start = time.perf_counter()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                with self.clock.running(step_timeout):
+                    self._exec(code)
+            except FinalSignal:
+                pass
+            except StepTimeout as exc:
+                error = f"StepTimeout: {exc}"
+                err.write(error + "\n")
+            except BaseException as exc:  # the model's code may raise anything
+                error = f"{type(exc).__name__}: {exc}"
+                err.write(_user_traceback(exc))
+        return StepOutput(out.getvalue(), err.getvalue(), error, time.perf_counter() - start)
+
+    def _exec(self, code: str) -> None:
+        tree = ast.parse(code, "<repl>", "exec")
+        last = tree.body[-1] if tree.body else None
+        if isinstance(last, ast.Expr):
+            # Like an interactive prompt: the value of a trailing expression is shown.
+            tree.body.pop()
+            exec(compile(tree, "<repl>", "exec"), self.namespace)
+            value = eval(compile(ast.Expression(last.value), "<repl>", "eval"), self.namespace)
+            if value is not None:
+                print(repr(value))
+        else:
+            exec(compile(tree, "<repl>", "exec"), self.namespace)
+
+
+def _user_traceback(exc: BaseException) -> str:
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == "<repl>"]
+    lines = ["Traceback (most recent call last):\n"] if frames else []
+    lines += traceback.format_list(frames)
+    lines += traceback.format_exception_only(type(exc), exc)
+    return "".join(lines)
