@@ -89,9 +89,15 @@ class Supervisor:
         owner = owner_token()
         try:
             self._backend = make_backend(backend, owner)
-            self._core = Core(model_blob=blob, model_name=name, limits=self.limits,
-                              store=self._store, backend=self._backend,
-                              observers=self._observers, owner=owner)
+            self._core = Core(
+                model_blob=blob,
+                model_name=name,
+                limits=self.limits,
+                store=self._store,
+                backend=self._backend,
+                observers=self._observers,
+                owner=owner,
+            )
             self._loop.call(self._backend.start(preload))
         except BaseException:
             self._shutdown()
@@ -99,25 +105,43 @@ class Supervisor:
         self._closed = False
 
     # ---- starting runs -----------------------------------------------------------------
-    def spawn(self, prompt: str, *, context: Any = None, timeout: float | None = None,
-              model: str | Callable[..., Any] | Model | None = None) -> RunHandle:
+    def spawn(
+        self,
+        prompt: str,
+        *,
+        context: Any = None,
+        timeout: float | None = None,
+        model: str | Callable[..., Any] | Model | None = None,
+    ) -> RunHandle:
         """Start a root run and return its handle at once."""
         run = self._loop.call(self._create(prompt, context, timeout, model, driven=False))
         return RunHandle(self, run)
 
-    def run(self, prompt: str, *, context: Any = None, timeout: float | None = None,
-            model: str | Callable[..., Any] | Model | None = None) -> RunResult:
+    def run(
+        self,
+        prompt: str,
+        *,
+        context: Any = None,
+        timeout: float | None = None,
+        model: str | Callable[..., Any] | Model | None = None,
+    ) -> RunResult:
         """Run a root run to its end and return how it ended (never raises for a failed run)."""
         h = self.spawn(prompt, context=context, timeout=timeout, model=model)
         self._loop.call(h._run.done.wait())
         return h.outcome()
 
-    async def _create(self, prompt: str, context: Any, timeout: float | None, model: Any,
-                      driven: bool) -> Run:
+    async def _create(
+        self, prompt: str, context: Any, timeout: float | None, model: Any, driven: bool
+    ) -> Run:
         blob, name = (None, None) if model is None else _model_blob(model)[:2]
-        return await self._core.create_root(prompt, context_blob=_context_blob(context),
-                                            model_blob=blob, model_name=name, timeout=timeout,
-                                            driven=driven)
+        return await self._core.create_root(
+            prompt,
+            context_blob=_context_blob(context),
+            model_blob=blob,
+            model_name=name,
+            timeout=timeout,
+            driven=driven,
+        )
 
     # ---- introspection -----------------------------------------------------------------
     @property
@@ -126,12 +150,17 @@ class Supervisor:
 
     def statistics(self) -> dict[str, Any]:
         """A snapshot: runs by state, free slots, queued starts."""
+
         async def snap() -> dict[str, Any]:
             states: dict[str, int] = {}
             for r in self._core.runs.values():
                 states[r.rec.state.value] = states.get(r.rec.state.value, 0) + 1
-            return {"runs": states, "free_slots": self._core.free_slots,
-                    "queued": len(self._core.start_queue)}
+            return {
+                "runs": states,
+                "free_slots": self._core.free_slots,
+                "queued": len(self._core.start_queue),
+            }
+
         return self._loop.call(snap())
 
     # ---- closing -----------------------------------------------------------------------
@@ -169,8 +198,9 @@ class Supervisor:
 class RunHandle:
     """A root run started by `Supervisor.spawn`. Used after close it raises StaleHandle."""
 
-    def __init__(self, sup: Supervisor, run: Run, stale_reason: Callable[[], str | None]
-                 | None = None) -> None:
+    def __init__(
+        self, sup: Supervisor, run: Run, stale_reason: Callable[[], str | None] | None = None
+    ) -> None:
         self._sup = sup
         self._run = run
         self._stale_reason = stale_reason
@@ -219,8 +249,12 @@ class RunHandle:
             raise ChildNotReady(f"run {self.id} is {rec.state.value}; use wait() to block")
         if rec.state is RunState.COMPLETED:
             return rec.answer or ""
-        raise ChildFailed(f"run {self.id} {rec.state.value}: {rec.reason}", run_id=self.id,
-                          status=rec.state.value, reason=rec.reason)
+        raise ChildFailed(
+            f"run {self.id} {rec.state.value}: {rec.reason}",
+            run_id=self.id,
+            status=rec.state.value,
+            reason=rec.reason,
+        )
 
     def outcome(self) -> RunResult:
         rec = self._run.rec
@@ -231,7 +265,8 @@ class RunHandle:
         """Cancel the run and its whole subtree; returns once every exit is confirmed."""
         self._check()
         state = self._sup._loop.call(
-            self._sup._core.finish(self._run, RunState.CANCELLED, "cancelled by user"))
+            self._sup._core.finish(self._run, RunState.CANCELLED, "cancelled by user")
+        )
         return state.value
 
     def send(self, message: str) -> None:
@@ -249,4 +284,3 @@ class RunHandle:
             return self._sup._core.snapshot(self._run)
 
         return self._sup._loop.call(snap())
-

@@ -16,6 +16,7 @@ __all__ = [
     "ChildFailed",
     "ChildNotReady",
     "InvalidArgument",
+    "InvalidSpec",
     "LimitExceeded",
     "ModelError",
     "StaleHandle",
@@ -43,12 +44,13 @@ class LimitExceeded(BroodError):
         self.kind = kind
         self.value = value
         self.limit = limit
+        self.hint = hint
         msg = f"limit {kind} exceeded: this request would reach {value}, the limit is {limit}"
         msg += f"; {hint}" if hint else f"; raise Limits({kind}=...) or do with fewer"
         super().__init__(msg)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.kind, self.value, self.limit))
+        return (type(self), (self.kind, self.value, self.limit, self.hint))
 
 
 class ChildFailed(BroodError):
@@ -96,6 +98,13 @@ class ChildCleanupError(BroodError):
         self.pids = pids
         self.answer = answer
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), str(self), vars(self)))
+
+
+class InvalidSpec(BroodError, ValueError):
+    """A flow spec or model spec is invalid; the message lists every problem with its path."""
+
 
 class SupervisorClosed(BroodError):
     """The supervisor is closed (or refused reuse after a cleanup failure)."""
@@ -111,3 +120,10 @@ class StoreError(BroodError):
 
 class BackendError(BroodError):
     """A backend could not start, signal or reap a worker."""
+
+
+def _rebuild(cls: type[BroodError], message: str, fields: dict[str, Any]) -> BroodError:
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, message)
+    vars(exc).update(fields)
+    return exc

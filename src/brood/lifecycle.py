@@ -30,9 +30,7 @@ class RunState(enum.StrEnum):
         return self in TERMINAL
 
 
-TERMINAL = frozenset(
-    {RunState.COMPLETED, RunState.FAILED, RunState.CANCELLED, RunState.TIMED_OUT}
-)
+TERMINAL = frozenset({RunState.COMPLETED, RunState.FAILED, RunState.CANCELLED, RunState.TIMED_OUT})
 
 TRANSITIONS: dict[RunState, frozenset[RunState]] = {
     RunState.QUEUED: frozenset(
@@ -100,6 +98,13 @@ def move(record: RunRecord, to: RunState, reason: str | None = None) -> tuple[Ru
     not allow; the record is unchanged then.
     """
     frm = record.state
+    try:
+        to = RunState(to)
+    except ValueError:
+        raise IllegalTransition(
+            f"run {record.id}: {to!r} is not a state; states are "
+            + ", ".join(s.value for s in RunState)
+        ) from None
     if to not in TRANSITIONS[frm]:
         raise IllegalTransition(
             f"run {record.id} is {frm.value}; it cannot move to {to.value}"

@@ -2,12 +2,33 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from brood.errors import InvalidArgument, LimitExceeded
 
 __all__ = ["Limits"]
+
+OPTIONAL = frozenset({"child_timeout", "step_timeout", "token_budget", "cost_budget"})
+INTEGER = frozenset(
+    {
+        "max_depth",
+        "max_children",
+        "max_children_per_run",
+        "max_concurrency",
+        "max_iterations",
+        "output_limit",
+        "token_budget",
+    }
+)
+POSITIVE = frozenset({"child_timeout", "step_timeout"})  # 0 s would mean "already expired"
+FLOORS = {
+    "max_depth": 1,
+    "max_concurrency": 1,
+    "max_iterations": 1,
+    "output_limit": 100,
+}  # below 100 characters no output would be readable
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,13 +65,25 @@ class Limits:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is None:
+            if value is None and f.name in OPTIONAL:
                 continue
-            if isinstance(value, bool) or not isinstance(value, int | float):
+            whole = f.name in INTEGER
+            kind = "a whole number" if whole else "a number"
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int if whole else int | float)
+                or not math.isfinite(value)
+            ):
+                none = " or None (no limit)" if f.name in OPTIONAL else ""
                 raise InvalidArgument(
-                    f"Limits.{f.name} must be a number, got {type(value).__name__} {value!r}"
+                    f"Limits.{f.name} must be {kind}{none}, got {type(value).__name__} {value!r}"
                 )
-            floor = 1 if f.name in {"max_depth", "max_concurrency", "max_iterations"} else 0
+            if f.name in POSITIVE and value <= 0:
+                raise InvalidArgument(
+                    f"Limits.{f.name} must be > 0, got {value!r}"
+                    + ("; use None for no limit" if f.name in OPTIONAL else "")
+                )
+            floor = FLOORS.get(f.name, 0)
             if value < floor:
                 raise InvalidArgument(f"Limits.{f.name} must be >= {floor}, got {value!r}")
 

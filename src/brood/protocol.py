@@ -172,9 +172,28 @@ class Stop(Msg):
 
 
 AnyMsg = (
-    Fork | Forked | Exited | GroupGone | Quit | Hello | SpawnReq | CancelReq | SendReq | Blocked
-    | ModelCall | StepDone | Progress | Final | Failed | StepResult | Start | Reply | ChildUpdate
-    | Deliver | Exec | Stop
+    Fork
+    | Forked
+    | Exited
+    | GroupGone
+    | Quit
+    | Hello
+    | SpawnReq
+    | CancelReq
+    | SendReq
+    | Blocked
+    | ModelCall
+    | StepDone
+    | Progress
+    | Final
+    | Failed
+    | StepResult
+    | Start
+    | Reply
+    | ChildUpdate
+    | Deliver
+    | Exec
+    | Stop
 )
 
 _encoder = msgspec.msgpack.Encoder()
@@ -192,7 +211,7 @@ def encode(msg: Msg) -> bytes:
 
 def decode(body: bytes) -> Msg:
     try:
-        return _decoder.decode(body)  # type: ignore[no-any-return]
+        return _decoder.decode(body)
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"undecodable frame of {len(body)} bytes: {exc}") from exc
 

@@ -36,8 +36,13 @@ class Session:
     """An environment: `reset(prompt, context)` starts an episode, `step(code)` runs code in
     the root's REPL, `close()` ends it. Handles from an earlier episode raise StaleHandle."""
 
-    def __init__(self, model: str | Callable[..., Any] | Model | None = None, *,
-                 limits: Limits | None = None, store: str | None = None) -> None:
+    def __init__(
+        self,
+        model: str | Callable[..., Any] | Model | None = None,
+        *,
+        limits: Limits | None = None,
+        store: str | None = None,
+    ) -> None:
         self._sup = Supervisor(model, limits=limits, store=store)
         self._root: Run | None = None
         self._episode = 0
@@ -72,8 +77,9 @@ class Session:
         if root is None:
             raise BroodError("no episode: call reset(prompt) before step()")
         if root.rec.state.terminal:
-            raise BroodError(f"the episode has ended ({root.rec.state.value}: "
-                             f"{root.rec.reason}); call reset()")
+            raise BroodError(
+                f"the episode has ended ({root.rec.state.value}: {root.rec.reason}); call reset()"
+            )
         core = self._sup._core
 
         async def step() -> Any:
@@ -83,8 +89,7 @@ class Session:
             return res
 
         res = self._sup._loop.call(step())
-        return Observation(res.stdout, res.stderr, res.error, res.done, res.answer,
-                           self.children())
+        return Observation(res.stdout, res.stderr, res.error, res.done, res.answer, self.children())
 
     def children(self) -> list[dict[str, str]]:
         root = self._root
@@ -98,9 +103,17 @@ class Session:
         if self._root is None:
             raise BroodError("no episode: call reset(prompt) first")
         episode = self._episode
-        return RunHandle(self._sup, self._root, lambda: (
-            "its session was reset" if self._episode != episode else
-            "its session was closed" if self._closed else None))
+        return RunHandle(
+            self._sup,
+            self._root,
+            lambda: (
+                "its session was reset"
+                if self._episode != episode
+                else "its session was closed"
+                if self._closed
+                else None
+            ),
+        )
 
     def _end_episode(self, reason: str) -> None:
         root = self._root

@@ -21,7 +21,7 @@ class WorkerConn:
         self.pid = pid
         self.writer = writer
         self.handler: Callable[[Msg], None] | None = None
-        self.on_exit: Callable[[int], None] | None = None
+        self.on_exit: Callable[[int], object] | None = None
         loop = asyncio.get_running_loop()
         self.exited: asyncio.Future[int] = loop.create_future()
         self.gone = asyncio.Event()

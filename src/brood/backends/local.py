@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -52,8 +53,9 @@ async def read_frame(reader: asyncio.StreamReader) -> Msg | None:
 
 
 def owner_token() -> str:
-    """`PID:STARTTIME` of this process: unique even when the pid is reused later."""
-    return f"{os.getpid()}:{_start_time(os.getpid())}"
+    """`PID:STARTTIME:NONCE`: names this process even after its pid is reused, and one
+    supervisor among several in the same process."""
+    return f"{os.getpid()}:{_start_time(os.getpid())}:{secrets.token_hex(4)}"
 
 
 def _start_time(pid: int) -> str:
@@ -65,14 +67,15 @@ def _start_time(pid: int) -> str:
 
 
 def _owner_alive(token: str) -> bool:
-    pid, _, start = token.partition(":")
+    pid, _, rest = token.partition(":")
+    start = rest.partition(":")[0]
     try:
         return _start_time(int(pid)) == start
     except ValueError:
         return False
 
 
-def processes_owned(predicate: object = None) -> dict[int, str]:
+def processes_owned() -> dict[int, str]:
     """{pid: owner token} of every process that carries BROOD_OWNER."""
     found: dict[int, str] = {}
     prefix = (OWNER_ENV + "=").encode()
@@ -86,20 +89,21 @@ def processes_owned(predicate: object = None) -> dict[int, str]:
             continue
         for item in env.split(b"\0"):
             if item.startswith(prefix):
-                found[int(entry)] = item[len(prefix):].decode(errors="replace")
+                found[int(entry)] = item[len(prefix) :].decode(errors="replace")
                 break
     return found
 
 
-def sweep_orphans() -> list[int]:
-    """Kill processes left by supervisors that died; returns their pids."""
+def sweep_orphans(owner: str | None = None) -> list[int]:
+    """Kill processes left by supervisors that died (or, given `owner`, every process that
+    supervisor started); returns their pids."""
     killed = []
     for pid, token in processes_owned().items():
-        if pid == os.getpid() or _owner_alive(token):
+        if pid == os.getpid() or (token != owner if owner else _owner_alive(token)):
             continue
-        for kill in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+        for kill in (os.killpg, os.kill):
             with contextlib.suppress(OSError):
-                kill()
+                kill(pid, signal.SIGKILL)
         killed.append(pid)
     return killed
 
@@ -133,6 +137,8 @@ class LocalBackend:
         self._tasks: set[asyncio.Task[None]] = set()
         self._ready = asyncio.Event()
         self._closed = False
+        self.escaped: list[int] = []
+        self._all: set[WorkerConn] = set()  # every connection, to close them all at the end
 
     async def start(self, preload: tuple[str, ...] = ()) -> None:
         sweep_orphans()
@@ -140,9 +146,17 @@ class LocalBackend:
         sup_end, zyg_end = socket.socketpair()
         env = dict(os.environ, **{OWNER_ENV: self.owner})
         try:
-            self._zygote = subprocess.Popen(
-                [sys.executable, "-m", "brood.worker.zygote", str(zyg_end.fileno()),
-                 self.sock_path, *preload],
+            # Popen returns once the zygote is exec'd; it does not wait for it.
+            self._zygote = subprocess.Popen(  # noqa: ASYNC220
+                [
+                    sys.executable,
+                    "-m",
+                    "brood.worker.zygote",
+                    str(zyg_end.fileno()),
+                    self.sock_path,
+                    os.pathsep.join(sys.path),
+                    *preload,
+                ],
                 pass_fds=[zyg_end.fileno()],
                 stdin=subprocess.DEVNULL,
                 env=env,
@@ -189,14 +203,14 @@ class LocalBackend:
         for conn in self.conns.values():
             conn.mark_exited(-signal.SIGKILL)
 
-    async def _on_connect(self, reader: asyncio.StreamReader,
-                          writer: asyncio.StreamWriter) -> None:
+    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         hello = await read_frame(reader)
         if not isinstance(hello, Hello):
             writer.close()
             return
         conn = WorkerConn(hello.pid, writer)
         self.conns[hello.pid] = conn
+        self._all.add(conn)
         if hello.pid in self._early_exit:
             conn.mark_exited(self._early_exit.pop(hello.pid))
         self._ready.set()
@@ -239,7 +253,8 @@ class LocalBackend:
         if self._ctrl_writer is not None:
             with contextlib.suppress(Exception):
                 self._ctrl_writer.write(encode(Quit()))
-                self._ctrl_writer.close()
+                await self._ctrl_writer.drain()
+            self._ctrl_writer.close()
         if self._zygote is not None:
             zygote = self._zygote
             try:
@@ -249,6 +264,12 @@ class LocalBackend:
                 await asyncio.to_thread(zygote.wait)
         if self._server is not None:
             self._server.close()
+        for conn in list(self._all):
+            if conn.writer is not None:
+                conn.writer.close()
+        # The last net: a process that left its worker's process group (setsid) is not
+        # covered by group signals, but it still carries this supervisor's owner token.
+        self.escaped = sweep_orphans(self.owner)
         for task in list(self._tasks):
             task.cancel()
         shutil.rmtree(self._dir, ignore_errors=True)

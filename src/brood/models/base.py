@@ -53,7 +53,7 @@ class CallableModel(Model):
         if not callable(chat_fn):
             raise InvalidArgument(f"model must be callable, got {type(chat_fn).__name__}")
         self.chat_fn = chat_fn
-        self.name = name or getattr(chat_fn, "__name__", None)
+        self.name = name or _callable_name(chat_fn)
 
     def complete(self, messages: Messages, model: str | None = None) -> Completion:
         try:
@@ -63,6 +63,11 @@ class CallableModel(Model):
         except Exception as exc:
             raise ModelError(f"chat_fn {self.name!r} raised {type(exc).__name__}: {exc}") from exc
         return Completion(check_text(reply, f"chat_fn {self.name!r}"))
+
+
+def _callable_name(fn: Callable[..., Any]) -> str:
+    inner = getattr(fn, "func", fn)  # functools.partial
+    return str(getattr(inner, "__name__", None) or type(inner).__name__)
 
 
 def resolve_model(model: object) -> Model:
@@ -78,7 +83,8 @@ def resolve_model(model: object) -> Model:
             from brood.models.openai import OpenAIModel
 
             name, _, url = rest.partition("@")
-            return OpenAIModel(name, base_url=url or None)
+            if name.strip():
+                return OpenAIModel(name.strip(), base_url=url or None)
         if kind == "scripted" and rest == "demo":
             from brood.models.scripted import demo_model
 

@@ -41,15 +41,18 @@ def open_store(url: str | None) -> Store:
 
     if url is None:
         tmp = tempfile.mkdtemp(prefix="brood-journal-")
-        return SQLiteStore(os.path.join(tmp, "brood.db"), url="sqlite://(temporary)",
-                           remove_dir=tmp)
+        return SQLiteStore(
+            os.path.join(tmp, "brood.db"), url="sqlite://(temporary)", remove_dir=tmp
+        )
     if not isinstance(url, str):
-        raise StoreError(f"store must be a URL string like 'sqlite:///.brood/brood.db', "
-                         f"got {type(url).__name__}")
+        raise StoreError(
+            f"store must be a URL string like 'sqlite:///.brood/brood.db', got {type(url).__name__}"
+        )
     scheme, sep, rest = url.partition("://")
     if not sep:
-        raise StoreError(f"store {url!r} is not a URL; use 'sqlite:///PATH' "
-                         "(e.g. sqlite:///.brood/brood.db)")
+        raise StoreError(
+            f"store {url!r} is not a URL; use 'sqlite:///PATH' (e.g. sqlite:///.brood/brood.db)"
+        )
     if scheme == "sqlite":
         path = rest[1:] if rest.startswith("/") else rest
         if path in ("", ":memory:"):

@@ -42,7 +42,7 @@ CREATE TABLE IF NOT EXISTS events (
 CREATE INDEX IF NOT EXISTS events_run ON events(run_id);
 """
 
-Write = Callable[[sqlite3.Connection], None]
+Write = Callable[[sqlite3.Connection], object]
 
 
 class SQLiteStore:
@@ -67,11 +67,12 @@ class SQLiteStore:
                         f"{SCHEMA_VERSION}; upgrade brood (pip install -U rlm-brood)"
                     )
         except (sqlite3.Error, OSError) as exc:
-            raise StoreError(f"cannot open journal {path}: {exc}; check the path and that the "
-                             "file is a brood journal") from exc
+            raise StoreError(
+                f"cannot open journal {path}: {exc}; check the path and that the "
+                "file is a brood journal"
+            ) from exc
         self._writer_conn = conn
-        self._thread = threading.Thread(target=self._write_loop, name="brood-journal",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._write_loop, name="brood-journal", daemon=True)
         self._thread.start()
 
     def _connect(self) -> sqlite3.Connection:
@@ -123,32 +124,63 @@ class SQLiteStore:
 
     def insert_run(self, rec: RunRecord, supervisor: str) -> Future[None]:
         row = (
-            rec.id, rec.root_id, rec.parent_id, rec.depth, rec.key, rec.attempt, rec.prompt,
-            rec.model, rec.pool, rec.context_ref, rec.state.value, rec.reason,
-            json.dumps(rec.usage), rec.created_at, supervisor,
+            rec.id,
+            rec.root_id,
+            rec.parent_id,
+            rec.depth,
+            rec.key,
+            rec.attempt,
+            rec.prompt,
+            rec.model,
+            rec.pool,
+            rec.context_ref,
+            rec.state.value,
+            rec.reason,
+            json.dumps(rec.usage),
+            rec.created_at,
+            supervisor,
         )
-        return self._submit(lambda c: c.execute(
-            "INSERT INTO runs (id, root_id, parent_id, depth, key, attempt, prompt, model, pool,"
-            " context_ref, state, reason, usage, created_at, supervisor)"
-            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", row))
+        return self._submit(
+            lambda c: c.execute(
+                "INSERT INTO runs (id, root_id, parent_id, depth, key, attempt, prompt, model,"
+                " pool, context_ref, state, reason, usage, created_at, supervisor)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                row,
+            )
+        )
 
     def transition(self, rec: RunRecord, frm: str, to: str) -> Future[None]:
         now = time.time()
-        fields = (to, rec.reason, rec.answer, rec.error, json.dumps(rec.usage),
-                  rec.started_at, rec.ended_at, rec.pid, rec.id)
+        fields = (
+            to,
+            rec.reason,
+            rec.answer,
+            rec.error,
+            json.dumps(rec.usage),
+            rec.started_at,
+            rec.ended_at,
+            rec.pid,
+            rec.id,
+        )
 
         def write(c: sqlite3.Connection) -> None:
-            c.execute("UPDATE runs SET state=?, reason=?, answer=?, error=?, usage=?,"
-                      " started_at=?, ended_at=?, pid=? WHERE id=?", fields)
-            c.execute('INSERT INTO transitions (run_id, frm, "to", reason, at)'
-                      " VALUES (?,?,?,?,?)", (rec.id, frm, to, rec.reason, now))
+            c.execute(
+                "UPDATE runs SET state=?, reason=?, answer=?, error=?, usage=?,"
+                " started_at=?, ended_at=?, pid=? WHERE id=?",
+                fields,
+            )
+            c.execute(
+                'INSERT INTO transitions (run_id, frm, "to", reason, at) VALUES (?,?,?,?,?)',
+                (rec.id, frm, to, rec.reason, now),
+            )
 
         return self._submit(write)
 
     def event(self, run_id: str, kind: str, data: dict[str, Any]) -> Future[None]:
         row = (run_id, kind, json.dumps(data, default=str), time.time())
-        return self._submit(lambda c: c.execute(
-            "INSERT INTO events (run_id, kind, data, at) VALUES (?,?,?,?)", row))
+        return self._submit(
+            lambda c: c.execute("INSERT INTO events (run_id, kind, data, at) VALUES (?,?,?,?)", row)
+        )
 
     # ---- reads (one connection per reading thread; WAL lets them run beside the writer) --
     def _reader(self) -> sqlite3.Connection:
@@ -173,8 +205,7 @@ class SQLiteStore:
         if root_id is None:
             rows = self._rows("SELECT * FROM runs ORDER BY created_at")
         else:
-            rows = self._rows("SELECT * FROM runs WHERE root_id=? ORDER BY created_at",
-                              (root_id,))
+            rows = self._rows("SELECT * FROM runs WHERE root_id=? ORDER BY created_at", (root_id,))
         return [_decode_run(r) for r in rows]
 
     def transitions(self, run_id: str) -> list[dict[str, Any]]:

@@ -104,13 +104,33 @@ class Run:
 
     def info(self) -> RunInfo:
         r = self.rec
-        return RunInfo(r.id, r.parent_id, r.root_id, r.depth, r.prompt, r.state.value,
-                       r.reason, r.answer, r.error, r.duration, dict(r.usage))
+        return RunInfo(
+            r.id,
+            r.parent_id,
+            r.root_id,
+            r.depth,
+            r.prompt,
+            r.state.value,
+            r.reason,
+            r.answer,
+            r.error,
+            r.duration,
+            dict(r.usage),
+        )
 
 
 class Core:
-    def __init__(self, *, model_blob: bytes, model_name: str | None, limits: Limits,
-                 store: Store, backend: Backend, observers: Observers, owner: str) -> None:
+    def __init__(
+        self,
+        *,
+        model_blob: bytes,
+        model_name: str | None,
+        limits: Limits,
+        store: Store,
+        backend: Backend,
+        observers: Observers,
+        owner: str,
+    ) -> None:
         self.model_blob = model_blob
         self.model_name = model_name
         self.limits = limits
@@ -154,17 +174,38 @@ class Core:
             raise SupervisorClosed("the supervisor is closed; make a new one")
 
     # ---- creating runs -----------------------------------------------------------------
-    async def create_root(self, prompt: str, *, context_blob: bytes | None,
-                          model_blob: bytes | None = None, model_name: str | None = None,
-                          timeout: float | None = None, driven: bool = False) -> Run:
+    async def create_root(
+        self,
+        prompt: str,
+        *,
+        context_blob: bytes | None,
+        model_blob: bytes | None = None,
+        model_name: str | None = None,
+        timeout: float | None = None,
+        driven: bool = False,
+    ) -> Run:
         self.check_open()
         if not isinstance(prompt, str) or not prompt.strip():
             raise InvalidArgument("prompt must be a non-empty str")
         rid = new_run_id()
-        rec = RunRecord(id=rid, root_id=rid, parent_id=None, depth=0, key=None, prompt=prompt,
-                        model=model_name or self.model_name)
-        run = Run(rec, model_blob or self.model_blob, context_blob, model_name, timeout,
-                  None, driven=driven)
+        rec = RunRecord(
+            id=rid,
+            root_id=rid,
+            parent_id=None,
+            depth=0,
+            key=None,
+            prompt=prompt,
+            model=model_name or self.model_name,
+        )
+        run = Run(
+            rec,
+            model_blob or self.model_blob,
+            context_blob,
+            model_name,
+            timeout,
+            None,
+            driven=driven,
+        )
         await self._admit(run)
         return run
 
@@ -180,31 +221,41 @@ class Core:
 
     async def spawn_children(self, parent: Run, msg: SpawnReq) -> list[str]:
         if self.closing or parent.rec.state is not RUN or parent.ending is not None:
-            raise BroodError(f"run {parent.id} is {parent.rec.state.value} and ending; it "
-                             "cannot start children")
+            raise BroodError(
+                f"run {parent.id} is {parent.rec.state.value} and ending; it cannot start children"
+            )
         if not self.limits.can_start_child(parent.rec.depth):
             raise LimitExceeded("max_depth", parent.rec.depth + 2, self.limits.max_depth)
         if not msg.prompts:
             return []
         root = self.runs[parent.rec.root_id]
-        self.limits.admit_children(tree_total=root.tree_children,
-                                   run_total=len(parent.children), count=len(msg.prompts))
+        self.limits.admit_children(
+            tree_total=root.tree_children, run_total=len(parent.children), count=len(msg.prompts)
+        )
         root.tree_children += len(msg.prompts)
         timeout = msg.timeout if msg.timeout is not None else self.limits.child_timeout
         children = []
         for prompt in msg.prompts:
             seq = parent.seq.get(msg.step, 0)
             parent.seq[msg.step] = seq + 1
-            rec = RunRecord(id=new_run_id(), root_id=parent.rec.root_id, parent_id=parent.id,
-                            depth=parent.rec.depth + 1, key=f"{msg.step}:{seq}", prompt=prompt,
-                            model=msg.model or parent.rec.model)
-            child = Run(rec, parent.model_blob, msg.context, msg.model or parent.model_name,
-                        timeout, parent)
+            rec = RunRecord(
+                id=new_run_id(),
+                root_id=parent.rec.root_id,
+                parent_id=parent.id,
+                depth=parent.rec.depth + 1,
+                key=f"{msg.step}:{seq}",
+                prompt=prompt,
+                model=msg.model or parent.rec.model,
+            )
+            child = Run(
+                rec, parent.model_blob, msg.context, msg.model or parent.model_name, timeout, parent
+            )
             parent.children.append(child)
             children.append(child)
             self.runs[child.id] = child
-        await asyncio.gather(*(asyncio.wrap_future(self.store.insert_run(c.rec, self.owner))
-                               for c in children))
+        await asyncio.gather(
+            *(asyncio.wrap_future(self.store.insert_run(c.rec, self.owner)) for c in children)
+        )
         self.start_queue.extend(children)
         self._grant()
         return [c.id for c in children]
@@ -253,14 +304,26 @@ class Core:
         if run.rec.state is not RUN:
             return
         r = run.rec
-        conn.send(Start(run_id=r.id, depth=r.depth, prompt=r.prompt, context=run.context_blob,
-                        model=run.model_blob, limits=self.limits.to_dict(), driven=run.driven,
-                        messages=run.messages))
+        conn.send(
+            Start(
+                run_id=r.id,
+                depth=r.depth,
+                prompt=r.prompt,
+                context=run.context_blob,
+                model=run.model_blob,
+                limits=self.limits.to_dict(),
+                driven=run.driven,
+                messages=run.messages,
+            )
+        )
         run.messages = []
         if run.timeout is not None:
             run.timer = asyncio.get_running_loop().call_later(
-                run.timeout, lambda: self._task(self.finish(
-                    run, RunState.TIMED_OUT, f"timed out after {run.timeout:g} s")))
+                run.timeout,
+                lambda: self._task(
+                    self.finish(run, RunState.TIMED_OUT, f"timed out after {run.timeout:g} s")
+                ),
+            )
         run.started.set()
         self.observers.emit("on_start", run.info())
 
@@ -276,9 +339,18 @@ class Core:
         elif isinstance(msg, ModelCall):
             self._account(run, msg)
         elif isinstance(msg, StepDone):
-            self._event(run, "step", {"step": msg.step, "code": msg.code, "stdout": msg.stdout,
-                                      "stderr": msg.stderr, "error": msg.error,
-                                      "duration": msg.duration})
+            self._event(
+                run,
+                "step",
+                {
+                    "step": msg.step,
+                    "code": msg.code,
+                    "stdout": msg.stdout,
+                    "stderr": msg.stderr,
+                    "error": msg.error,
+                    "duration": msg.duration,
+                },
+            )
         elif isinstance(msg, Progress):
             run.last_line = msg.line
         elif isinstance(msg, Final):
@@ -322,10 +394,11 @@ class Core:
 
     async def send_message(self, run: Run, message: str) -> None:
         if run.rec.state.terminal or run.ending is not None:
-            raise BroodError(f"run {run.id} is {run.rec.state.value}; a follow-up cannot "
-                             "reach a run that has ended")
-        self._event(run, "message", {"message": message,
-                                     "delivered": run.conn is not None})
+            raise BroodError(
+                f"run {run.id} is {run.rec.state.value}; a follow-up cannot "
+                "reach a run that has ended"
+            )
+        self._event(run, "message", {"message": message, "delivered": run.conn is not None})
         if run.conn is not None and run.rec.state is RUN:
             run.conn.send(Deliver(message))
         else:
@@ -337,9 +410,18 @@ class Core:
         u["input_tokens"] = u.get("input_tokens", 0) + msg.input_tokens
         u["output_tokens"] = u.get("output_tokens", 0) + msg.output_tokens
         u["cost"] = u.get("cost", 0.0) + msg.cost
-        self._event(run, "model_call", {"kind": msg.kind, "model": msg.model,
-                                        "latency": msg.latency, "input_tokens": msg.input_tokens,
-                                        "output_tokens": msg.output_tokens, "error": msg.error})
+        self._event(
+            run,
+            "model_call",
+            {
+                "kind": msg.kind,
+                "model": msg.model,
+                "latency": msg.latency,
+                "input_tokens": msg.input_tokens,
+                "output_tokens": msg.output_tokens,
+                "error": msg.error,
+            },
+        )
         root = self.runs[run.rec.root_id]
         t = root.tree_usage
         t["tokens"] = t.get("tokens", 0) + msg.input_tokens + msg.output_tokens
@@ -353,8 +435,15 @@ class Core:
             self._task(self.finish(root, RunState.CANCELLED, f"budget: {over}"))
 
     # ---- ending runs -------------------------------------------------------------------
-    async def finish(self, run: Run, state: RunState, reason: str, *, answer: str | None = None,
-                     error: str | None = None) -> RunState:
+    async def finish(
+        self,
+        run: Run,
+        state: RunState,
+        reason: str,
+        *,
+        answer: str | None = None,
+        error: str | None = None,
+    ) -> RunState:
         """End `run` (and its subtree) in `state`; returns the state it really ended in.
 
         The first caller decides how a run ends; later callers wait for that ending. The
@@ -366,8 +455,9 @@ class Core:
             run.ending = self._task(self._end(run, state, reason, answer, error))
         return await asyncio.shield(run.ending)
 
-    async def _end(self, run: Run, state: RunState, reason: str, answer: str | None,
-                   error: str | None) -> RunState:
+    async def _end(
+        self, run: Run, state: RunState, reason: str, answer: str | None, error: str | None
+    ) -> RunState:
         rec = run.rec
         if run.timer is not None:
             run.timer.cancel()
@@ -377,8 +467,11 @@ class Core:
             rec.error = error
         if state in (RunState.CANCELLED, RunState.TIMED_OUT) and rec.state is RUN:
             await self._move(run, CANCELLING, reason)
-        why = {RunState.COMPLETED: "parent finished", RunState.FAILED: "parent failed",
-               RunState.TIMED_OUT: "parent timed out"}.get(state, "parent cancelled")
+        why = {
+            RunState.COMPLETED: "parent finished",
+            RunState.FAILED: "parent failed",
+            RunState.TIMED_OUT: "parent timed out",
+        }.get(state, "parent cancelled")
         open_children = [c for c in run.children if not c.rec.state.terminal]
         await asyncio.gather(*(self.finish(c, RunState.CANCELLED, why) for c in open_children))
         confirmed = await self._stop_worker(run)
@@ -388,7 +481,9 @@ class Core:
             err = ChildCleanupError(
                 f"exit of run {run.id}'s worker group {run.conn.pid} could not be confirmed; "
                 f"processes {pids} may still be alive; this supervisor refuses new work",
-                pids=pids, answer=rec.answer)
+                pids=pids,
+                answer=rec.answer,
+            )
             self.broken = self.broken or err
         await self._move(run, state, reason)
         for fut in run.pending.values():
@@ -409,7 +504,8 @@ class Core:
         lim = self.limits
         conn.send(_STOP)
         if await _wait(conn.exited, lim.shutdown_grace) and await _wait_event(
-                conn.gone, GONE_SETTLE_S):
+            conn.gone, GONE_SETTLE_S
+        ):
             return True
         for sig, grace in ((signal.SIGTERM, lim.term_grace), (signal.SIGKILL, KILL_CONFIRM_S)):
             self.backend.signal_group(conn, sig)
@@ -447,11 +543,21 @@ class Core:
 
     def snapshot(self, run: Run) -> dict[str, Any]:
         r = run.rec
-        return {"run_id": r.id, "parent_id": r.parent_id, "depth": r.depth, "key": r.key,
-                "prompt": r.prompt, "state": r.state.value, "reason": r.reason,
-                "answer": r.answer, "duration": r.duration, "usage": dict(r.usage),
-                "last_line": run.last_line, "started_at": r.started_at,
-                "children": [self.snapshot(c) for c in run.children]}
+        return {
+            "run_id": r.id,
+            "parent_id": r.parent_id,
+            "depth": r.depth,
+            "key": r.key,
+            "prompt": r.prompt,
+            "state": r.state.value,
+            "reason": r.reason,
+            "answer": r.answer,
+            "duration": r.duration,
+            "usage": dict(r.usage),
+            "last_line": run.last_line,
+            "started_at": r.started_at,
+            "children": [self.snapshot(c) for c in run.children],
+        }
 
 
 _STOP = Stop()

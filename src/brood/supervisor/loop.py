@@ -31,8 +31,19 @@ class LoopThread:
             raise
 
     def stop(self) -> None:
+        """Cancel what is still pending on the loop (as asyncio.run does), then stop it."""
         if self.loop.is_closed():
             return
+        asyncio.run_coroutine_threadsafe(self._cancel_rest(), self.loop).result()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join()
+        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
         self.loop.close()
+
+    @staticmethod
+    async def _cancel_rest() -> None:
+        me = asyncio.current_task()
+        rest = [t for t in asyncio.all_tasks() if t is not me]
+        for task in rest:
+            task.cancel()
+        await asyncio.gather(*rest, return_exceptions=True)

@@ -13,8 +13,9 @@ DRAIN_TIMEOUT_S = 2.0  # close() waits this long for queued callbacks; a stuck o
 
 
 class Observers:
-    def __init__(self, on_start: Callable[[Any], Any] | None,
-                 on_end: Callable[[Any], Any] | None) -> None:
+    def __init__(
+        self, on_start: Callable[[Any], Any] | None, on_end: Callable[[Any], Any] | None
+    ) -> None:
         self.callbacks = {"on_start": on_start, "on_end": on_end}
         self._queue: queue.Queue[tuple[Callable[[Any], Any], Any] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -24,8 +25,7 @@ class Observers:
         if cb is None:
             return
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="brood-observers",
-                                            daemon=True)
+            self._thread = threading.Thread(target=self._loop, name="brood-observers", daemon=True)
             self._thread.start()
         self._queue.put((cb, info))
 

@@ -73,9 +73,7 @@ class Agent:
         if self.rt.notes:
             stderr += "".join(n + "\n" for n in self.rt.notes)
             self.rt.notes.clear()
-        self.rt.link.send(
-            StepDone(self.rt.step, code, out.stdout, stderr, out.error, out.duration)
-        )
+        self.rt.link.send(StepDone(self.rt.step, code, out.stdout, stderr, out.error, out.duration))
         last = (out.stdout.strip().splitlines() or [""])[-1]
         if last:
             self.rt.link.send(Progress(last[-200:]))
@@ -104,7 +102,8 @@ class Agent:
         with link.cond:
             inbox, link.inbox[:] = list(link.inbox), []
             settled = [
-                u for cid, u in link.children.items()
+                u
+                for cid, u in link.children.items()
                 if u.state in ("completed", "failed", "cancelled", "timed_out")
                 and cid not in self.rt.seen
             ]
@@ -113,8 +112,11 @@ class Agent:
             self.rt.seen.add(u.child_id)
             h = self.rt.handles.get(u.child_id)
             task = f" (task: {h.prompt[:60]!r})" if h else ""
-            how = "answered; collect it with rlm_result" if u.state == "completed" else (
-                f"ended {u.state}: {u.reason or u.error}")
+            how = (
+                "answered; collect it with rlm_result"
+                if u.state == "completed"
+                else (f"ended {u.state}: {u.reason or u.error}")
+            )
             lines.append(f"[notice] child {u.child_id}{task} {how}")
         return "\n".join(lines)
 

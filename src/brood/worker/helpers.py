@@ -17,7 +17,14 @@ from typing import Any
 
 import cloudpickle
 
-from brood.errors import ChildFailed, ChildNotReady, InvalidArgument, StaleHandle
+from brood.errors import (
+    BroodError,
+    ChildFailed,
+    ChildNotReady,
+    InvalidArgument,
+    LimitExceeded,
+    StaleHandle,
+)
 from brood.models.base import Model
 from brood.protocol import Blocked, CancelReq, ChildUpdate, ModelCall, SendReq, SpawnReq
 from brood.worker.link import TERMINAL_STATES, Link
@@ -236,8 +243,9 @@ class ChildHandle:
 
     def wait_done(self, timeout: float | None) -> bool:
         self._rt.check_open()
-        return self._rt.wait_for(lambda: self._rt.link.children[self.id].state in TERMINAL_STATES,
-                                 timeout)
+        return self._rt.wait_for(
+            lambda: self._rt.link.children[self.id].state in TERMINAL_STATES, timeout
+        )
 
     def wait(self, timeout: float | None = None) -> str:
         if not self.wait_done(timeout):
@@ -261,8 +269,9 @@ class ChildHandle:
     def send(self, message: str) -> None:
         self._rt.check_open()
         if not isinstance(message, str):
-            raise InvalidArgument(f"rlm_send(h, message): message must be str, got "
-                                  f"{type(message).__name__}")
+            raise InvalidArgument(
+                f"rlm_send(h, message): message must be str, got {type(message).__name__}"
+            )
         self._rt.link.request(
             SendReq(req_id=self._rt.link.next_id(), child_id=self.id, message=message)
         )
@@ -271,8 +280,9 @@ class ChildHandle:
 class Task:
     """Work started by `spawn` that is not a single child run: plain model calls, a batch."""
 
-    def __init__(self, rt: Runtime, future: Future[Any], what: str,
-                 children: Sequence[ChildHandle] = ()) -> None:
+    def __init__(
+        self, rt: Runtime, future: Future[Any], what: str, children: Sequence[ChildHandle] = ()
+    ) -> None:
         self._rt = rt
         self._future = future
         self.id = f"t-{next(rt._task_ids)}"
@@ -336,9 +346,7 @@ def _check_prompt(value: object, where: str) -> str:
 
 def _check_prompts(value: object, where: str) -> list[str]:
     if isinstance(value, str) or not isinstance(value, list | tuple):
-        raise InvalidArgument(
-            f"{where}: prompts must be a list of str, got {type(value).__name__}"
-        )
+        raise InvalidArgument(f"{where}: prompts must be a list of str, got {type(value).__name__}")
     return [_check_prompt(p, f"{where}[{i}]") for i, p in enumerate(value)]
 
 
@@ -473,10 +481,11 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
         with rlm_await."""
         if fn is rlm_query or fn is rlm_spawn:
             kw["blocking"] = False
-            return rlm_query(*args, **kw)  # type: ignore[no-any-return]
+            return rlm_query(*args, **kw)
         if fn is rlm_query_batched and rt.can_spawn:
-            prompts = _check_prompts(args[0] if args else kw.pop("prompts", None),
-                                     "spawn(rlm_query_batched)")
+            prompts = _check_prompts(
+                args[0] if args else kw.pop("prompts", None), "spawn(rlm_query_batched)"
+            )
             handles = rt.spawn_children(prompts, **kw)
             fut = rt.pool().submit(rt.collect, handles, None)
             return Task(rt, fut, "rlm_query_batched", handles)
@@ -496,37 +505,56 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
         """rlm_await over several tasks or handles; results in order."""
         return rt.collect([_check_handle(t, "rlm_await_all") for t in tasks], timeout)
 
-    def FINAL(answer: Any) -> None:  # noqa: N802 - the name the model knows
+    def FINAL(answer: Any) -> None:
         """End the run with `answer` (converted to str). Nothing after it runs."""
         if answer is None:
             raise InvalidArgument("FINAL(answer): answer is None; pass the answer text")
         rt.final = answer if isinstance(answer, str) else str(answer)
         raise FinalSignal
 
-    def FINAL_VAR(name: str) -> None:  # noqa: N802
+    def FINAL_VAR(name: str) -> None:
         """End the run with the value of the REPL variable called `name`."""
         if not isinstance(name, str):
-            raise InvalidArgument("FINAL_VAR(name): pass the variable's name as a str, "
-                                  "e.g. FINAL_VAR('answer')")
+            raise InvalidArgument(
+                "FINAL_VAR(name): pass the variable's name as a str, e.g. FINAL_VAR('answer')"
+            )
         if name not in rt.namespace:
-            raise NameError(f"FINAL_VAR: no variable {name!r}; variables: "
-                            f"{sorted(SHOW_VARS())}")
+            raise NameError(f"FINAL_VAR: no variable {name!r}; variables: {sorted(SHOW_VARS())}")
         FINAL(rt.namespace[name])
 
-    def SHOW_VARS() -> dict[str, str]:  # noqa: N802
+    def SHOW_VARS() -> dict[str, str]:
         """The user variables of the REPL, as {name: type}."""
-        reserved = HELPER_NAMES | {"context", "__builtins__", "__name__"}
+        reserved = HELPER_NAMES | ERRORS.keys() | {"context"}
         return {
             k: type(v).__name__
             for k, v in rt.namespace.items()
             if k not in reserved and not k.startswith("_")
         }
 
-    helpers = {f.__name__: f for f in (
-        llm_query, llm_query_batched, rlm_query, rlm_query_batched, rlm_spawn, rlm_status,
-        rlm_result, rlm_wait, rlm_wait_all, rlm_wait_any, rlm_cancel, rlm_send, rlm_children,
-        spawn, rlm_await, rlm_await_all, FINAL, FINAL_VAR, SHOW_VARS,
-    )}
+    helpers = {
+        f.__name__: f
+        for f in (
+            llm_query,
+            llm_query_batched,
+            rlm_query,
+            rlm_query_batched,
+            rlm_spawn,
+            rlm_status,
+            rlm_result,
+            rlm_wait,
+            rlm_wait_all,
+            rlm_wait_any,
+            rlm_cancel,
+            rlm_send,
+            rlm_children,
+            spawn,
+            rlm_await,
+            rlm_await_all,
+            FINAL,
+            FINAL_VAR,
+            SHOW_VARS,
+        )
+    }
     return helpers
 
 
@@ -535,9 +563,31 @@ def _notify(link: Link) -> None:
         link.cond.notify_all()
 
 
-HELPER_NAMES = frozenset({
-    "llm_query", "llm_query_batched", "rlm_query", "rlm_query_batched", "rlm_spawn",
-    "rlm_status", "rlm_result", "rlm_wait", "rlm_wait_all", "rlm_wait_any", "rlm_cancel",
-    "rlm_send", "rlm_children", "spawn", "rlm_await", "rlm_await_all", "FINAL", "FINAL_VAR",
-    "SHOW_VARS",
-})
+# Errors the model's code may want to catch, placed in the namespace by name.
+ERRORS: dict[str, type[BaseException]] = {
+    e.__name__: e for e in (BroodError, ChildFailed, ChildNotReady, LimitExceeded, StaleHandle)
+}
+
+HELPER_NAMES = frozenset(
+    {
+        "llm_query",
+        "llm_query_batched",
+        "rlm_query",
+        "rlm_query_batched",
+        "rlm_spawn",
+        "rlm_status",
+        "rlm_result",
+        "rlm_wait",
+        "rlm_wait_all",
+        "rlm_wait_any",
+        "rlm_cancel",
+        "rlm_send",
+        "rlm_children",
+        "spawn",
+        "rlm_await",
+        "rlm_await_all",
+        "FINAL",
+        "FINAL_VAR",
+        "SHOW_VARS",
+    }
+)

@@ -12,7 +12,7 @@ import cloudpickle
 from brood.models.base import Model
 from brood.protocol import Failed, Final, Hello, Start, SyncChannel
 from brood.worker.agent import Agent
-from brood.worker.helpers import Runtime, make_helpers
+from brood.worker.helpers import ERRORS, Runtime, make_helpers
 from brood.worker.link import Link
 from brood.worker.prompt import describe_context, system_prompt
 from brood.worker.repl import Repl
@@ -58,7 +58,6 @@ def run(start: Start, link: Link) -> None:
     context = cloudpickle.loads(start.context) if start.context is not None else None
     limits = start.limits
     can_spawn = start.depth + 1 < int(limits.get("max_depth", 1))
-    repl_holder: dict[str, Repl] = {}
     rt = Runtime(
         link,
         model,
@@ -69,7 +68,7 @@ def run(start: Start, link: Link) -> None:
         max_depth=int(limits.get("max_depth", 1)),
     )
     helpers = make_helpers(rt)
-    repl = repl_holder["repl"] = Repl(helpers, context)
+    repl = Repl({**helpers, **ERRORS}, context)
     rt.clock = repl.clock
     rt.namespace = repl.namespace
     agent = Agent(rt, repl, limits)

@@ -17,8 +17,11 @@ Helpers available in the REPL:
 """
 
 OUTRO = """
-Finished children are announced at the start of your next turn. Errors name the mistake and
-the fix; read them. Do not guess an answer you have not computed."""
+Finished children are announced at the start of your next turn. The errors ChildFailed
+(.status, .reason, and for batches .failed and .answers), ChildNotReady, LimitExceeded,
+StaleHandle and BroodError are defined for except clauses; a wait's timeout raises
+TimeoutError. Errors name the mistake and the fix; read them. Do not guess an answer you
+have not computed."""
 
 
 def describe_helper(fn: Callable[..., Any]) -> str:
@@ -43,10 +46,11 @@ def system_prompt(helpers: dict[str, Callable[..., Any]], *, can_spawn: bool) ->
 def describe_context(context: Any) -> str:
     if context is None:
         return "There is no context: `context` is None."
-    size = f"{len(context):,} characters" if isinstance(context, str) else None
-    if size is None:
-        try:
-            size = f"{len(context):,} items"
-        except TypeError:
-            size = "one value"
-    return f"`context` is a {type(context).__name__} of {size}."
+    kind = type(context).__name__
+    if isinstance(context, str):
+        return f"`context` is a str of {len(context):,} characters."
+    try:
+        n = len(context)
+    except TypeError:
+        return f"`context` is a value of type {kind}."
+    return f"`context` is a {kind} of {n:,} item{'s' if n != 1 else ''}."

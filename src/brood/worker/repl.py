@@ -44,13 +44,13 @@ def truncate(text: str, limit: int) -> str:
     """`text` cut to `limit` characters, keeping its head and tail, with a note that says so."""
     if len(text) <= limit:
         return text
-    half = max(limit // 2, 1)
+    half = limit // 2
+    if half == 0:
+        return f"[output of {len(text):,} characters not shown: the output limit is {limit}]"
     cut = len(text) - 2 * half
     return (
-        text[:half]
-        + f"\n[... output truncated: {len(text):,} characters, {cut:,} not shown; "
-        "print less, or slice the value ...]\n"
-        + text[-half:]
+        text[:half] + f"\n[... output truncated: {len(text):,} characters, {cut:,} not shown; "
+        "print less, or slice the value ...]\n" + text[-half:]
     )
 
 
@@ -67,7 +67,9 @@ class StepClock:
         self._main = threading.main_thread()
 
     def _on_alarm(self, signum: int, frame: Any) -> None:
-        raise StepTimeout(f"the step used its compute limit of {self.limit:g} s")
+        # The alarm may land just after the step ended, before the timer was disarmed.
+        if self.limit is not None:
+            raise StepTimeout(f"the step used its compute limit of {self.limit:g} s")
 
     @contextlib.contextmanager
     def running(self, limit: float | None) -> Iterator[None]:
@@ -76,13 +78,13 @@ class StepClock:
             yield
             return
         old = signal.signal(signal.SIGALRM, self._on_alarm)
-        signal.setitimer(signal.ITIMER_REAL, limit)
+        signal.setitimer(signal.ITIMER_REAL, max(limit, 1e-6))  # 0 would disarm the timer
         try:
             yield
         finally:
+            self.limit = None  # first: from here on a late alarm is ignored
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, old)
-            self.limit = None
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:

@@ -89,10 +89,13 @@ class Zygote:
 
     def shutdown(self) -> None:
         for pgid in list(self.groups):
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except OSError:
-                pass
+            # The pid too: a worker forked a moment ago may not have called setsid() yet,
+            # and then has no process group of its own to signal.
+            for kill in (os.killpg, os.kill):
+                try:
+                    kill(pgid, signal.SIGKILL)
+                except OSError:
+                    pass
         while True:
             try:
                 os.waitpid(-1, 0)
@@ -108,29 +111,39 @@ class Zygote:
         sel.register(self.ctrl, selectors.EVENT_READ, "ctrl")
         sel.register(self.wake_r, selectors.EVENT_READ, "child")
         try:
-            while True:
-                for key, _ in sel.select():
-                    if key.data == "child":
-                        try:
-                            os.read(self.wake_r, 4096)
-                        except BlockingIOError:
-                            pass
-                        self.reap()
-                        continue
-                    msg = self.chan.recv()
-                    if msg is None or isinstance(msg, Quit):
-                        return
-                    if isinstance(msg, Fork):
-                        for _ in range(msg.count):
-                            self.chan.send(Forked(self.fork_worker()))
-                    self.reap()
+            self._loop(sel)
+        except OSError:
+            pass  # the supervisor is gone (broken pipe): shut down below
         finally:
             self.shutdown()
+
+    def _loop(self, sel: selectors.BaseSelector) -> None:
+        while True:
+            for key, _ in sel.select():
+                if key.data == "child":
+                    try:
+                        os.read(self.wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                    self.reap()
+                    continue
+                msg = self.chan.recv()
+                if msg is None or isinstance(msg, Quit):
+                    return
+                if isinstance(msg, Fork):
+                    for _ in range(msg.count):
+                        self.chan.send(Forked(self.fork_worker()))
+                self.reap()
 
 
 def main() -> None:
     fd, sock_path = int(sys.argv[1]), sys.argv[2]
-    for name in sys.argv[3:]:
+    # The supervisor's import path: a chat_fn pickled by reference to an importable module
+    # (a test file, the user's package) must import the same way in the worker.
+    sys.path[:] = [p for p in sys.argv[3].split(os.pathsep) if p] + [
+        p for p in sys.path if p not in sys.argv[3].split(os.pathsep)
+    ]
+    for name in sys.argv[4:]:
         try:
             importlib.import_module(name)  # e.g. openai, so workers do not import it each
         except ImportError:

@@ -1,0 +1,177 @@
+"""Fan-out: 1,000 children of one scripted turn each, under max_concurrency=16.
+
+Every child replies "```repl\\nFINAL('x')\\n```", so all the time is brood's: admission,
+journal, a worker per child from the zygote, messages, cleanup. The root starts them in one
+step, timed inside its own code from the call to the last answer, in two ways:
+`rlm_query_batched(prompts)`, and `rlm_spawn` for each prompt then `rlm_wait_all`.
+
+The floor is a bare asyncio loop making the same scripted model calls (ScriptedModel.complete
+on the messages each child's first turn sees) as 1,000 tasks behind a semaphore of 16, with
+no processes. The ratio says how many times more a child costs than its model call alone.
+
+CPU per child is split between the supervisor process (this one: loop, journal writer) and
+the zygote with every worker it forked and reaped (user + system time of both).
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import time
+from typing import Any
+
+import psutil
+
+import brood
+from _common import (
+    MS,
+    Row,
+    finish,
+    median,
+    no_leftovers,
+    parse_args,
+    retry_on_id_collision,
+    run_completed,
+)
+from brood.protocol import Start
+from brood.worker.helpers import Runtime, make_helpers
+from brood.worker.main import first_message
+from brood.worker.prompt import system_prompt
+
+BENCH = "fanout"
+CHILDREN = 1000
+CONCURRENCY = 16
+WARM_UP = 50  # children of a first, untimed root: first-use costs on both sides
+FLOOR_REPEATS = 5
+CHILD_REPLY = "```repl\nFINAL('x')\n```"
+
+BATCHED = """```repl
+import time
+t0 = time.perf_counter()
+answers = rlm_query_batched([f'child {{i}}' for i in range({n})])
+FINAL(repr((time.perf_counter() - t0, len(answers), sorted(set(answers)))))
+```"""
+
+SPAWN_WAIT_ALL = """```repl
+import time
+t0 = time.perf_counter()
+hs = [rlm_spawn(f'child {{i}}') for i in range({n})]
+answers = rlm_wait_all(hs)
+FINAL(repr((time.perf_counter() - t0, len(answers), sorted(set(answers)))))
+```"""
+
+
+def child_messages(model: brood.ScriptedModel, prompt: str) -> list[dict[str, Any]]:
+    """The messages of a child's first model turn, built by the worker's own functions."""
+    rt = Runtime(
+        None,  # type: ignore[arg-type]  # building the prompt sends nothing
+        model,
+        run_id="r-floor",
+        depth=1,
+        can_spawn=True,
+        clock=None,  # type: ignore[arg-type]
+        max_depth=brood.Limits().max_depth,
+    )
+    start = Start(run_id="r-floor", depth=1, prompt=prompt, context=None, model=b"", limits={})
+    return [
+        {"role": "system", "content": system_prompt(make_helpers(rt), can_spawn=True)},
+        {"role": "user", "content": first_message(start, None)},
+    ]
+
+
+def floor_seconds(model: brood.ScriptedModel) -> float:
+    """One run of the asyncio floor: 1,000 scripted calls, 16 at a time, no processes."""
+    messages = [child_messages(model, f"child {i}") for i in range(CHILDREN)]
+
+    async def calls() -> list[str]:
+        sem = asyncio.Semaphore(CONCURRENCY)
+
+        async def one(msgs: list[dict[str, Any]]) -> str:
+            async with sem:
+                await asyncio.sleep(0)  # a turn of the loop, as a child's messages would take
+                return model.complete(msgs).text
+
+        return await asyncio.gather(*(one(m) for m in messages))
+
+    t0 = time.perf_counter()
+    replies = asyncio.run(calls())
+    elapsed = time.perf_counter() - t0
+    assert replies == [CHILD_REPLY] * CHILDREN, "the floor made different calls"
+    return elapsed
+
+
+def cpu_seconds(proc: psutil.Process, *, children: bool) -> float:
+    t = proc.cpu_times()
+    own = t.user + t.system
+    return own + t.children_user + t.children_system if children else own
+
+
+def fan_out(key: str, model: brood.ScriptedModel, limits: brood.Limits) -> dict[str, float]:
+    """One root fanning out, on a supervisor of its own, after an untimed warm-up root."""
+    with brood.Supervisor(model=model, limits=limits) as sup:
+        run_completed(sup, "warm-up: fan out")
+        me = psutil.Process()
+        zygote = psutil.Process(sup._backend._zygote.pid)  # type: ignore[attr-defined]
+        sup_cpu, zyg_cpu = cpu_seconds(me, children=False), cpu_seconds(zygote, children=True)
+        t0 = time.perf_counter()
+        res = run_completed(sup, f"{key}: fan out")
+        wall = time.perf_counter() - t0
+        sup_cpu = cpu_seconds(me, children=False) - sup_cpu
+        worker_cpu = cpu_seconds(zygote, children=True) - zyg_cpu
+    inside, count, answers = ast.literal_eval(res.answer or "")
+    if count != CHILDREN or answers != ["x"]:
+        raise RuntimeError(f"the {key} root collected {count} answers {answers}")
+    return {"inside": inside, "wall": wall, "sup_cpu": sup_cpu, "worker_cpu": worker_cpu}
+
+
+def main() -> None:
+    args = parse_args(__doc__ or "")
+    model = brood.ScriptedModel(
+        {
+            "warm-up": [BATCHED.format(n=WARM_UP)],
+            "batched": [BATCHED.format(n=CHILDREN)],
+            "spawn-wait-all": [SPAWN_WAIT_ALL.format(n=CHILDREN)],
+            "child": [CHILD_REPLY],
+        }
+    )
+    floor = median([floor_seconds(model) for _ in range(FLOOR_REPEATS)])
+    limits = brood.Limits(
+        max_concurrency=CONCURRENCY,
+        max_children=2 * CHILDREN,
+        max_children_per_run=2 * CHILDREN,
+        step_timeout=None,
+        shutdown_grace=0.5,
+        term_grace=0.5,
+    )
+    results = {
+        key: retry_on_id_collision(BENCH, lambda key=key: fan_out(key, model, limits))
+        for key in ("batched", "spawn-wait-all")
+    }
+    left = no_leftovers(BENCH)
+
+    print(
+        f"floor  asyncio, {CHILDREN} ScriptedModel.complete calls, {CONCURRENCY} at a time: "
+        f"{floor * MS:.1f} ms = {CHILDREN / floor:,.0f} calls/s"
+    )
+    rows = []
+    per_floor = floor / CHILDREN
+    for key, r in results.items():
+        per_child = r["inside"] / CHILDREN
+        print(
+            f"{key:<15} {CHILDREN} children in {r['inside'] * MS:.0f} ms "
+            f"(sup.run wall {r['wall'] * MS:.0f} ms) = {CHILDREN / r['inside']:,.0f} children/s, "
+            f"{per_child / per_floor:.0f}x the floor; CPU per child: supervisor "
+            f"{r['sup_cpu'] / CHILDREN * MS:.2f} ms, zygote + workers "
+            f"{r['worker_cpu'] / CHILDREN * MS:.2f} ms"
+        )
+        rows += [
+            Row(BENCH, f"children/s ({key})", CHILDREN / r["inside"], "/s"),
+            Row(BENCH, f"time per child ({key})", per_child, "s", per_floor),
+            Row(BENCH, f"  supervisor CPU per child ({key})", r["sup_cpu"] / CHILDREN, "s"),
+            Row(BENCH, f"  worker CPU per child ({key})", r["worker_cpu"] / CHILDREN, "s"),
+        ]
+    finish(BENCH, rows, left, args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Run every benchmark, each in a process of its own, and print one summary table.
+
+`make bench` calls this. Each benchmark measures its own floor in the same run and prints
+ratios against it; a missed target is reported here, never raised. The exit status is 1
+only when a benchmark failed to run or left a process behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from _common import Row, format_table
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BENCHMARKS = ("bench_spawn", "bench_fanout", "bench_close", "bench_memory")
+TIMEOUT_S = 300.0  # each is meant to take under a minute; this only stops a hung one
+
+
+def run_one(name: str) -> tuple[list[Row], str | None]:
+    """Run benchmarks/NAME.py with its output shown; its rows, or why there are none."""
+    print(f"\n=== {name} " + "=" * (70 - len(name)), flush=True)
+    fd, path = tempfile.mkstemp(prefix=f"{name}-", suffix=".json")
+    os.close(fd)
+    try:
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(
+                [sys.executable, os.path.join(HERE, f"{name}.py"), "--json", path],
+                timeout=TIMEOUT_S,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            return [], f"timed out after {TIMEOUT_S:g} s"
+        print(f"({name} took {time.perf_counter() - t0:.1f} s)", flush=True)
+        with open(path) as f:
+            text = f.read()
+        if not text:
+            return [], f"exited with status {proc.returncode} before writing its results"
+        data = json.loads(text)
+        rows = [Row(**r) for r in data["rows"]]
+        if data["leftover"]:
+            return rows, f"left processes behind: {data['leftover']}"
+        if proc.returncode:
+            return rows, f"exited with status {proc.returncode}"
+        return rows, None
+    finally:
+        os.unlink(path)
+
+
+def main() -> None:
+    names = sys.argv[1:] or list(BENCHMARKS)
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown:
+        sys.exit(f"unknown benchmark(s) {unknown}; choose from {list(BENCHMARKS)}")
+    rows: list[Row] = []
+    problems: list[str] = []
+    for name in names:
+        got, problem = run_one(name)
+        rows += got
+        if problem:
+            problems.append(f"{name}: {problem}")
+    print("\n=== summary " + "=" * 63)
+    print(format_table(rows))
+    missed = [f"{r.bench}: {r.what.strip()}" for r in rows if r.met is False]
+    print(
+        f"\ntargets met: {sum(r.met is True for r in rows)} of "
+        f"{sum(r.met is not None for r in rows)}" + (f"; missed: {missed}" if missed else "")
+    )
+    for p in problems:
+        print(f"PROBLEM {p}")
+    sys.exit(1 if problems else 0)
+
+
+if __name__ == "__main__":
+    main()

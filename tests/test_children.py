@@ -1,0 +1,246 @@
+"""Children through the REPL helpers, against real worker processes."""
+
+from __future__ import annotations
+
+import pytest
+from tests.util import FAST, Gate, Signal, fast
+
+import brood
+
+FENCE = "```"
+
+
+def repl(code: str) -> str:
+    return f"{FENCE}repl\n{code}\n{FENCE}"
+
+
+def test_blocking_child_returns_42():
+    model = brood.ScriptedModel(
+        {
+            "root": [repl("x = rlm_query('child: what is 6*7?')\nFINAL(x)")],
+            "child:": [repl("FINAL(str(6*7))")],
+        }
+    )
+    with brood.Supervisor(model, limits=FAST) as sup:
+        result = sup.run("root task")
+    assert result.state == "completed"
+    assert result.answer == "42"
+
+
+def test_batched_children_keep_order_and_length():
+    # Each child answers its own index, read from its task in its first user message.
+    model = brood.ScriptedModel(
+        {
+            "root": [
+                repl(
+                    "xs = rlm_query_batched([f'child: echo {i}' for i in range(6)])\n"
+                    "FINAL(','.join(xs))"
+                )
+            ],
+            "child:": [lambda msgs: repl(f"FINAL({msgs[1]['content'].split()[2]!r})")],
+        }
+    )
+    with brood.Supervisor(model, limits=FAST) as sup:
+        result = sup.run("root task")
+    assert result.answer == "0,1,2,3,4,5"
+
+
+def test_three_blocks_of_one_reply_share_a_namespace():
+    reply = "\n".join([repl("a = 1"), "some prose", repl("b = a + 1"), repl("FINAL(str(a + b))")])
+    with brood.Supervisor(brood.ScriptedModel([reply]), limits=FAST) as sup:
+        assert sup.run("task").answer == "3"
+
+
+def test_child_count_limit_is_refused_never_a_shorter_list():
+    model = brood.ScriptedModel(
+        {
+            "root": [
+                repl(
+                    "try:\n    rlm_query_batched([f'child {i}' for i in range(5)])\n"
+                    "except LimitExceeded as e:\n    FINAL(f'{e.kind} {e.value} {e.limit} | {e}')"
+                )
+            ],
+            "child": [repl("FINAL('c')")],
+        }
+    )
+    with brood.Supervisor(model, limits=fast(max_children_per_run=3)) as sup:
+        result = sup.run("root task")
+        assert result.answer.startswith("max_children_per_run 5 3 | ")
+        assert "Limits(max_children_per_run=...)" in result.answer
+        # Refused at admission: not one child was started.
+        assert [r["id"] for r in sup.store.runs(result.run_id)] == [result.run_id]
+
+
+def test_tree_wide_child_limit():
+    model = brood.ScriptedModel(
+        {
+            "root": [
+                repl(
+                    "a = rlm_query('child one')\ntry:\n    rlm_query('child two')\n"
+                    "except LimitExceeded as e:\n    FINAL(e.kind)"
+                )
+            ],
+            "child": [repl("FINAL('c')")],
+        }
+    )
+    with brood.Supervisor(model, limits=fast(max_children=1)) as sup:
+        assert sup.run("root").answer == "max_children"
+
+
+def test_per_child_timeout_ends_a_child_that_never_finishes():
+    model = brood.ScriptedModel(
+        {
+            "root": [
+                repl(
+                    "h = rlm_spawn('child: loop forever', timeout=0.5)\n"
+                    "try:\n    rlm_wait(h)\nexcept ChildFailed as e:\n"
+                    "    FINAL(f'{e.status}: {e.reason}')"
+                )
+            ],
+            "child:": [repl("while True:\n    pass")],
+        }
+    )
+    with brood.Supervisor(model, limits=fast(step_timeout=None)) as sup:
+        result = sup.run("root")
+    assert result.answer == "timed_out: timed out after 0.5 s"
+
+
+def test_callbacks_fire_once_each_with_depth_and_error():
+    starts, ends = [], []
+    model = brood.ScriptedModel(
+        {
+            "root": [
+                repl(
+                    "h = rlm_spawn('child: fail')\ntry:\n    rlm_wait(h)\n"
+                    "except ChildFailed:\n    pass\nFINAL('done')"
+                )
+            ],
+            "child:": [],  # no reply at all: the child's model call fails
+        }
+    )
+    with brood.Supervisor(model, limits=FAST, on_start=starts.append, on_end=ends.append) as sup:
+        result = sup.run("root")
+    assert result.answer == "done"
+    assert sorted((i.depth, i.state) for i in starts) == [(0, "running"), (1, "running")]
+    by_depth = {i.depth: i for i in ends}
+    assert len(ends) == 2
+    assert by_depth[0].state == "completed" and by_depth[0].error is None
+    assert by_depth[1].state == "failed"
+    assert "model error" in by_depth[1].reason
+    assert all(i.duration is not None and i.duration >= 0 for i in ends)
+
+
+def test_spawn_work_collect_across_steps(tmp_path):
+    started, go = Signal(tmp_path, "started"), Gate(tmp_path, "go")
+    model = brood.ScriptedModel(
+        {
+            "child:": [started.notify_then(go.blocking_reply(repl("FINAL('child answer')")))],
+        }
+    )
+    with brood.Session(model, limits=FAST) as env:
+        env.reset("root task")
+        obs = env.step("h = rlm_spawn('child: slow work')\nprint(rlm_status(h))")
+        assert obs.error is None and obs.stdout.strip() in {"queued", "running"}
+        started.wait()  # the child is inside its model call
+        obs = env.step("x = sum(range(10))\nprint(x, rlm_status(h))")
+        assert obs.stdout.split() == ["45", "running"]
+        assert obs.children == [{"id": obs.children[0]["id"], "status": "running"}]
+        go.open()
+        obs = env.step("FINAL(rlm_wait(h))")
+        assert obs.done and obs.answer == "child answer"
+
+
+def test_wait_timeout_leaves_the_child_running(tmp_path):
+    started, go = Signal(tmp_path, "started"), Gate(tmp_path, "go")
+    model = brood.ScriptedModel(
+        {
+            "child:": [started.notify_then(go.blocking_reply(repl("FINAL('late')")))],
+        }
+    )
+    with brood.Session(model, limits=FAST) as env:
+        env.reset("root")
+        env.step("h = rlm_spawn('child: slow')")
+        started.wait()
+        obs = env.step(
+            "try:\n    rlm_wait(h, timeout=0.05)\nexcept TimeoutError as e:\n"
+            "    print('timeout;', rlm_status(h), ';', e)"
+        )
+        assert obs.stdout.startswith("timeout; running ;")
+        assert "keeps running" in obs.stdout
+        go.open()
+        assert env.step("print(rlm_wait(h))").stdout.strip() == "late"
+
+
+def test_failed_child_surfaces_as_child_failed_with_reason():
+    model = brood.ScriptedModel(
+        {
+            "root": [
+                repl(
+                    "h = rlm_spawn('child: crash')\ntry:\n    rlm_wait(h)\n"
+                    "except ChildFailed as e:\n    FINAL(f'{e.status}|{e.reason}')"
+                )
+            ],
+            "child:": [repl("import os\nos._exit(3)")],
+        }
+    )
+    with brood.Supervisor(model, limits=FAST) as sup:
+        assert sup.run("root").answer == "failed|worker exited with status 3"
+
+
+def test_follow_up_reaches_the_childs_next_model_turn(tmp_path):
+    started, go = Signal(tmp_path, "started"), Gate(tmp_path, "go")
+
+    def second_turn(messages):
+        return repl(f"FINAL({messages[-1]['content']!r})")
+
+    model = brood.ScriptedModel(
+        {
+            "child:": [
+                started.notify_then(go.blocking_reply(repl("print('working')"))),
+                second_turn,
+            ],
+        }
+    )
+    with brood.Session(model, limits=FAST) as env:
+        env.reset("root")
+        env.step("h = rlm_spawn('child: wait for orders')")
+        started.wait()
+        env.step("rlm_send(h, 'use the blue paint')")
+        go.open()
+        answer = env.step("print(rlm_wait(h))").stdout
+    assert "[message from your parent] use the blue paint" in answer
+    assert "working" in answer  # the step output follows the message in the same turn
+
+
+def test_send_to_an_ended_child_is_an_error():
+    model = brood.ScriptedModel(
+        {
+            "root": [
+                repl(
+                    "h = rlm_spawn('child: quick')\nrlm_wait(h)\ntry:\n"
+                    "    rlm_send(h, 'too late')\nexcept BroodError as e:\n    FINAL(str(e))"
+                )
+            ],
+            "child:": [repl("FINAL('ok')")],
+        }
+    )
+    with brood.Supervisor(model, limits=FAST) as sup:
+        assert "a follow-up cannot reach a run that has ended" in sup.run("root").answer
+
+
+@pytest.mark.parametrize("n", [3])
+def test_status_result_and_not_ready(tmp_path, n):
+    go = Gate(tmp_path, "go")
+    model = brood.ScriptedModel({"child:": [go.blocking_reply(repl("FINAL('r')"))]})
+    with brood.Session(model, limits=FAST) as env:
+        env.reset("root")
+        obs = env.step(
+            "h = rlm_spawn('child: x')\ntry:\n    rlm_result(h)\n"
+            "except ChildNotReady as e:\n    print('not ready:', e)"
+        )
+        assert "not ready: child" in obs.stdout and "rlm_wait" in obs.stdout
+        go.open()
+        obs = env.step(
+            "print(rlm_wait(h), rlm_result(h), rlm_status(h), h.done, len(rlm_children()))"
+        )
+        assert obs.stdout.split() == ["r", "r", "completed", "True", "1"]

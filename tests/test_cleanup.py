@@ -1,0 +1,253 @@
+"""The cleanup contract (DESIGN.md section 6) against real processes and signals."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+from tests.util import FAST, Gate, Signal, fast, pid_alive
+
+import brood
+from brood.supervisor import core
+
+FENCE = "```"
+# Model code for a child that ignores SIGTERM and starts a grandchild that ignores it too,
+# then records both pids in the file named by `pidfile`.
+STUBBORN = """import signal, subprocess, sys
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+gc = subprocess.Popen([sys.executable, '-c',
+    'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(10**6)'])
+import os
+open({pidfile!r}, 'w').write(f'{{os.getpid()}} {{gc.pid}}')"""
+
+
+def repl(code: str) -> str:
+    return f"{FENCE}repl\n{code}\n{FENCE}"
+
+
+def read_pids(path) -> list[int]:
+    return [int(x) for x in path.read_text().split()]
+
+
+def test_cancel_confirms_exit_of_blocked_stubborn_child_and_grandchild(tmp_path):
+    pidfile = tmp_path / "pids"
+    in_model = Signal(tmp_path, "in-model")
+    never = Gate(tmp_path, "never")
+    model = brood.ScriptedModel(
+        {
+            "child:": [
+                repl(STUBBORN.format(pidfile=str(pidfile))),
+                # The second model call announces itself and then blocks for good.
+                in_model.notify_then(never.blocking_reply("unreachable")),
+            ],
+        }
+    )
+    with brood.Session(model, limits=FAST) as env:
+        env.reset("root")
+        env.step("h = rlm_spawn('child: stubborn')")
+        in_model.wait()
+        worker, grandchild = read_pids(pidfile)
+        assert pid_alive(worker) and pid_alive(grandchild)
+        obs = env.step("print(rlm_cancel(h), rlm_status(h))")
+        assert obs.stdout.split() == ["cancelled", "cancelled"]
+        # rlm_cancel returned only after both processes were gone (reaped).
+        assert not pid_alive(worker)
+        assert not pid_alive(grandchild)
+
+
+@pytest.mark.parametrize("how", ["close", "reset"])
+def test_close_or_reset_with_stubborn_children_leaves_nothing(tmp_path, how):
+    signals = [Signal(tmp_path, f"s{i}") for i in range(3)]
+    never = Gate(tmp_path, "never")
+    pidfiles = [tmp_path / f"pids{i}" for i in range(3)]
+    model = brood.ScriptedModel(
+        {
+            f"child {i}:": [
+                repl(STUBBORN.format(pidfile=str(pidfiles[i]))),
+                signals[i].notify_then(never.blocking_reply("x")),
+            ]
+            for i in range(3)
+        }
+    )
+    env = brood.Session(model, limits=FAST)
+    env.reset("root")
+    env.step("hs = [rlm_spawn(f'child {i}: stubborn') for i in range(3)]")
+    for s in signals:
+        s.wait()
+    pids = [p for f in pidfiles for p in read_pids(f)]
+    assert all(pid_alive(p) for p in pids)
+    if how == "reset":
+        env.reset("a new episode")
+        assert not any(pid_alive(p) for p in pids)
+    env.close()
+    assert not any(pid_alive(p) for p in pids)
+
+
+def test_a_callback_that_blocks_or_raises_does_not_stop_cleanup(tmp_path):
+    release = threading.Event()
+    seen = []
+
+    def blocking_start(info):
+        seen.append(info.run_id)
+        release.wait(30)
+
+    def raising_end(info):
+        raise RuntimeError("observer bug")
+
+    model = brood.ScriptedModel(
+        {
+            "root": [
+                repl("h = rlm_spawn('child: loop')\nprint(rlm_status(h))"),
+                repl("FINAL('root done')"),
+            ],
+            "child:": [repl("import time\nwhile True:\n    time.sleep(1)")],
+        }
+    )
+    with brood.Supervisor(model, limits=FAST, on_start=blocking_start, on_end=raising_end) as sup:
+        result = sup.run("root")
+        assert result.answer == "root done"
+        runs = sup.store.runs(result.run_id)
+        assert {r["state"] for r in runs} == {"completed", "cancelled"}
+    release.set()
+    assert seen  # the blocking callback ran (and was still blocked while cleanup went on)
+
+
+def test_sigkill_of_a_worker_fails_its_run_and_cancels_its_subtree(tmp_path):
+    pidfile = tmp_path / "pid"
+    grandchild_running = Signal(tmp_path, "gc")
+    never = Gate(tmp_path, "never")
+    model = brood.ScriptedModel(
+        {
+            "child:": [
+                repl(
+                    f"import os\nopen({str(pidfile)!r}, 'w').write(str(os.getpid()))\n"
+                    "g = rlm_spawn('grandchild: block')\nrlm_wait(g)"
+                )
+            ],
+            "grandchild:": [grandchild_running.notify_then(never.blocking_reply("x"))],
+        }
+    )
+    with brood.Session(model, limits=FAST) as env:
+        env.reset("root")
+        env.step("h = rlm_spawn('child: parent of one')")
+        grandchild_running.wait()
+        os.kill(read_pids(pidfile)[0], signal.SIGKILL)
+        obs = env.step("try:\n    rlm_wait(h)\nexcept ChildFailed as e:\n    print(e.reason)")
+        assert obs.stdout.strip() == "worker exited with signal 9"
+        store = env._sup.store
+        (grandchild,) = [r for r in store.runs(env.run_id) if r["depth"] == 2]
+        assert grandchild["state"] == "cancelled"
+        assert grandchild["reason"] == "parent failed"
+
+
+def test_depth_three_tree_completes_with_one_slot():
+    model = brood.ScriptedModel(
+        {
+            "root": [repl("FINAL('root<' + rlm_query('child: go') + '>')")],
+            "child:": [
+                repl(
+                    "FINAL('child<' + ','.join(rlm_query_batched("
+                    "['grandchild: a', 'grandchild: b'])) + '>')"
+                )
+            ],
+            "grandchild: a": [repl("FINAL('a')")],
+            "grandchild: b": [repl("FINAL('b')")],
+        }
+    )
+    with brood.Supervisor(model, limits=fast(max_depth=3, max_concurrency=1)) as sup:
+        assert sup.run("root").answer == "root<child<a,b>>"
+
+
+def test_at_max_depth_rlm_query_is_a_plain_call_and_the_model_is_told():
+    model = brood.ScriptedModel(
+        {
+            "root": [repl("print(rlm_query('leaf question'))"), repl("FINAL('ok')")],
+            "leaf question": ["plain answer"],
+        }
+    )
+    with brood.Session(model, limits=fast(max_depth=1)) as env:
+        env.reset("root")
+        obs = env.step("print(rlm_query('leaf question'))")
+        assert obs.stdout.strip() == "plain answer"
+        assert "rlm_query answers with a plain model call" in obs.stderr
+        assert env.children() == []
+
+
+def test_unconfirmed_exit_raises_child_cleanup_error_and_refuses_reuse(tmp_path, monkeypatch):
+    monkeypatch.setattr(core, "KILL_CONFIRM_S", 0.3)
+    started = Signal(tmp_path, "started")
+    never = Gate(tmp_path, "never")
+    model = brood.ScriptedModel(
+        {
+            "root": [started.notify_then(never.blocking_reply("x"))],
+        }
+    )
+    sup = brood.Supervisor(model, limits=FAST)
+    h = sup.spawn("root")
+    started.wait()
+    zygote = sup._backend._zygote
+    os.kill(zygote.pid, signal.SIGSTOP)  # nothing can be reaped, so no exit is confirmed
+    try:
+        assert h.cancel() == "cancelled"
+        with pytest.raises(brood.SupervisorClosed, match="cleanup failure"):
+            sup.spawn("another")
+    finally:
+        os.kill(zygote.pid, signal.SIGCONT)
+    with pytest.raises(brood.ChildCleanupError) as info:
+        sup.close()
+    assert info.value.pids
+
+
+def test_child_cleanup_error_keeps_the_answer(tmp_path, monkeypatch):
+    monkeypatch.setattr(core, "KILL_CONFIRM_S", 0.3)
+    model = brood.ScriptedModel({"root": [repl("FINAL('the answer')")]})
+    sup = brood.Supervisor(model, limits=FAST)
+    zygote = sup._backend._zygote
+    os.kill(zygote.pid, signal.SIGSTOP)
+    try:
+        result = sup.run("root")
+    finally:
+        os.kill(zygote.pid, signal.SIGCONT)
+    assert result.answer == "the answer"
+    with pytest.raises(brood.ChildCleanupError) as info:
+        sup.close()
+    assert info.value.answer == "the answer"
+
+
+def test_startup_sweep_kills_processes_of_a_dead_supervisor(tmp_path):
+    """A supervisor and its zygote die by SIGKILL; the grandchild its model code started is
+    left. The next supervisor's start-up sweep finds it by its owner token and kills it."""
+    import subprocess
+    import sys
+    import textwrap
+
+    pidfile = tmp_path / "gc"
+    ready = Signal(tmp_path, "ready")
+    script = textwrap.dedent(f"""
+        import brood, signal
+        code = (
+            "import subprocess, sys\\n"
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(10**6)'])\\n"
+            "open({str(pidfile)!r}, 'w').write(str(p.pid))\\n"
+            + {ready.code!r}
+        )
+        m = brood.ScriptedModel({{"root": ["```repl\\n" + code + "\\n```", "```repl\\n"
+                                          + {Gate(tmp_path, "never").wait_code!r} + "\\n```"]}})
+        sup = brood.Supervisor(m)
+        sup.spawn("root")
+        print(sup._backend._zygote.pid, flush=True)
+        signal.pause()
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    zygote_pid = int(proc.stdout.readline())
+    ready.wait()
+    grandchild = int(pidfile.read_text())
+    os.kill(zygote_pid, signal.SIGKILL)
+    proc.kill()
+    proc.wait()
+    proc.stdout.close()
+    assert pid_alive(grandchild)  # orphaned: nobody is left to clean it up
+    with brood.Supervisor(brood.ScriptedModel([]), limits=FAST):
+        assert not pid_alive(grandchild)

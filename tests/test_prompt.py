@@ -1,0 +1,140 @@
+"""The system prompt is generated from the helpers' docstrings, so it cannot drift from them."""
+
+from __future__ import annotations
+
+import inspect
+import io
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from brood.models import ScriptedModel
+from brood.protocol import Start, SyncChannel
+from brood.worker import helpers as helpers_module
+from brood.worker.helpers import HELPER_NAMES, Runtime, make_helpers
+from brood.worker.link import Link
+from brood.worker.main import first_message
+from brood.worker.prompt import INTRO, OUTRO, describe_context, system_prompt
+from brood.worker.repl import StepClock
+
+
+def helpers(*, can_spawn: bool = True) -> dict[str, Callable[..., Any]]:
+    link = Link(SyncChannel(io.BytesIO(), io.BytesIO()))
+    rt = Runtime(
+        link,
+        ScriptedModel([]),
+        run_id="r-test",
+        depth=0,
+        can_spawn=can_spawn,
+        clock=StepClock(),
+        max_depth=2,
+    )
+    return make_helpers(rt)
+
+
+@pytest.fixture(scope="module")
+def prompt() -> str:
+    return system_prompt(helpers(), can_spawn=True)
+
+
+def test_the_helpers_placed_in_the_repl_are_exactly_helper_names() -> None:
+    made = helpers()
+    assert set(made) == HELPER_NAMES
+    assert all(fn.__name__ == name for name, fn in made.items())
+
+
+@pytest.mark.parametrize("name", sorted(HELPER_NAMES))
+def test_every_helper_is_in_the_prompt_with_its_signature_and_first_doc_line(
+    name: str, prompt: str
+) -> None:
+    fn = helpers()[name]
+    doc = inspect.getdoc(fn)
+    assert doc, f"{name} has no docstring, so the model would not learn what it does"
+    first_line = doc.splitlines()[0]
+    assert f"\n- {name}(" in prompt
+    assert first_line in prompt
+    entry = prompt.split(f"\n- {name}(", 1)[1]
+    assert entry.split("\n- ", 1)[0].count(first_line) == 1, "the doc belongs to its helper"
+
+
+@pytest.mark.parametrize("name", sorted(HELPER_NAMES))
+def test_every_line_of_every_docstring_reaches_the_model(name: str, prompt: str) -> None:
+    doc = inspect.getdoc(helpers()[name]) or ""
+    for line in doc.splitlines():
+        assert line.strip() in prompt
+
+
+def test_signatures_read_as_python_without_string_annotations(prompt: str) -> None:
+    assert "\n- llm_query(prompt: str, model: str | None = None) -> str\n" in prompt
+    assert "- rlm_wait(h: Handle, timeout: float | None = None) -> Any\n" in prompt
+    assert "'" not in "".join(line for line in prompt.splitlines() if line.startswith("- "))
+
+
+def test_the_helper_names_match_the_design_table() -> None:
+    design_section_3 = {
+        "llm_query", "llm_query_batched", "rlm_query", "rlm_query_batched", "rlm_spawn",
+        "rlm_status", "rlm_result", "rlm_wait", "rlm_wait_all", "rlm_wait_any", "rlm_cancel",
+        "rlm_send", "rlm_children", "spawn", "rlm_await", "rlm_await_all", "FINAL",
+        "FINAL_VAR", "SHOW_VARS",
+    }  # fmt: skip
+    assert design_section_3 == HELPER_NAMES
+
+
+def test_the_prompt_explains_fences_final_and_context(prompt: str) -> None:
+    assert prompt.startswith(INTRO)
+    assert prompt.endswith(OUTRO)
+    for phrase in ("```repl", "FINAL(answer)", "`context`", "persist"):
+        assert phrase in prompt
+
+
+def test_the_errors_the_prompt_offers_for_except_clauses_exist_in_the_repl() -> None:
+    errors_in_repl = getattr(helpers_module, "ERRORS", None)
+    if errors_in_repl is None:
+        pytest.skip("this version places no error classes in the REPL namespace")
+    for name in ("ChildFailed", "ChildNotReady", "LimitExceeded", "BroodError"):
+        if name in OUTRO:
+            assert name in errors_in_repl
+
+
+def test_a_run_at_the_deepest_level_is_told_rlm_query_is_a_plain_call() -> None:
+    note = "rlm_query answers with a plain model call"
+    assert note not in system_prompt(helpers(), can_spawn=True)
+    assert note in system_prompt(helpers(can_spawn=False), can_spawn=False)
+
+
+@pytest.mark.parametrize(
+    ("context", "words"),
+    [
+        ("x" * 1234, ["str", "1,234 characters"]),
+        ([1, 2, 3], ["list", "3 items"]),
+        ({"a": 1, "b": 2}, ["dict", "2 items"]),
+        (42, ["value of type int"]),
+        ({"a": 1}, ["dict", "1 item."]),
+    ],
+)
+def test_the_context_is_described_by_type_and_size(context: Any, words: list[str]) -> None:
+    text = describe_context(context)
+    assert text.startswith("`context` is a")
+    for word in words:
+        assert word in text
+
+
+def test_no_context_is_said_plainly() -> None:
+    assert describe_context(None) == "There is no context: `context` is None."
+
+
+def test_the_first_message_has_the_task_the_context_and_parent_messages() -> None:
+    start = Start(
+        run_id="r-1",
+        depth=1,
+        prompt="Count the sightings",
+        context=None,
+        model=b"",
+        limits={},
+        messages=["hurry"],
+    )
+    assert first_message(start, "abc") == (
+        "Count the sightings\n\n`context` is a str of 3 characters.\n"
+        "[message from your parent] hurry"
+    )

@@ -1,0 +1,266 @@
+"""Wire frames: every message round-trips, bad frames give ProtocolError, errors cross intact."""
+
+from __future__ import annotations
+
+import io
+import socket
+import threading
+import typing
+
+import msgspec
+import pytest
+
+from brood import errors
+from brood.protocol import (
+    HEADER,
+    MAX_FRAME,
+    AnyMsg,
+    Blocked,
+    CancelReq,
+    ChildUpdate,
+    Deliver,
+    ErrorInfo,
+    Exec,
+    Exited,
+    Failed,
+    Final,
+    Fork,
+    Forked,
+    GroupGone,
+    Hello,
+    ModelCall,
+    Msg,
+    Progress,
+    ProtocolError,
+    Quit,
+    Reply,
+    SendReq,
+    SpawnReq,
+    Start,
+    StepDone,
+    StepResult,
+    Stop,
+    SyncChannel,
+    decode,
+    encode,
+    error_info,
+    rebuild_error,
+)
+
+SAMPLES: list[Msg] = [
+    Fork(count=2),
+    Forked(pid=4242),
+    Exited(pid=4242, status=-9),
+    GroupGone(pid=4242),
+    Quit(),
+    Hello(pid=4242),
+    SpawnReq(req_id=1, prompts=["a", "b"], context=b"\x80\x04N.", model="m", timeout=1.5, step=3),
+    SpawnReq(req_id=2, prompts=[]),
+    CancelReq(req_id=3, child_id="r-1"),
+    SendReq(req_id=4, child_id="r-1", message="hurry up"),
+    Blocked(req_id=0, blocked=True),
+    ModelCall(kind="turn", model=None, latency=0.25, input_tokens=10, output_tokens=5, cost=0.1),
+    ModelCall(kind="llm_query", model="m", latency=0.0, error="ModelError: boom"),
+    StepDone(step=1, code="print(1)", stdout="1\n", stderr="", error=None, duration=0.01),
+    Progress(line="halfway"),
+    Final(answer="42"),
+    Final(answer="", reason="answer after max_iterations"),
+    Failed(reason="worker error", error="Traceback ..."),
+    StepResult(req_id=5, stdout="", stderr="", error=None, done=True, answer="42"),
+    Start(
+        run_id="r-1",
+        depth=1,
+        prompt="task",
+        context=None,
+        model=b"blob",
+        limits={"max_depth": 2, "step_timeout": None},
+        driven=True,
+        messages=["first"],
+    ),
+    Reply(req_id=6, value=["r-2", "r-3"]),
+    Reply(req_id=7, error=ErrorInfo(type="ValueError", message="bad", fields={"x": 1})),
+    ChildUpdate(child_id="r-2", state="completed", answer="yes"),
+    Deliver(message="more"),
+    Exec(req_id=8, code="x = 1"),
+    Stop(),
+]
+
+
+def test_samples_cover_every_message_type() -> None:
+    assert {type(m) for m in SAMPLES} == set(typing.get_args(AnyMsg))
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_every_message_round_trips_through_a_frame(msg: Msg) -> None:
+    frame = encode(msg)
+    (size,) = HEADER.unpack(frame[: HEADER.size])
+    assert size == len(frame) - HEADER.size
+    assert decode(frame[HEADER.size :]) == msg
+
+
+def test_tags_are_unique() -> None:
+    tags = [t.__struct_config__.tag for t in typing.get_args(AnyMsg)]
+    assert len(tags) == len(set(tags))
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"", b"\xc1", b"not msgpack at all", msgspec.msgpack.encode({"type": "Nope"})],
+    ids=["empty", "reserved-byte", "garbage", "unknown-tag"],
+)
+def test_an_undecodable_frame_raises_protocol_error_with_its_size(body: bytes) -> None:
+    with pytest.raises(ProtocolError, match=f"undecodable frame of {len(body)} bytes"):
+        decode(body)
+
+
+def test_a_frame_with_a_field_of_the_wrong_type_is_a_protocol_error() -> None:
+    body = msgspec.msgpack.encode({"type": "Fork", "count": "two"})
+    with pytest.raises(ProtocolError):
+        decode(body)
+
+
+def test_protocol_error_is_a_brood_error() -> None:
+    assert issubclass(ProtocolError, errors.BroodError)
+
+
+# ---- SyncChannel --------------------------------------------------------------------------
+@pytest.fixture
+def pair() -> typing.Iterator[tuple[socket.socket, socket.socket]]:
+    a, b = socket.socketpair()
+    with a, b:
+        yield a, b
+
+
+def test_channel_carries_messages_in_order_then_none_at_end(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    a, b = pair
+    tx, rx = SyncChannel.over_socket(a), SyncChannel.over_socket(b, buffered=False)
+    for msg in SAMPLES:
+        tx.send(msg)
+    a.shutdown(socket.SHUT_WR)
+    assert [rx.recv() for _ in SAMPLES] == SAMPLES
+    assert rx.recv() is None
+
+
+def test_channel_over_plain_file_objects() -> None:
+    out = io.BytesIO()
+    SyncChannel(io.BytesIO(), out).send(Hello(pid=1))
+    rx = SyncChannel(io.BytesIO(out.getvalue()), io.BytesIO())
+    assert rx.recv() == Hello(pid=1)
+    assert rx.recv() is None
+
+
+def test_a_frame_cut_short_reads_as_end_of_stream() -> None:
+    frame = encode(Deliver(message="x" * 100))
+    for cut in (2, HEADER.size, len(frame) - 1):
+        assert SyncChannel(io.BytesIO(frame[:cut]), io.BytesIO()).recv() is None
+
+
+def test_an_oversized_frame_header_is_refused_before_reading_the_body() -> None:
+    head = HEADER.pack(MAX_FRAME + 1)
+    with pytest.raises(ProtocolError, match="exceeds the"):
+        SyncChannel(io.BytesIO(head), io.BytesIO()).recv()
+
+
+def test_concurrent_sends_never_interleave_frames(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    a, b = pair
+    tx, rx = SyncChannel.over_socket(a), SyncChannel.over_socket(b)
+    senders, per_sender = 4, 50
+    big = "y" * 50_000  # larger than a socket buffer, so writes are split by the kernel
+
+    def send_all(n: int) -> None:
+        for i in range(per_sender):
+            tx.send(StepDone(step=i, code=f"{n}", stdout=big, stderr="", error=None, duration=0.0))
+
+    threads = [threading.Thread(target=send_all, args=(n,)) for n in range(senders)]
+    for t in threads:
+        t.start()
+    got = [rx.recv() for _ in range(senders * per_sender)]
+    for t in threads:
+        t.join()
+    assert all(isinstance(m, StepDone) and m.stdout == big for m in got)
+    for n in range(senders):
+        steps = [m.step for m in got if isinstance(m, StepDone) and m.code == f"{n}"]
+        assert steps == list(range(per_sender))
+
+
+# ---- errors across the boundary -----------------------------------------------------------
+def through_the_wire(exc: BaseException) -> BaseException:
+    """`exc` as the other side rebuilds it after a Reply frame."""
+    frame = encode(Reply(req_id=1, error=error_info(exc)))
+    reply = decode(frame[HEADER.size :])
+    assert isinstance(reply, Reply) and reply.error is not None
+    return rebuild_error(reply.error)
+
+
+def test_limit_exceeded_crosses_with_its_fields_and_message() -> None:
+    exc = errors.LimitExceeded("max_children", 11, 10, hint="the tree has 8 children already")
+    back = through_the_wire(exc)
+    assert type(back) is errors.LimitExceeded
+    assert (back.kind, back.value, back.limit) == ("max_children", 11, 10)
+    assert str(back) == str(exc)
+
+
+def test_child_failed_crosses_with_batch_details() -> None:
+    exc = errors.ChildFailed(
+        "1 of 3 failed",
+        run_id=None,
+        status="failed",
+        reason="boom",
+        failed=[1],
+        answers=["a", None, "c"],
+    )
+    back = through_the_wire(exc)
+    assert type(back) is errors.ChildFailed
+    assert str(back) == "1 of 3 failed"
+    assert back.failed == [1] and back.answers == ["a", None, "c"]
+    assert back.status == "failed" and back.reason == "boom" and back.run_id is None
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        errors.InvalidArgument("prompt must be str, got int"),
+        errors.StaleHandle("the session was reset"),
+        errors.SupervisorClosed("closed"),
+        errors.ChildNotReady("child r-1 is running"),
+        errors.ChildCleanupError("2 processes survived", pids=[11, 12], answer="42"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_brood_errors_come_back_as_their_own_class(exc: BaseException) -> None:
+    back = through_the_wire(exc)
+    assert type(back) is type(exc)
+    assert str(back) == str(exc)
+    assert vars(back) == vars(exc)
+
+
+@pytest.mark.parametrize("cls", [TimeoutError, ValueError])
+def test_timeout_and_value_errors_keep_their_builtin_class(cls: type[Exception]) -> None:
+    back = through_the_wire(cls("waited 1 s"))
+    assert type(back) is cls and str(back) == "waited 1 s"
+
+
+def test_an_unknown_error_becomes_a_brood_error_naming_its_type() -> None:
+    back = through_the_wire(KeyError("k"))
+    assert type(back) is errors.BroodError
+    assert str(back) == "KeyError: 'k'"
+
+
+def test_a_type_name_that_is_not_an_exception_class_is_not_instantiated() -> None:
+    for name in ("annotations", "Any", "__all__", "BroodError.__init__"):
+        back = rebuild_error(ErrorInfo(type=name, message="m"))
+        assert type(back) is errors.BroodError
+        assert str(back) == f"{name}: m"
+
+
+def test_error_info_keeps_only_plain_public_fields() -> None:
+    exc = errors.BroodError("x")
+    exc.count = 3  # type: ignore[attr-defined]
+    exc.table = {"a": 1}  # type: ignore[attr-defined]
+    exc._private = "p"  # type: ignore[attr-defined]
+    info = error_info(exc)
+    assert info == ErrorInfo(type="BroodError", message="x", fields={"count": 3})

@@ -1,0 +1,192 @@
+"""The public surface (`brood.__all__`) and the layering rule of the worker side."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import pickle
+import types
+from pathlib import Path
+
+import pytest
+
+import brood
+from brood import errors
+
+SRC = Path(brood.__file__).parent
+WORKER_SIDE = ("brood.worker", "brood.models")
+SUPERVISOR_SIDE = (
+    "brood.supervisor",
+    "brood.store",
+    "brood.api",
+    "brood.session",
+    "brood.cli",
+    "brood.backends",
+)
+
+
+def isort_key(name: str) -> tuple[int, str]:
+    """ruff's RUF022 ("isort-style") order: CONSTANTS, then Classes, then functions."""
+    if name.isupper():
+        return (0, name)
+    return (1, name) if name[0].isupper() else (2, name)
+
+
+def test_all_is_sorted() -> None:
+    assert brood.__all__ == sorted(brood.__all__, key=isort_key)
+    assert len(set(brood.__all__)) == len(brood.__all__)
+
+
+def test_every_name_in_all_resolves() -> None:
+    for name in brood.__all__:
+        assert getattr(brood, name, None) is not None, name
+
+
+def test_every_public_object_of_the_package_is_in_all() -> None:
+    public = {
+        name
+        for name, value in vars(brood).items()
+        if not name.startswith("_") and not isinstance(value, types.ModuleType)
+    }
+    assert public == set(brood.__all__)
+
+
+def test_every_error_of_the_tree_is_exported_and_is_a_brood_error() -> None:
+    assert set(errors.__all__) <= set(brood.__all__)
+    for name in errors.__all__:
+        cls = getattr(errors, name)
+        assert issubclass(cls, brood.BroodError), name
+        assert inspect.getdoc(cls), f"{name} has no docstring"
+
+
+def test_the_design_names_are_exported() -> None:
+    design = {
+        "Supervisor",
+        "Session",
+        "Limits",
+        "RunHandle",
+        "RunResult",
+        "RunState",
+        "TRANSITIONS",
+        "Model",
+        "BroodError",
+        "LimitExceeded",
+        "ChildFailed",
+        "ChildNotReady",
+        "StaleHandle",
+        "ChildCleanupError",
+        "StoreError",
+    }
+    assert design <= set(brood.__all__)
+
+
+def test_the_design_error_invalid_spec_exists() -> None:
+    assert "InvalidSpec" in brood.__all__
+
+
+# ---- layering -----------------------------------------------------------------------------
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_in(source: str, module: str, *, is_package: bool = False) -> set[str]:
+    """Every module that `source` (the text of `module`) imports, function bodies included."""
+    package = module if is_package else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source, module)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.add(base)
+            # `from brood import api` imports the module brood.api
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+def imports_of(path: Path) -> set[str]:
+    return imports_in(path.read_text(), module_name(path), is_package=path.name == "__init__.py")
+
+
+def worker_side_files() -> list[Path]:
+    files = sorted((SRC / "worker").glob("*.py")) + sorted((SRC / "models").glob("*.py"))
+    assert len(files) > 5
+    return files
+
+
+def forbidden(name: str) -> bool:
+    return any(name == side or name.startswith(side + ".") for side in SUPERVISOR_SIDE)
+
+
+def test_worker_side_modules_import_nothing_of_the_supervisor_side() -> None:
+    bad = {
+        f"{module_name(path)} imports {name}"
+        for path in worker_side_files()
+        for name in imports_of(path)
+        if forbidden(name)
+    }
+    assert not bad
+
+
+def test_worker_side_modules_do_not_reach_the_supervisor_side_through_others() -> None:
+    """Follow brood imports from the worker side (not through the package __init__)."""
+    seen: set[str] = set()
+    todo = [module_name(p) for p in worker_side_files()]
+    while todo:
+        name = todo.pop()
+        if name in seen or name == "brood":
+            continue
+        seen.add(name)
+        rel = Path(*name.split("."))
+        for candidate in (SRC.parent / rel.with_suffix(".py"), SRC.parent / rel / "__init__.py"):
+            if candidate.exists():
+                assert not forbidden(name), f"the worker side reaches {name}"
+                todo += [m for m in imports_of(candidate) if m.startswith("brood")]
+                break
+    assert "brood.protocol" in seen
+
+
+def test_the_import_parser_sees_relative_and_nested_imports() -> None:
+    source = (
+        "from ..supervisor import core\n"
+        "from . import repl\n"
+        "def f():\n"
+        "    import brood.api\n"
+        "    from brood.store.sqlite import SqliteStore\n"
+    )
+    found = imports_in(source, "brood.worker.probe")
+    assert {"brood.supervisor.core", "brood.worker.repl", "brood.api", "brood.store.sqlite"} <= (
+        found
+    )
+    assert all(forbidden(m) for m in ("brood.supervisor.core", "brood.api", "brood.store"))
+    assert not forbidden("brood.apis") and not forbidden("brood.protocol")
+
+
+# ---- errors survive pickling (cloudpickle ships them between processes, e.g. on Ray) ----
+ERROR_SAMPLES = [
+    pytest.param(brood.BroodError("plain"), id="BroodError"),
+    pytest.param(brood.InvalidArgument("prompt must be str, got int"), id="InvalidArgument"),
+    pytest.param(brood.LimitExceeded("max_depth", 3, 2), id="LimitExceeded"),
+    pytest.param(
+        brood.ChildFailed("1 of 2 failed", status="failed", failed=[1], answers=["a", None]),
+        id="ChildFailed",
+    ),
+    pytest.param(brood.StaleHandle("the session was reset"), id="StaleHandle"),
+    pytest.param(
+        brood.ChildCleanupError("1 process survived", pids=[4242], answer="42"),
+        id="ChildCleanupError",
+    ),
+]
+
+
+@pytest.mark.parametrize("exc", ERROR_SAMPLES)
+def test_errors_survive_pickling(exc: BaseException) -> None:
+    back = pickle.loads(pickle.dumps(exc))
+    assert type(back) is type(exc)
+    assert str(back) == str(exc)
+    assert vars(back) == vars(exc)

@@ -1,0 +1,82 @@
+"""Test tools: gates that let a test and model code meet without sleeping."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import brood
+
+FAST = brood.Limits(shutdown_grace=0.3, term_grace=0.3, max_depth=3)
+
+
+def fast(**kw: object) -> brood.Limits:
+    base = dict(shutdown_grace=0.3, term_grace=0.3, max_depth=3)
+    base.update(kw)
+    return brood.Limits(**base)  # type: ignore[arg-type]
+
+
+class Gate:
+    """A named pipe. Code in a worker blocks in `wait_code` (or a scripted reply built with
+    `blocking_reply`) until the test calls `open()`; `open()` blocks until that code waits.
+    """
+
+    def __init__(self, tmp_path: Path, name: str) -> None:
+        self.path = str(tmp_path / name)
+        os.mkfifo(self.path)
+
+    @property
+    def wait_code(self) -> str:
+        return f"open({self.path!r}).read()"
+
+    def open(self) -> None:
+        with open(self.path, "w") as f:
+            f.write("go")
+
+    def blocking_reply(self, reply: str):
+        """A scripted reply that waits for this gate before answering `reply`."""
+        path = self.path
+
+        def answer(messages: list[dict]) -> str:
+            with open(path) as f:
+                f.read()
+            return reply
+
+        return answer
+
+
+class Signal:
+    """The reverse of a Gate: model code announces it reached a point; the test waits for it."""
+
+    def __init__(self, tmp_path: Path, name: str) -> None:
+        self.path = str(tmp_path / name)
+        os.mkfifo(self.path)
+
+    @property
+    def code(self) -> str:
+        return f"open({self.path!r}, 'w').write('1')"
+
+    def notify_then(self, reply):
+        """A scripted reply that announces itself, then gives `reply` (a str or callable)."""
+        path = self.path
+
+        def answer(messages: list[dict]) -> str:
+            with open(path, "w") as f:
+                f.write("1")
+            return reply(messages) if callable(reply) else reply
+
+        return answer
+
+    def wait(self) -> None:
+        with open(self.path) as f:
+            f.read()
+
+
+def pid_alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie (a zombie has exited; its parent, which may
+    not be ours to wait for, has only not reaped it yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
