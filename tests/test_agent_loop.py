@@ -1,0 +1,243 @@
+"""The agent loop and the helpers end to end, including bad input from model and caller."""
+
+from __future__ import annotations
+
+import pytest
+from tests.util import FAST, Gate, fast
+
+import brood
+
+FENCE = "```"
+
+
+def repl(code: str) -> str:
+    return f"{FENCE}repl\n{code}\n{FENCE}"
+
+
+def last_user(messages: list[dict]) -> str:
+    return messages[-1]["content"]
+
+
+def echo_feedback(messages: list[dict]) -> str:
+    """A reply that ends the run with the feedback the model just received."""
+    return repl(f"FINAL({last_user(messages)!r})")
+
+
+@pytest.mark.parametrize(
+    ("reply", "expected"),
+    [
+        ("I think the answer is 4.", "had no ```repl block"),
+        (f"{FENCE}repl\nprint('never runs')", "never closes it"),
+    ],
+    ids=["no-code-block", "unclosed-fence"],
+)
+def test_malformed_replies_get_a_note_and_the_run_goes_on(reply, expected):
+    model = brood.ScriptedModel([reply, echo_feedback])
+    with brood.Supervisor(model, limits=FAST) as sup:
+        result = sup.run("task")
+    assert result.state == "completed"
+    assert expected in result.answer
+    assert "never runs" not in result.answer.replace("print('never runs')", "")
+
+
+def test_huge_output_is_truncated_with_a_note():
+    model = brood.ScriptedModel([repl("print('x' * 1_000_000)"), echo_feedback])
+    with brood.Supervisor(model, limits=fast(output_limit=1000)) as sup:
+        answer = sup.run("task").answer
+    assert "output truncated: 1,000,001 characters" in answer
+    assert len(answer) < 1300
+
+
+def test_helpers_called_with_wrong_types_explain_themselves():
+    code = "\n".join(
+        [
+            "for call in (lambda: llm_query(123), lambda: rlm_query_batched('not a list'),",
+            "             lambda: rlm_wait('r-123'), lambda: spawn(print, 'x')):",
+            "    try:",
+            "        call()",
+            "    except BroodError as e:",
+            "        print(e)",
+        ]
+    )
+    model = brood.ScriptedModel([repl(code), echo_feedback])
+    with brood.Supervisor(model, limits=FAST) as sup:
+        answer = sup.run("task").answer
+    assert "llm_query: prompt must be str, got int" in answer
+    assert "rlm_query_batched: prompts must be a list of str, got str" in answer
+    assert "rlm_wait takes a handle" in answer
+    assert "spawn(fn, ...) starts one of llm_query" in answer
+
+
+def test_a_blocked_builtin_says_it_is_blocked_on_purpose():
+    model = brood.ScriptedModel([repl("input('name? ')"), echo_feedback])
+    with brood.Supervisor(model, limits=FAST) as sup:
+        answer = sup.run("task").answer
+    assert "input() is blocked on purpose" in answer
+
+
+@pytest.mark.parametrize(
+    ("chat_fn", "reason"),
+    [
+        (lambda messages: 1 / 0, "raised ZeroDivisionError"),
+        (lambda messages: 42, "returned int, not text"),
+    ],
+    ids=["raises", "non-text"],
+)
+def test_a_broken_chat_fn_fails_the_run_and_the_supervisor_keeps_working(chat_fn, reason):
+    with brood.Supervisor(chat_fn, limits=FAST) as sup:
+        bad = sup.run("task")
+        assert bad.state == "failed"
+        assert bad.error.startswith("model error: chat_fn")
+        assert reason in bad.error
+        good = sup.run("task", model=brood.ScriptedModel([repl("FINAL('fine')")]))
+        assert good.answer == "fine"
+
+
+def test_after_max_iterations_one_answer_now_turn():
+    def last_turn(messages):
+        assert "You have used all 2 iterations" in last_user(messages)
+        return "best guess: 7"
+
+    model = brood.ScriptedModel([repl("x = 1"), repl("x += 1"), last_turn])
+    with brood.Supervisor(model, limits=fast(max_iterations=2)) as sup:
+        result = sup.run("task")
+    assert result.answer == "best guess: 7"
+    assert result.usage["model_calls"] == 3
+
+
+def test_settled_children_are_announced_in_the_next_turn():
+    model = brood.ScriptedModel(
+        {
+            "root": [
+                # The child ends while the root is busy; the root never collects it.
+                repl("h = rlm_spawn('child: quick')\nwhile not h.done:\n    pass"),
+                echo_feedback,
+            ],
+            "child:": [repl("FINAL('c')")],
+        }
+    )
+    with brood.Supervisor(model, limits=FAST) as sup:
+        answer = sup.run("root").answer
+    assert "[notice] child r-" in answer
+    assert "(task: 'child: quick') answered; collect it with rlm_result" in answer
+
+
+def test_a_collected_child_is_not_announced_again():
+    model = brood.ScriptedModel(
+        {
+            "root": [repl("print(rlm_query('child: quick'))"), echo_feedback],
+            "child:": [repl("FINAL('c')")],
+        }
+    )
+    with brood.Supervisor(model, limits=FAST) as sup:
+        assert "[notice]" not in sup.run("root").answer
+
+
+def test_batched_failure_keeps_every_other_answer():
+    model = brood.ScriptedModel(
+        {
+            "root": [
+                repl(
+                    "try:\n    rlm_query_batched(['child ok 1', 'child bad', 'child ok 2'])\n"
+                    "except ChildFailed as e:\n    FINAL(f'{e.failed} {e.answers}')"
+                )
+            ],
+            "child ok": [repl("FINAL('fine')")],
+            "child bad": [repl("import os\nos._exit(1)")],
+        }
+    )
+    with brood.Supervisor(model, limits=FAST) as sup:
+        assert sup.run("root").answer == "[1] ['fine', None, 'fine']"
+
+
+def test_spawned_plain_calls_run_concurrently_and_are_collected_later():
+    model = brood.ScriptedModel(
+        {
+            "root": [
+                repl(
+                    "t1 = spawn(llm_query, 'q: one')\n"
+                    "t2 = spawn(llm_query_batched, ['q: two', 'q: three'])\n"
+                    "x = 'independent work'"
+                ),
+                repl("FINAL(str(rlm_await_all([t1, t2])))"),
+            ],
+            "q: one": ["1"],
+            "q: two": ["2"],
+            "q: three": ["3"],
+        }
+    )
+    with brood.Supervisor(model, limits=FAST) as sup:
+        assert sup.run("root").answer == "['1', ['2', '3']]"
+
+
+def test_wait_any_returns_the_first_child_to_end(tmp_path):
+    slow = Gate(tmp_path, "slow")
+    model = brood.ScriptedModel(
+        {
+            "child fast": [repl("FINAL('fast')")],
+            "child slow": [slow.blocking_reply(repl("FINAL('slow')"))],
+        }
+    )
+    with brood.Session(model, limits=FAST) as env:
+        env.reset("root")
+        obs = env.step(
+            "a = rlm_spawn('child slow')\nb = rlm_spawn('child fast')\n"
+            "first = rlm_wait_any([a, b])\nprint(first is b, rlm_result(first), rlm_status(a))"
+        )
+        assert obs.stdout.split() == ["True", "fast", "running"]
+        slow.open()
+        assert env.step("print(rlm_wait(a))").stdout.strip() == "slow"
+
+
+def test_token_budget_cancels_the_tree_with_reason_budget():
+    model = brood.ScriptedModel(
+        {
+            "root": [repl("h = rlm_spawn('child: spin')\nprint('spawned')"), repl("x = 1")] * 5,
+            "child:": [repl("x = 1")] * 20,
+        },
+        tokens_per_call=(40, 10),
+    )
+    with brood.Supervisor(model, limits=fast(token_budget=200, max_iterations=20)) as sup:
+        result = sup.run("root")
+        assert result.state == "cancelled"
+        assert result.error == "budget: tokens"
+        states = {r["state"] for r in sup.store.runs(result.run_id)}
+    assert states == {"cancelled"}
+
+
+def test_session_handles_are_stale_after_reset_and_close():
+    model = brood.ScriptedModel({"child:": [repl("FINAL('c')")]})
+    env = brood.Session(model, limits=FAST)
+    env.reset("first")
+    h = env.handle()
+    assert h.status() == "running"
+    env.reset("second")
+    with pytest.raises(brood.StaleHandle, match="its session was reset"):
+        h.status()
+    h2 = env.handle()
+    env.close()
+    with pytest.raises(brood.StaleHandle, match="closed"):
+        h2.status()
+
+
+def test_run_handles_are_stale_after_close():
+    sup = brood.Supervisor(brood.ScriptedModel([repl("FINAL('x')")]), limits=FAST)
+    h = sup.spawn("task")
+    assert h.wait(timeout=30) == "x"
+    sup.close()
+    with pytest.raises(brood.StaleHandle):
+        h.result()
+
+
+def test_step_errors_are_reported_and_the_namespace_survives():
+    with brood.Session(brood.ScriptedModel([]), limits=FAST) as env:
+        env.reset("task")
+        obs = env.step("a = 5\nb = undefined_name")
+        assert obs.error == "NameError: name 'undefined_name' is not defined"
+        assert "Traceback" in obs.stderr
+        obs = env.step("print(a, SHOW_VARS())")
+        assert obs.stdout.strip() == "5 {'a': 'int'}"
+        obs = env.step("FINAL_VAR('a')")
+        assert obs.done and obs.answer == "5"
+        with pytest.raises(brood.BroodError, match="the episode has ended"):
+            env.step("print(1)")
