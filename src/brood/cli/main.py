@@ -39,9 +39,9 @@ def _store(url: str | None) -> str:
     return url or os.environ.get("BROOD_STORE") or DEFAULT_STORE
 
 
-def _fail(message: str) -> None:
-    Console(stderr=True).print(f"[red]error:[/red] {message}")
-    raise typer.Exit(2)
+def _fail(message: str, code: int = 2) -> None:
+    print(f"error: {message}", file=sys.stderr)  # plain: a message must not be re-wrapped
+    raise typer.Exit(code)
 
 
 def render_tree(runs: list[dict[str, Any]], root_id: str) -> Tree:
@@ -115,10 +115,8 @@ def run(
         print(json.dumps(result._asdict()))
     elif result.state == "completed":
         print(result.answer)
-    else:
-        _fail(f"run {result.run_id} {result.state}: {result.error}")
     if result.state != "completed":
-        raise typer.Exit(1)
+        _fail(f"run {result.run_id} {result.state}: {result.error}", code=1)
 
 
 @app.command()
@@ -135,7 +133,7 @@ def demo(store: StoreOpt = None) -> None:
     console.print(render_tree(runs, result.run_id))
     console.print(f"[bold]answer:[/bold] {result.answer}")
     if result.state != "completed":
-        _fail(f"the demo's root {result.state}: {result.error}")
+        _fail(f"the demo's root {result.state}: {result.error}", code=1)
 
 
 def main() -> None:  # pragma: no cover - console entry

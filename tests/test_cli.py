@@ -1,0 +1,81 @@
+"""The `brood` command, run as a real process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.fake_openai import FakeOpenAI
+
+BROOD = [sys.executable, "-m", "brood.cli.main"]
+
+
+def brood(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    full_env = {k: v for k, v in os.environ.items() if k != "BROOD_MODEL"}
+    full_env.update(COLUMNS="200", **(env or {}))  # rich wraps at COLUMNS
+    return subprocess.run(
+        [*BROOD, *args], capture_output=True, text=True, timeout=120, env=full_env
+    )
+
+
+def test_demo_fans_out_collects_cancels_and_prints_the_tree(tmp_path):
+    out = brood("demo", "--store", f"sqlite:///{tmp_path}/j.db")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "15 sightings at 4 sites; busiest: Oak wood (6)" in text
+    assert text.count("completed") == 5  # the root and four site counters
+    assert "cancelled" in text and "cancelled by parent" in text
+    assert "Watch the notes for late reports" in text
+
+
+def test_run_prints_the_answer_from_an_openai_compatible_server(tmp_path):
+    context = tmp_path / "notes.txt"
+    context.write_text("alpha beta gamma")
+    script = {"count the words": ["```repl\nFINAL(str(len(context.split())))\n```"]}
+    with FakeOpenAI(script) as server:
+        out = brood(
+            "run",
+            "count the words",
+            "--context",
+            str(context),
+            "--model",
+            f"openai:tiny@{server.base_url}",
+            "--store",
+            f"sqlite:///{tmp_path}/j.db",
+        )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "3"
+
+
+def test_run_json_prints_the_run_result(tmp_path):
+    script = {"say ok": ["```repl\nFINAL('ok')\n```"]}
+    with FakeOpenAI(script) as server:
+        out = brood(
+            "run",
+            "say ok",
+            "--json",
+            "--store",
+            f"sqlite:///{tmp_path}/j.db",
+            env={"BROOD_MODEL": f"openai:tiny@{server.base_url}"},
+        )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["state"] == "completed" and result["answer"] == "ok"
+    assert set(result) == {"run_id", "state", "answer", "error", "usage"}
+    assert result["usage"]["model_calls"] == 1
+
+
+def test_bad_input_gets_a_clear_error_and_exit_code_2(tmp_path):
+    store = f"sqlite:///{tmp_path}/j.db"
+    out = brood("run", "x", "--model", "nonsense:x", "--store", store)
+    assert out.returncode == 2
+    assert "unknown model spec 'nonsense:x'" in out.stderr
+    out = brood("run", "x", "--model", "openai:m", "--context", str(tmp_path / "missing"))
+    assert out.returncode == 2
+    assert "--context" in out.stderr and "No such file" in out.stderr
+    out = brood("run", "x", "--store", store)
+    assert out.returncode == 2 and "no model" in out.stderr
+    out = brood("run", "x", "--model", "openai:m", "--max-depth", "0", "--store", store)
+    assert out.returncode == 2 and "max_depth must be >= 1" in out.stderr
