@@ -8,6 +8,7 @@ from typing import Any
 
 from brood.protocol import Final, Progress, StepDone, StepResult
 from brood.worker.helpers import Runtime
+from brood.worker.link import TERMINAL_STATES
 from brood.worker.repl import Repl, truncate
 
 OPEN_FENCE = re.compile(r"^\s*```\s*(repl|python|py)\s*$")
@@ -104,8 +105,7 @@ class Agent:
             settled = [
                 u
                 for cid, u in link.children.items()
-                if u.state in ("completed", "failed", "cancelled", "timed_out")
-                and cid not in self.rt.seen
+                if u.state in TERMINAL_STATES and cid not in self.rt.seen
             ]
         lines = [f"[message from your parent] {m}" for m in inbox]
         for u in settled:

@@ -25,7 +25,7 @@ from brood.errors import (
     LimitExceeded,
     StaleHandle,
 )
-from brood.models.base import Model
+from brood.models.base import Completion, Model
 from brood.protocol import Blocked, CancelReq, ChildUpdate, ModelCall, SendReq, SpawnReq
 from brood.worker.link import TERMINAL_STATES, Link
 from brood.worker.repl import FinalSignal, StepClock
@@ -69,7 +69,9 @@ class Runtime:
 
     # ---- model calls -------------------------------------------------------------------
     def call_model(self, messages: list[dict[str, Any]], kind: str, model: str | None) -> str:
+        """One model call, reported to the supervisor (usage, latency, error) either way."""
         start = time.perf_counter()
+        done: Completion | None = None
         error = None
         try:
             with self.clock.paused():
@@ -79,15 +81,14 @@ class Runtime:
             error = f"{type(exc).__name__}: {exc}"
             raise
         finally:
-            usage = locals().get("done")
             self.link.send(
                 ModelCall(
                     kind=kind,
                     model=model or self.model.name,
                     latency=time.perf_counter() - start,
-                    input_tokens=getattr(usage, "input_tokens", 0),
-                    output_tokens=getattr(usage, "output_tokens", 0),
-                    cost=getattr(usage, "cost", 0.0),
+                    input_tokens=done.input_tokens if done else 0,
+                    output_tokens=done.output_tokens if done else 0,
+                    cost=done.cost if done else 0.0,
                     error=error,
                 )
             )

@@ -15,7 +15,7 @@ from brood.worker.agent import Agent
 from brood.worker.helpers import ERRORS, Runtime, make_helpers
 from brood.worker.link import Link
 from brood.worker.prompt import describe_context, system_prompt
-from brood.worker.repl import Repl
+from brood.worker.repl import Repl, StepClock
 
 
 def first_message(start: Start, context: object) -> str:
@@ -58,18 +58,18 @@ def run(start: Start, link: Link) -> None:
     context = cloudpickle.loads(start.context) if start.context is not None else None
     limits = start.limits
     can_spawn = start.depth + 1 < int(limits.get("max_depth", 1))
+    clock = StepClock()
     rt = Runtime(
         link,
         model,
         run_id=start.run_id,
         depth=start.depth,
         can_spawn=can_spawn,
-        clock=None,  # type: ignore[arg-type]  # set below, once the REPL exists
+        clock=clock,
         max_depth=int(limits.get("max_depth", 1)),
     )
     helpers = make_helpers(rt)
-    repl = Repl({**helpers, **ERRORS}, context)
-    rt.clock = repl.clock
+    repl = Repl({**helpers, **ERRORS}, context, clock=clock)
     rt.namespace = repl.namespace
     agent = Agent(rt, repl, limits)
     if start.driven:

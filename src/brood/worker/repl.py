@@ -112,7 +112,9 @@ class StepOutput:
 class Repl:
     """One run's namespace. `run(code)` executes a block and returns what it printed."""
 
-    def __init__(self, helpers: dict[str, Any], context: Any) -> None:
+    def __init__(
+        self, helpers: dict[str, Any], context: Any, clock: StepClock | None = None
+    ) -> None:
         safe_builtins = dict(vars(builtins))
         for name, why in BLOCKED_BUILTINS.items():
             safe_builtins[name] = _blocked(name, why)
@@ -120,7 +122,7 @@ class Repl:
         self.namespace.update(helpers)
         self.namespace["context"] = context
         self.reserved = frozenset(self.namespace)
-        self.clock = StepClock()
+        self.clock = clock or StepClock()
 
     def user_variables(self) -> dict[str, str]:
         return {
