@@ -185,7 +185,7 @@ def test_the_loop_feeds_output_back_until_final() -> None:
     final = agent.loop("Count the characters.", "system prompt")
     assert final == Final("12 characters")
     kinds = [type(m).__name__ for m in messages_sent(sent)]
-    assert kinds == ["ModelCall", "StepDone", "Progress", "ModelCall", "StepDone"]
+    assert kinds == ["ModelCall", "StepDone", "ModelCall", "StepDone"]
 
 
 def test_the_model_sees_its_output_in_the_next_turn() -> None:

@@ -244,3 +244,26 @@ def test_status_result_and_not_ready(tmp_path, n):
             "print(rlm_wait(h), rlm_result(h), rlm_status(h), h.done, len(rlm_children()))"
         )
         assert obs.stdout.split() == ["r", "r", "completed", "True", "1"]
+
+
+def test_a_child_started_with_a_model_name_uses_it_for_every_call():
+    def chat(messages, model=None):
+        task = messages[1]["content"] if len(messages) > 1 else messages[0]["content"]
+        if task.startswith("root"):
+            return repl("FINAL(rlm_query('child: which model?', model='small-model'))")
+        if task.startswith("child"):
+            return repl("FINAL(llm_query('plain') + ' / ' + " + repr(str(model)) + ")")
+        return f"plain call on {model}"
+
+    with brood.Supervisor(chat, limits=FAST) as sup:
+        result = sup.run("root task")
+        (child,) = [r for r in sup.store.runs(result.run_id) if r["depth"] == 1]
+    assert result.answer == "plain call on small-model / small-model"
+    assert child["model"] == "small-model"
+
+
+def test_a_closed_supervisor_refuses_new_runs():
+    sup = brood.Supervisor(brood.ScriptedModel([repl("FINAL('x')")]), limits=FAST)
+    sup.close()
+    with pytest.raises(brood.SupervisorClosed, match="closed"):
+        sup.run("task")

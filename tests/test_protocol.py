@@ -18,6 +18,8 @@ from brood.protocol import (
     Blocked,
     CancelReq,
     ChildUpdate,
+    CtlCancel,
+    CtlSend,
     Deliver,
     ErrorInfo,
     Exec,
@@ -30,7 +32,6 @@ from brood.protocol import (
     Hello,
     ModelCall,
     Msg,
-    Progress,
     ProtocolError,
     Quit,
     Reply,
@@ -62,7 +63,6 @@ SAMPLES: list[Msg] = [
     ModelCall(kind="turn", model=None, latency=0.25, input_tokens=10, output_tokens=5, cost=0.1),
     ModelCall(kind="llm_query", model="m", latency=0.0, error="ModelError: boom"),
     StepDone(step=1, code="print(1)", stdout="1\n", stderr="", error=None, duration=0.01),
-    Progress(line="halfway"),
     Final(answer="42"),
     Final(answer="", reason="answer after max_iterations"),
     Failed(reason="worker error", error="Traceback ..."),
@@ -83,6 +83,8 @@ SAMPLES: list[Msg] = [
     Deliver(message="more"),
     Exec(req_id=8, code="x = 1"),
     Stop(),
+    CtlCancel(req_id=9, run_id="r-1"),
+    CtlSend(req_id=10, run_id="r-1", message="hurry"),
 ]
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import socket
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -11,11 +13,18 @@ import cloudpickle
 
 from brood.backends.base import make_backend
 from brood.backends.local import owner_token
-from brood.errors import ChildFailed, ChildNotReady, InvalidArgument, StaleHandle
+from brood.errors import (
+    ChildFailed,
+    ChildNotReady,
+    InvalidArgument,
+    StaleHandle,
+    SupervisorClosed,
+)
 from brood.lifecycle import RunState
 from brood.limits import Limits
 from brood.models.base import Model, resolve_model
 from brood.store.base import Store, open_store
+from brood.supervisor.control import ControlServer
 from brood.supervisor.core import Core, Run, RunInfo
 from brood.supervisor.loop import LoopThread
 from brood.supervisor.observers import Observers
@@ -98,11 +107,23 @@ class Supervisor:
                 observers=self._observers,
                 owner=owner,
             )
-            self._loop.call(self._backend.start(preload))
+            self._control = ControlServer(self._core)
+            self._loop.call(self._start(preload))
         except BaseException:
+            with contextlib.suppress(Exception):
+                self._loop.call(self._backend.close())
             self._shutdown()
             raise
         self._closed = False
+
+    async def _start(self, preload: tuple[str, ...]) -> None:
+        await self._backend.start(preload)
+        await self._control.start()
+        await asyncio.wrap_future(
+            self._store.insert_supervisor(
+                self._core.owner, os.getpid(), socket.gethostname(), self._control.path
+            )
+        )
 
     # ---- starting runs -----------------------------------------------------------------
     def spawn(
@@ -114,6 +135,8 @@ class Supervisor:
         model: str | Callable[..., Any] | Model | None = None,
     ) -> RunHandle:
         """Start a root run and return its handle at once."""
+        if self._closed:
+            raise SupervisorClosed("the supervisor is closed; make a new one")
         run = self._loop.call(self._create(prompt, context, timeout, model, driven=False))
         return RunHandle(self, run)
 
@@ -173,11 +196,16 @@ class Supervisor:
             return
         self._closed = True
         try:
-            self._loop.call(self._core.close())
+            self._loop.call(self._close())
         finally:
             self._shutdown()
         if self._core.broken is not None:
             raise self._core.broken
+
+    async def _close(self) -> None:
+        await self._core.close()
+        await self._control.close()
+        await asyncio.wrap_future(self._store.close_supervisor(self._core.owner))
 
     def _shutdown(self) -> None:
         self._loop.stop()

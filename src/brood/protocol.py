@@ -6,6 +6,7 @@ Both sides import this module; it imports nothing of either side.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import struct
 import threading
@@ -92,6 +93,10 @@ class ModelCall(Msg):
     output_tokens: int = 0
     cost: float = 0.0
     error: str | None = None
+    # The messages added since this run's previous call of the same kind ("turn": the
+    # conversation grows, so the journal keeps each message once), and the reply.
+    request: list[dict[str, Any]] = []
+    response: str | None = None
 
 
 class StepDone(Msg):
@@ -101,10 +106,6 @@ class StepDone(Msg):
     stderr: str
     error: str | None
     duration: float
-
-
-class Progress(Msg):
-    line: str
 
 
 class Final(Msg):
@@ -136,6 +137,7 @@ class Start(Msg):
     limits: dict[str, Any]
     driven: bool = False  # True for a Session root: steps come from Exec, not a model
     messages: list[str] = []
+    model_name: str | None = None  # rlm_query(model=...): passed to every model call
 
 
 class ErrorInfo(msgspec.Struct, omit_defaults=True):
@@ -171,6 +173,19 @@ class Stop(Msg):
     pass
 
 
+# ---- another process (the CLI) -> a supervisor's control socket ---------------------------
+class CtlCancel(Msg):
+    req_id: int
+    run_id: str
+    reason: str = "cancelled by user"
+
+
+class CtlSend(Msg):
+    req_id: int
+    run_id: str
+    message: str
+
+
 AnyMsg = (
     Fork
     | Forked
@@ -184,7 +199,6 @@ AnyMsg = (
     | Blocked
     | ModelCall
     | StepDone
-    | Progress
     | Final
     | Failed
     | StepResult
@@ -194,6 +208,8 @@ AnyMsg = (
     | Deliver
     | Exec
     | Stop
+    | CtlCancel
+    | CtlSend
 )
 
 _encoder = msgspec.msgpack.Encoder()
@@ -254,6 +270,12 @@ class SyncChannel:
         rfile = sock.makefile("rb", buffering=65536 if buffered else 0)
         return cls(rfile, sock.makefile("wb", buffering=0))
 
+    def close(self) -> None:
+        for f in (self._r, self._w):
+            close = getattr(f, "close", None)
+            if close is not None:
+                close()
+
     def send(self, msg: Msg) -> None:
         data = encode(msg)
         with self._lock:
@@ -283,3 +305,15 @@ class SyncChannel:
                 return None
             buf += chunk
         return buf
+
+
+async def read_frame(reader: asyncio.StreamReader) -> Msg | None:
+    """The next message from an asyncio stream, or None at end of stream."""
+    try:
+        head = await reader.readexactly(HEADER.size)
+        (size,) = HEADER.unpack(head)
+        if size > MAX_FRAME:
+            raise ProtocolError(f"frame of {size} bytes exceeds the {MAX_FRAME}-byte bound")
+        return decode(await reader.readexactly(size))
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return None

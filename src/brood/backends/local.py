@@ -22,34 +22,19 @@ import tempfile
 from brood.backends.base import WorkerConn
 from brood.errors import BackendError
 from brood.protocol import (
-    HEADER,
-    MAX_FRAME,
     Exited,
     Fork,
     Forked,
     GroupGone,
     Hello,
-    Msg,
-    ProtocolError,
     Quit,
-    decode,
     encode,
+    read_frame,
 )
 
 WARM_WORKERS = 2  # ready workers kept forked; each idles at about 1 MiB of its own memory
 ZYGOTE_START_TIMEOUT_S = 60.0  # a cold import on a loaded machine can take seconds
 OWNER_ENV = "BROOD_OWNER"
-
-
-async def read_frame(reader: asyncio.StreamReader) -> Msg | None:
-    try:
-        head = await reader.readexactly(HEADER.size)
-        (size,) = HEADER.unpack(head)
-        if size > MAX_FRAME:
-            raise ProtocolError(f"frame of {size} bytes exceeds the {MAX_FRAME}-byte bound")
-        return decode(await reader.readexactly(size))
-    except (asyncio.IncompleteReadError, ConnectionError):
-        return None
 
 
 def owner_token() -> str:
@@ -66,7 +51,8 @@ def _start_time(pid: int) -> str:
         return "?"
 
 
-def _owner_alive(token: str) -> bool:
+def owner_alive(token: str) -> bool:
+    """Whether the process an owner token names is still that same process."""
     pid, _, rest = token.partition(":")
     start = rest.partition(":")[0]
     try:
@@ -99,7 +85,7 @@ def sweep_orphans(owner: str | None = None) -> list[int]:
     supervisor started); returns their pids."""
     killed = []
     for pid, token in processes_owned().items():
-        if pid == os.getpid() or (token != owner if owner else _owner_alive(token)):
+        if pid == os.getpid() or (token != owner if owner else owner_alive(token)):
             continue
         for kill in (os.killpg, os.kill):
             with contextlib.suppress(OSError):

@@ -10,40 +10,62 @@ from typing import Any, Protocol
 from brood.errors import StoreError
 from brood.lifecycle import RunRecord
 
-SCHEMA_VERSION = 1
-
 
 class Store(Protocol):
-    """Writes return futures that resolve once the write is committed."""
+    """A journal. Writes return futures that resolve once the write is committed; reads
+    return plain dicts. See `brood.store.sql.SQLStore` for the full set of calls."""
 
     url: str
+    readonly: bool
+
+    def insert_supervisor(
+        self, token: str, pid: int, host: str, control: str | None
+    ) -> Future[None]: ...
+
+    def close_supervisor(self, token: str) -> Future[None]: ...
 
     def insert_run(self, rec: RunRecord, supervisor: str) -> Future[None]: ...
 
     def transition(self, rec: RunRecord, frm: str, to: str) -> Future[None]: ...
 
-    def event(self, run_id: str, kind: str, data: dict[str, Any]) -> Future[None]: ...
+    def event(
+        self, rec: RunRecord, kind: str, data: dict[str, Any], progress: str | None = None
+    ) -> Future[None]: ...
+
+    def flush(self) -> None: ...
 
     def get_run(self, run_id: str) -> dict[str, Any]: ...
 
     def runs(self, root_id: str | None = None) -> list[dict[str, Any]]: ...
 
+    def roots(self, limit: int = 20) -> list[dict[str, Any]]: ...
+
+    def supervisor(self, token: str) -> dict[str, Any] | None: ...
+
     def transitions(self, run_id: str) -> list[dict[str, Any]]: ...
 
-    def events(self, run_id: str, kind: str | None = None) -> list[dict[str, Any]]: ...
+    def events(
+        self,
+        run_id: str | None = None,
+        kind: str | None = None,
+        *,
+        after: int = 0,
+        root_id: str | None = None,
+    ) -> list[dict[str, Any]]: ...
 
     def close(self) -> None: ...
 
 
-def open_store(url: str | None) -> Store:
-    """Open the store a URL names. None gives a private temporary SQLite file."""
+def open_store(url: str | None, *, readonly: bool = False) -> Store:
+    """Open the store a URL names. None gives a private temporary SQLite file.
+
+    `readonly` opens an existing journal for reading only (the CLI's read commands)."""
     from brood.store.sqlite import SQLiteStore
 
     if url is None:
         tmp = tempfile.mkdtemp(prefix="brood-journal-")
-        return SQLiteStore(
-            os.path.join(tmp, "brood.db"), url="sqlite://(temporary)", remove_dir=tmp
-        )
+        path = os.path.join(tmp, "brood.db")
+        return SQLiteStore(path, url=f"sqlite:///{path}", remove_dir=tmp)
     if not isinstance(url, str):
         raise StoreError(
             f"store must be a URL string like 'sqlite:///.brood/brood.db', got {type(url).__name__}"
@@ -57,7 +79,12 @@ def open_store(url: str | None) -> Store:
         path = rest[1:] if rest.startswith("/") else rest
         if path in ("", ":memory:"):
             return open_store(None)
-        return SQLiteStore(path, url=url)
+        return SQLiteStore(path, url=url, readonly=readonly)
     if scheme in ("postgresql", "postgres"):
-        raise StoreError(f"store {url!r}: the Postgres store is not built yet; use sqlite:///PATH")
-    raise StoreError(f"store {url!r} has an unknown scheme {scheme!r}; use sqlite:///PATH")
+        from brood.store.postgres import PostgresStore
+
+        return PostgresStore(url, readonly=readonly)
+    raise StoreError(
+        f"store {url!r} has an unknown scheme {scheme!r}; use sqlite:///PATH or "
+        "postgresql://USER@HOST/DB"
+    )

@@ -34,7 +34,6 @@ from brood.protocol import (
     Final,
     ModelCall,
     Msg,
-    Progress,
     Reply,
     SendReq,
     SpawnReq,
@@ -52,6 +51,12 @@ GONE_SETTLE_S = 0.2  # after the leader exits, how long reaping its group's rest
 DRAIN_ON_EXIT_S = 1.0  # read what a dead worker sent last before calling its exit a crash
 
 Q, RUN, CANCELLING = RunState.QUEUED, RunState.RUNNING, RunState.CANCELLING
+
+
+def last_line(text: str) -> str:
+    """The last non-empty line of a step's output, cut to fit a live view."""
+    lines = text.strip().splitlines()
+    return lines[-1][-200:] if lines else ""
 
 
 def new_run_id() -> str:
@@ -161,8 +166,10 @@ class Core:
             r = run.rec
             parent.conn.send(ChildUpdate(r.id, to.value, r.answer, r.reason, r.error))
 
-    def _event(self, run: Run, kind: str, data: dict[str, Any]) -> None:
-        self.store.event(run.id, kind, data)
+    def _event(
+        self, run: Run, kind: str, data: dict[str, Any], progress: str | None = None
+    ) -> None:
+        self.store.event(run.rec, kind, data, progress)
 
     def check_open(self) -> None:
         if self.broken is not None:
@@ -197,14 +204,9 @@ class Core:
             prompt=prompt,
             model=model_name or self.model_name,
         )
+        # A root's model_name only labels the journal row; the model object is the choice.
         run = Run(
-            rec,
-            model_blob or self.model_blob,
-            context_blob,
-            model_name,
-            timeout,
-            None,
-            driven=driven,
+            rec, model_blob or self.model_blob, context_blob, None, timeout, None, driven=driven
         )
         await self._admit(run)
         return run
@@ -314,6 +316,7 @@ class Core:
                 limits=self.limits.to_dict(),
                 driven=run.driven,
                 messages=run.messages,
+                model_name=run.model_name,
             )
         )
         run.messages = []
@@ -339,6 +342,7 @@ class Core:
         elif isinstance(msg, ModelCall):
             self._account(run, msg)
         elif isinstance(msg, StepDone):
+            run.last_line = last_line(msg.stdout) or run.last_line
             self._event(
                 run,
                 "step",
@@ -350,9 +354,8 @@ class Core:
                     "error": msg.error,
                     "duration": msg.duration,
                 },
+                progress=last_line(msg.stdout) or run.last_line,
             )
-        elif isinstance(msg, Progress):
-            run.last_line = msg.line
         elif isinstance(msg, Final):
             run.rec.answer = msg.answer
             self._task(self.finish(run, RunState.COMPLETED, msg.reason, answer=msg.answer))
@@ -420,6 +423,8 @@ class Core:
                 "input_tokens": msg.input_tokens,
                 "output_tokens": msg.output_tokens,
                 "error": msg.error,
+                "request": msg.request,
+                "response": msg.response,
             },
         )
         root = self.runs[run.rec.root_id]

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from brood.protocol import Final, Progress, StepDone, StepResult
+from brood.protocol import Final, StepDone, StepResult
 from brood.worker.helpers import Runtime
 from brood.worker.link import TERMINAL_STATES
 from brood.worker.repl import Repl, truncate
@@ -75,9 +75,6 @@ class Agent:
             stderr += "".join(n + "\n" for n in self.rt.notes)
             self.rt.notes.clear()
         self.rt.link.send(StepDone(self.rt.step, code, out.stdout, stderr, out.error, out.duration))
-        last = (out.stdout.strip().splitlines() or [""])[-1]
-        if last:
-            self.rt.link.send(Progress(last[-200:]))
         return out.stdout, stderr, out.error
 
     def feedback(self, reply: str) -> str:

@@ -56,6 +56,8 @@ class Runtime:
         self.clock = clock
         self.step = 0
         self.final: str | None = None
+        self.model_name: str | None = None  # the model name this run was started with
+        self.turn_sent = 0  # messages of the conversation already journaled
         self.namespace: dict[str, Any] = {}
         self.closed: str | None = None  # why handles are stale, once they are
         self.handles: dict[str, ChildHandle] = {}
@@ -73,7 +75,12 @@ class Runtime:
         start = time.perf_counter()
         done: Completion | None = None
         error = None
+        if kind == "turn":
+            request, self.turn_sent = messages[self.turn_sent :], len(messages)
+        else:
+            request = messages
         try:
+            model = model or self.model_name
             with self.clock.paused():
                 done = self.model.complete(messages, model=model)
             return done.text
@@ -90,6 +97,8 @@ class Runtime:
                     output_tokens=done.output_tokens if done else 0,
                     cost=done.cost if done else 0.0,
                     error=error,
+                    request=request,
+                    response=done.text if done else None,
                 )
             )
 

@@ -68,6 +68,7 @@ def run(start: Start, link: Link) -> None:
         clock=clock,
         max_depth=int(limits.get("max_depth", 1)),
     )
+    rt.model_name = start.model_name
     helpers = make_helpers(rt)
     repl = Repl({**helpers, **ERRORS}, context, clock=clock)
     rt.namespace = repl.namespace

@@ -1,0 +1,196 @@
+"""`Journal`: read a journal and act on trees that other processes run (the CLI's view).
+
+Reading never changes the journal: the store is opened read-only. Cancel and send go to the
+control socket of the supervisor that owns the tree, found in the journal.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from brood.backends.local import owner_alive
+from brood.errors import BroodError
+from brood.lifecycle import TERMINAL
+from brood.protocol import CtlCancel, CtlSend
+from brood.store.base import Store, open_store
+from brood.supervisor.control import control_request
+
+__all__ = ["USAGE_KEYS", "Journal"]
+
+USAGE_KEYS = ("model_calls", "input_tokens", "output_tokens", "cost")
+TERMINAL_VALUES = frozenset(s.value for s in TERMINAL)
+CONTROL_TIMEOUT_S = 120.0  # a cancel waits for confirmed exit, which includes grace periods
+
+
+def add_usage(into: dict[str, Any], usage: dict[str, Any]) -> None:
+    for k in USAGE_KEYS:
+        into[k] = into.get(k, 0) + usage.get(k, 0)
+
+
+class Journal:
+    """A read-only view of a journal, by store URL."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.store: Store = open_store(url, readonly=True)
+        self._alive: dict[str, bool] = {}
+
+    def close(self) -> None:
+        self.store.close()
+
+    def __enter__(self) -> Journal:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- liveness ------------------------------------------------------------------------
+    def supervisor_alive(self, token: str | None) -> bool:
+        if not token:
+            return False
+        if token not in self._alive:
+            row = self.store.supervisor(token)
+            self._alive[token] = bool(row and row["closed_at"] is None and owner_alive(token))
+        return self._alive[token]
+
+    def _decorate(self, run: dict[str, Any]) -> dict[str, Any]:
+        """Adds `run_id`, `stale` (not ended, but its supervisor is gone) and `duration`."""
+        run["run_id"] = run["id"]
+        run["stale"] = run["state"] not in TERMINAL_VALUES and not self.supervisor_alive(
+            run["supervisor"]
+        )
+        start, end = run["started_at"], run["ended_at"]
+        if start is None:
+            run["duration"] = None
+        else:
+            # A stale run's clock stopped with its supervisor; its duration is unknown.
+            stop = end if end is not None else (None if run["stale"] else time.time())
+            run["duration"] = None if stop is None else stop - start
+        return run
+
+    # ---- reads ---------------------------------------------------------------------------
+    def run(self, run_id: str) -> dict[str, Any]:
+        """One run with its own usage and its subtree's (`subtree_usage`)."""
+        run = self._decorate(self.store.get_run(run_id))
+        tree = self._index(run["root_id"])
+        run["subtree_usage"] = tree[run_id]["subtree_usage"]
+        run["children"] = [c["id"] for c in tree[run_id]["children"]]
+        return run
+
+    def _index(self, root_id: str) -> dict[str, dict[str, Any]]:
+        runs = [self._decorate(r) for r in self.store.runs(root_id)]
+        by_id = {r["id"]: r for r in runs}
+        for r in runs:
+            r["children"] = []
+        for r in runs:
+            parent = by_id.get(r["parent_id"])
+            if parent is not None:
+                parent["children"].append(r)
+        for r in reversed(runs):  # children are created after their parent
+            total: dict[str, Any] = {}
+            add_usage(total, r["usage"])
+            for c in r["children"]:
+                add_usage(total, c["subtree_usage"])
+            r["subtree_usage"] = total
+        return by_id
+
+    def tree(self, run_id: str) -> dict[str, Any]:
+        """The run and its descendants, nested under `children`, each with its usage and
+        its subtree's."""
+        root_id = self.store.get_run(run_id)["root_id"]
+        return self._index(root_id)[run_id]
+
+    def roots(self, limit: int = 20) -> list[dict[str, Any]]:
+        """The most recent trees, newest first, with their size and subtree usage."""
+        out = []
+        for root in self.store.roots(limit):
+            index = self._index(root["id"])
+            row = index[root["id"]]
+            row["runs"] = len(index)
+            row["open"] = sum(1 for r in index.values() if r["state"] not in TERMINAL_VALUES)
+            out.append(row)
+        return out
+
+    def steps(self, run_id: str) -> list[dict[str, Any]]:
+        return [e["data"] | {"at": e["at"]} for e in self.store.events(run_id, "step")]
+
+    def events(self, run_id: str, after: int = 0) -> list[dict[str, Any]]:
+        """The run's trajectory since event `after`: model calls, steps, messages."""
+        self.store.get_run(run_id)  # an unknown id is an error, not an empty log
+        return self.store.events(run_id, after=after)
+
+    def export(self, run_id: str) -> Iterator[dict[str, Any]]:
+        """One record per model call of the tree under `run_id`, with the full request
+        messages, the response and usage: the shape RL and fine-tuning pipelines read."""
+        tree = self.tree(run_id)
+        stack = [tree]
+        while stack:
+            node = stack.pop(0)
+            conversation: list[dict[str, Any]] = []
+            turn = 0
+            for ev in self.store.events(node["id"], "model_call"):
+                d = ev["data"]
+                if d["kind"] == "turn":
+                    conversation.extend(d.get("request", []))
+                    messages = list(conversation)
+                    turn += 1
+                else:
+                    messages = d.get("request", [])
+                yield {
+                    "run_id": node["id"],
+                    "root_id": node["root_id"],
+                    "parent_id": node["parent_id"],
+                    "depth": node["depth"],
+                    "kind": d["kind"],
+                    "turn": turn if d["kind"] == "turn" else None,
+                    "model": d.get("model"),
+                    "messages": messages,
+                    "response": d.get("response"),
+                    "error": d.get("error"),
+                    "usage": {
+                        "input_tokens": d.get("input_tokens", 0),
+                        "output_tokens": d.get("output_tokens", 0),
+                    },
+                    "latency": d.get("latency"),
+                }
+            stack.extend(node["children"])
+
+    # ---- acting on another process's tree ------------------------------------------------
+    def _control(self, run_id: str) -> str:
+        run = self._decorate(self.store.get_run(run_id))
+        if run["state"] in TERMINAL_VALUES:
+            raise BroodError(
+                f"run {run_id} is {run['state']}; a run that has ended cannot be "
+                "cancelled or sent to"
+            )
+        token = run["supervisor"]
+        row = self.store.supervisor(token) if token else None
+        if row is None or not self.supervisor_alive(token) or not row["control"]:
+            pid = token.split(":")[0] if token else "?"
+            raise BroodError(
+                f"run {run_id} is stale: its supervisor (pid {pid}) is gone; "
+                "`brood resume` can pick the tree up"
+            )
+        return str(row["control"])
+
+    def cancel(self, run_id: str) -> str:
+        """Cancel a run (and its subtree) of a tree another process runs; returns the final
+        state once every exit is confirmed."""
+        path = self._control(run_id)
+        return str(
+            control_request(
+                path, CtlCancel(1, run_id, "cancelled by user (brood cancel)"), CONTROL_TIMEOUT_S
+            )
+        )
+
+    def send(self, run_id: str, message: str) -> None:
+        """A follow-up message to a running run of another process's tree."""
+        path = self._control(run_id)
+        control_request(path, CtlSend(1, run_id, message), CONTROL_TIMEOUT_S)
+
+
+def default_store_url() -> str:
+    return os.environ.get("BROOD_STORE") or "sqlite:///.brood/brood.db"

@@ -1,0 +1,66 @@
+"""The Postgres journal (psycopg 3): the same schema and calls as the SQLite one."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from brood.errors import StoreError
+from brood.store.sql import SQLStore
+
+try:
+    import psycopg
+except ImportError:  # pragma: no cover - depends on the install
+    psycopg = None  # type: ignore[assignment]
+
+CONNECT_TIMEOUT_S = 10
+
+
+class PostgresStore(SQLStore):
+    placeholder = "%s"
+    real = "DOUBLE PRECISION"
+    serial = "BIGSERIAL PRIMARY KEY"
+
+    def __init__(self, url: str, *, readonly: bool = False) -> None:
+        if psycopg is None:
+            raise StoreError(f"store {url!r} needs psycopg: pip install 'rlm-brood[postgres]'")
+        self.errors = (psycopg.Error,)
+        self.where = f"journal {_redact(url)}"
+        super().__init__(url, readonly=readonly)
+
+    def _connect(self, readonly: bool) -> Any:
+        assert psycopg is not None
+        try:
+            conn = psycopg.connect(self.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S)
+        except psycopg.Error as exc:
+            raise StoreError(
+                f"cannot open {self.where}: {exc}".strip()
+                + "; check the URL, the server and its credentials"
+            ) from exc
+        if readonly:
+            conn.execute("SET default_transaction_read_only = on")
+        return conn
+
+    @contextlib.contextmanager
+    def _transaction(self, conn: Any) -> Iterator[Any]:
+        with conn.transaction(), conn.cursor() as cur:
+            yield cur
+
+    def _schema_version(self, conn: Any) -> int:
+        try:
+            return super()._schema_version(conn)
+        except StoreError:
+            raise
+        except Exception as exc:  # the meta table is missing: not a brood journal yet
+            raise StoreError(f"{self.where} is not a brood journal: {exc}") from exc
+
+
+def _redact(url: str) -> str:
+    """The URL without its password, for messages."""
+    head, at, tail = url.rpartition("@")
+    if not at or ":" not in head.split("//", 1)[-1]:
+        return url
+    scheme, _, cred = head.partition("//")
+    user = cred.split(":", 1)[0]
+    return f"{scheme}//{user}:***@{tail}"

@@ -1,0 +1,364 @@
+"""What the SQLite and Postgres journals share: the schema, batched writes, reads.
+
+Writes go through one writer thread that commits everything queued so far in one
+transaction (a batch), and return futures that resolve once that commit is done: the
+supervisor waits on a transition's future before it tells anyone of the transition. Reads
+use one connection per reading thread. A store opened read-only (the CLI's read commands)
+starts no writer and never changes the journal.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from contextlib import AbstractContextManager
+from typing import Any
+
+from brood.errors import StoreError
+from brood.lifecycle import RunRecord
+
+SCHEMA_VERSION = 1
+BATCH_MAX = 500  # writes committed in one transaction at most
+
+# {real} and {serial} are filled in per database.
+SCHEMA = [
+    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    """CREATE TABLE IF NOT EXISTS supervisors (
+        id TEXT PRIMARY KEY, pid BIGINT NOT NULL, host TEXT, control TEXT,
+        started_at {real} NOT NULL, closed_at {real})""",
+    """CREATE TABLE IF NOT EXISTS runs (
+        id TEXT PRIMARY KEY, root_id TEXT NOT NULL, parent_id TEXT, depth INTEGER NOT NULL,
+        key TEXT, attempt INTEGER NOT NULL DEFAULT 0, prompt TEXT NOT NULL, model TEXT,
+        pool TEXT, context_ref TEXT, state TEXT NOT NULL, reason TEXT, answer TEXT,
+        error TEXT, usage TEXT NOT NULL DEFAULT '{{}}', last_line TEXT,
+        created_at {real} NOT NULL, started_at {real}, ended_at {real}, pid BIGINT,
+        supervisor TEXT)""",
+    "CREATE INDEX IF NOT EXISTS runs_root ON runs(root_id)",
+    "CREATE INDEX IF NOT EXISTS runs_parent ON runs(parent_id)",
+    """CREATE TABLE IF NOT EXISTS transitions (
+        seq {serial}, run_id TEXT NOT NULL, frm TEXT NOT NULL, "to" TEXT NOT NULL,
+        reason TEXT, at {real} NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS transitions_run ON transitions(run_id)",
+    """CREATE TABLE IF NOT EXISTS events (
+        seq {serial}, run_id TEXT NOT NULL, root_id TEXT NOT NULL, kind TEXT NOT NULL,
+        data TEXT NOT NULL, at {real} NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS events_run ON events(run_id, seq)",
+    "CREATE INDEX IF NOT EXISTS events_root ON events(root_id, seq)",
+]
+
+Conn = Any  # a DB-API connection of the database at hand
+Write = Callable[[Any], object]  # given a cursor
+
+
+class SQLStore:
+    """Base of the SQL journals; subclasses connect, and say how a transaction is opened."""
+
+    placeholder = "?"
+    real = "REAL"
+    serial = "INTEGER PRIMARY KEY"
+    errors: tuple[type[BaseException], ...] = ()
+    where = ""  # how messages name this journal
+
+    def __init__(self, url: str, *, readonly: bool = False) -> None:
+        self.url = url
+        self.readonly = readonly
+        self._local = threading.local()
+        self._queue: queue.Queue[tuple[Write, Future[None]] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        conn = self._open(readonly)
+        if readonly:
+            self._local.conn = conn
+            return
+        self._writer = conn
+        self._thread = threading.Thread(target=self._write_loop, name="brood-journal", daemon=True)
+        self._thread.start()
+
+    # ---- subclass hooks ------------------------------------------------------------------
+    def _connect(self, readonly: bool) -> Conn:
+        raise NotImplementedError
+
+    def _transaction(self, conn: Conn) -> AbstractContextManager[Any]:
+        raise NotImplementedError
+
+    # ---- opening -------------------------------------------------------------------------
+    def _open(self, readonly: bool) -> Conn:
+        conn = self._connect(readonly)
+        try:
+            if not readonly:
+                with self._transaction(conn) as cur:
+                    for stmt in SCHEMA:
+                        cur.execute(stmt.format(real=self.real, serial=self.serial))
+                    cur.execute(self.q("SELECT value FROM meta WHERE key='schema'"))
+                    row = cur.fetchone()
+                    if row is None:
+                        cur.execute(
+                            self.q("INSERT INTO meta VALUES ('schema', ?)"), (str(SCHEMA_VERSION),)
+                        )
+            version = self._schema_version(conn)
+        except self.errors as exc:
+            conn.close()
+            raise StoreError(
+                f"{self.where} cannot be read as a brood journal: {exc}; if the file is "
+                "damaged, move it aside and brood starts a new one"
+            ) from exc
+        if version > SCHEMA_VERSION:
+            conn.close()
+            raise StoreError(
+                f"{self.where} has schema version {version}, newer than this brood's "
+                f"{SCHEMA_VERSION}; upgrade brood (pip install -U rlm-brood)"
+            )
+        return conn
+
+    def _schema_version(self, conn: Conn) -> int:
+        cur = conn.cursor()
+        try:
+            cur.execute("SELECT value FROM meta WHERE key='schema'")
+            row = cur.fetchone()
+        finally:
+            cur.close()
+        if row is None:
+            raise StoreError(f"{self.where} is not a brood journal (no schema version)")
+        return int(row[0] if not isinstance(row, dict) else row["value"])
+
+    def q(self, sql: str) -> str:
+        return sql if self.placeholder == "?" else sql.replace("?", self.placeholder)
+
+    # ---- writes ----------------------------------------------------------------------------
+    def _write_loop(self) -> None:
+        conn = self._writer
+        stop = False
+        while not stop:
+            item = self._queue.get()
+            batch: list[tuple[Write, Future[None]]] = []
+            if item is None:
+                stop = True
+            else:
+                batch.append(item)
+            while len(batch) < BATCH_MAX:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    stop = True
+                    break
+                batch.append(nxt)
+            if batch:
+                self._commit(conn, batch)
+        conn.close()
+
+    def _commit(self, conn: Conn, batch: list[tuple[Write, Future[None]]]) -> None:
+        try:
+            with self._transaction(conn) as cur:
+                for write, _ in batch:
+                    write(cur)
+        except self.errors as exc:
+            err = StoreError(f"journal write to {self.where} failed: {exc}")
+            for _, fut in batch:
+                fut.set_exception(err)
+            return
+        for _, fut in batch:
+            fut.set_result(None)
+
+    def _submit(self, sql: str, args: tuple[Any, ...]) -> Future[None]:
+        return self._submit_many([(sql, args)])
+
+    def _submit_many(self, statements: list[tuple[str, tuple[Any, ...]]]) -> Future[None]:
+        if self.readonly:
+            raise StoreError(f"{self.where} was opened read-only")
+        fut: Future[None] = Future()
+        stmts = [(self.q(sql), args) for sql, args in statements]
+
+        def write(cur: Any) -> None:
+            for sql, args in stmts:
+                cur.execute(sql, args)
+
+        self._queue.put((write, fut))
+        return fut
+
+    def insert_supervisor(
+        self, token: str, pid: int, host: str, control: str | None
+    ) -> Future[None]:
+        return self._submit(
+            "INSERT INTO supervisors (id, pid, host, control, started_at) VALUES (?,?,?,?,?)",
+            (token, pid, host, control, time.time()),
+        )
+
+    def close_supervisor(self, token: str) -> Future[None]:
+        return self._submit("UPDATE supervisors SET closed_at=? WHERE id=?", (time.time(), token))
+
+    def insert_run(self, rec: RunRecord, supervisor: str) -> Future[None]:
+        return self._submit(
+            "INSERT INTO runs (id, root_id, parent_id, depth, key, attempt, prompt, model,"
+            " pool, context_ref, state, reason, usage, created_at, supervisor)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (
+                rec.id,
+                rec.root_id,
+                rec.parent_id,
+                rec.depth,
+                rec.key,
+                rec.attempt,
+                rec.prompt,
+                rec.model,
+                rec.pool,
+                rec.context_ref,
+                rec.state.value,
+                rec.reason,
+                json.dumps(rec.usage),
+                rec.created_at,
+                supervisor,
+            ),
+        )
+
+    def transition(self, rec: RunRecord, frm: str, to: str) -> Future[None]:
+        return self._submit_many(
+            [
+                (
+                    "UPDATE runs SET state=?, reason=?, answer=?, error=?, usage=?, started_at=?,"
+                    " ended_at=?, pid=? WHERE id=?",
+                    (
+                        to,
+                        rec.reason,
+                        rec.answer,
+                        rec.error,
+                        json.dumps(rec.usage),
+                        rec.started_at,
+                        rec.ended_at,
+                        rec.pid,
+                        rec.id,
+                    ),
+                ),
+                (
+                    'INSERT INTO transitions (run_id, frm, "to", reason, at) VALUES (?,?,?,?,?)',
+                    (rec.id, frm, to, rec.reason, time.time()),
+                ),
+            ]
+        )
+
+    def event(
+        self, rec: RunRecord, kind: str, data: dict[str, Any], progress: str | None = None
+    ) -> Future[None]:
+        """Journal an event; with it the run's usage so far (and its last line of output,
+        when `progress` is given), so readers in other processes see a live tree."""
+        stmts: list[tuple[str, tuple[Any, ...]]] = [
+            (
+                "INSERT INTO events (run_id, root_id, kind, data, at) VALUES (?,?,?,?,?)",
+                (rec.id, rec.root_id, kind, json.dumps(data, default=str), time.time()),
+            ),
+        ]
+        if progress is not None:
+            stmts.append(
+                (
+                    "UPDATE runs SET usage=?, last_line=? WHERE id=?",
+                    (json.dumps(rec.usage), progress, rec.id),
+                )
+            )
+        elif kind == "model_call":
+            stmts.append(("UPDATE runs SET usage=? WHERE id=?", (json.dumps(rec.usage), rec.id)))
+        return self._submit_many(stmts)
+
+    def flush(self) -> None:
+        """Block until everything queued so far is committed."""
+        if not self.readonly:
+            self._submit_many([]).result()
+
+    # ---- reads -----------------------------------------------------------------------------
+    def _reader(self) -> Conn:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = self._connect(self.readonly)
+        return conn
+
+    def _rows(self, sql: str, args: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
+        conn = self._reader()
+        try:
+            cur = conn.cursor()
+            try:
+                cur.execute(self.q(sql), args)
+                cols = [d[0] for d in cur.description]
+                rows = [
+                    r if isinstance(r, dict) else dict(zip(cols, r, strict=True))
+                    for r in cur.fetchall()
+                ]
+            finally:
+                cur.close()
+            self._end_read(conn)
+        except self.errors as exc:
+            raise StoreError(f"journal read from {self.where} failed: {exc}") from exc
+        return rows
+
+    def _end_read(self, conn: Conn) -> None:
+        """Close the read transaction so the next read sees newer commits."""
+
+    def get_run(self, run_id: str) -> dict[str, Any]:
+        rows = self._rows("SELECT * FROM runs WHERE id=?", (run_id,))
+        if not rows:
+            raise StoreError(
+                f"no run {run_id!r} in {self.where}; `brood ps` lists the recent trees"
+            )
+        return _decode_run(rows[0])
+
+    def runs(self, root_id: str | None = None) -> list[dict[str, Any]]:
+        if root_id is None:
+            rows = self._rows("SELECT * FROM runs ORDER BY created_at")
+        else:
+            rows = self._rows("SELECT * FROM runs WHERE root_id=? ORDER BY created_at", (root_id,))
+        return [_decode_run(r) for r in rows]
+
+    def roots(self, limit: int = 20) -> list[dict[str, Any]]:
+        rows = self._rows(
+            "SELECT * FROM runs WHERE parent_id IS NULL ORDER BY created_at DESC LIMIT ?", (limit,)
+        )
+        return [_decode_run(r) for r in rows]
+
+    def supervisor(self, token: str) -> dict[str, Any] | None:
+        rows = self._rows("SELECT * FROM supervisors WHERE id=?", (token,))
+        return rows[0] if rows else None
+
+    def transitions(self, run_id: str) -> list[dict[str, Any]]:
+        return self._rows("SELECT * FROM transitions WHERE run_id=? ORDER BY seq", (run_id,))
+
+    def events(
+        self,
+        run_id: str | None = None,
+        kind: str | None = None,
+        *,
+        after: int = 0,
+        root_id: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """Events of a run (or of a whole tree with `root_id`) with seq > `after`."""
+        where, args = ["seq > ?"], [after]
+        if run_id is not None:
+            where.append("run_id = ?")
+            args.append(run_id)  # type: ignore[arg-type]
+        if root_id is not None:
+            where.append("root_id = ?")
+            args.append(root_id)  # type: ignore[arg-type]
+        if kind is not None:
+            where.append("kind = ?")
+            args.append(kind)  # type: ignore[arg-type]
+        rows = self._rows(
+            "SELECT * FROM events WHERE " + " AND ".join(where) + " ORDER BY seq", tuple(args)
+        )
+        for r in rows:
+            r["data"] = json.loads(r["data"])
+        return rows
+
+    def close(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
+
+
+def _decode_run(row: dict[str, Any]) -> dict[str, Any]:
+    row["usage"] = json.loads(row["usage"] or "{}")
+    return row

@@ -1,0 +1,89 @@
+"""The control socket: how another process (`brood cancel`, `brood send`) reaches the
+supervisor that owns a tree. Its path is journaled with the supervisor's row."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import tempfile
+from typing import Any
+
+from brood.errors import BroodError, InvalidArgument
+from brood.lifecycle import RunState
+from brood.protocol import (
+    CtlCancel,
+    CtlSend,
+    Msg,
+    Reply,
+    SyncChannel,
+    encode,
+    error_info,
+    read_frame,
+    rebuild_error,
+)
+from brood.supervisor.core import Core
+
+
+class ControlServer:
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        self._dir = tempfile.mkdtemp(prefix="brood-ctl-")
+        self.path = os.path.join(self._dir, "ctl.sock")
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_unix_server(self._serve, path=self.path)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while (msg := await read_frame(reader)) is not None:
+                req_id = getattr(msg, "req_id", 0)
+                try:
+                    reply = Reply(req_id, value=await self._handle(msg))
+                except Exception as exc:
+                    reply = Reply(req_id, error=error_info(exc))
+                writer.write(encode(reply))
+                await writer.drain()
+        finally:
+            writer.close()
+
+    async def _handle(self, msg: Msg) -> Any:
+        if not isinstance(msg, CtlCancel | CtlSend):
+            raise InvalidArgument(
+                f"the control socket takes CtlCancel or CtlSend, not {type(msg).__name__}"
+            )
+        run = self.core.runs.get(msg.run_id)
+        if run is None:
+            raise BroodError(f"run {msg.run_id} is not owned by this supervisor")
+        if isinstance(msg, CtlCancel):
+            return (await self.core.finish(run, RunState.CANCELLED, msg.reason)).value
+        await self.core.send_message(run, msg.message)
+        return None
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def control_request(path: str, msg: CtlCancel | CtlSend, timeout: float | None = None) -> Any:
+    """Send one request to a supervisor's control socket and return its reply's value."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(path)
+        chan = SyncChannel.over_socket(sock)
+        try:
+            chan.send(msg)
+            reply = chan.recv()
+        finally:
+            chan.close()
+    finally:
+        sock.close()
+    if not isinstance(reply, Reply):
+        raise BroodError(f"the supervisor at {path} closed the connection without replying")
+    if reply.error is not None:
+        raise rebuild_error(reply.error)
+    return reply.value
