@@ -149,9 +149,7 @@ class Supervisor:
         model: str | Callable[..., Any] | Model | None = None,
     ) -> RunResult:
         """Run a root run to its end and return how it ended (never raises for a failed run)."""
-        h = self.spawn(prompt, context=context, timeout=timeout, model=model)
-        self._loop.call(h._run.done.wait())
-        return h.outcome()
+        return self.spawn(prompt, context=context, timeout=timeout, model=model).wait_result()
 
     async def _create(
         self, prompt: str, context: Any, timeout: float | None, model: Any, driven: bool
@@ -255,6 +253,10 @@ class RunHandle:
     def wait(self, timeout: float | None = None) -> str:
         """Block until the run ends and return its answer; raises ChildFailed if it did not
         complete. On timeout raises TimeoutError and the run keeps running."""
+        self._wait(timeout)
+        return self.result()
+
+    def _wait(self, timeout: float | None) -> None:
         self._check()
 
         async def wait() -> None:
@@ -267,7 +269,6 @@ class RunHandle:
                 ) from None
 
         self._sup._loop.call(wait())
-        return self.result()
 
     def result(self) -> str:
         """The answer if completed; ChildNotReady while going; ChildFailed otherwise."""
@@ -284,7 +285,14 @@ class RunHandle:
             reason=rec.reason,
         )
 
+    def wait_result(self, timeout: float | None = None) -> RunResult:
+        """Block until the run ends and return how it ended (never raises for a run that
+        did not complete). On timeout raises TimeoutError and the run keeps running."""
+        self._wait(timeout)
+        return self.outcome()
+
     def outcome(self) -> RunResult:
+        """How the run ended so far (state may still be non-terminal)."""
         rec = self._run.rec
         error = None if rec.state is RunState.COMPLETED else rec.reason
         return RunResult(rec.id, rec.state.value, rec.answer, error, dict(rec.usage))

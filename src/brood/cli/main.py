@@ -1,19 +1,31 @@
-"""`brood` commands: run, demo."""
+"""`brood`: run trees of runs and watch them from the terminal.
+
+Every read command reads the journal (`--store URL` or BROOD_STORE, default
+sqlite:///.brood/brood.db), so it works from another terminal while a tree runs and after
+it ended, and never changes the journal. `--json` prints only JSON on stdout.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
 from rich.tree import Tree
 
 import brood
+from brood.journal import Journal, default_store_url
 from brood.models.demo import ROOT_TASK
 
 app = typer.Typer(
@@ -21,7 +33,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
-DEFAULT_STORE = "sqlite:///.brood/brood.db"
+REFRESH_S = 0.25  # how often live views and --follow re-read the journal
 STATE_STYLE = {
     "completed": "green",
     "failed": "red",
@@ -32,11 +44,11 @@ STATE_STYLE = {
     "cancelling": "yellow",
 }
 
-StoreOpt = Annotated[str | None, typer.Option("--store", help="journal URL (or BROOD_STORE)")]
-
-
-def _store(url: str | None) -> str:
-    return url or os.environ.get("BROOD_STORE") or DEFAULT_STORE
+StoreOpt = Annotated[
+    str | None, typer.Option("--store", help="journal URL (default: BROOD_STORE or .brood)")
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON only")]
+RunArg = Annotated[str, typer.Argument(help="a run id, e.g. r-8f3a2c")]
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -44,32 +56,87 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
-def render_tree(runs: list[dict[str, Any]], root_id: str) -> Tree:
-    """A rich tree of a journaled tree of runs, with states and times."""
-    by_parent: dict[str | None, list[dict[str, Any]]] = {}
-    for r in runs:
-        by_parent.setdefault(r["parent_id"], []).append(r)
+@contextmanager
+def _journal(store: str | None) -> Iterator[Journal]:
+    try:
+        journal = Journal(store or default_store_url())
+    except brood.BroodError as exc:
+        _fail(str(exc))
+        raise  # unreachable: _fail exits
+    try:
+        yield journal
+    except brood.BroodError as exc:
+        _fail(str(exc))
+    finally:
+        journal.close()
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, default=str))
+
+
+# ---- rendering ---------------------------------------------------------------------------
+def _secs(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if value < 1:
+        return f"{value * 1000:.0f}ms"
+    return f"{value:.1f}s" if value < 100 else f"{value / 60:.1f}m"
+
+
+def _usage_text(u: dict[str, Any]) -> str:
+    tokens = int(u.get("input_tokens", 0)) + int(u.get("output_tokens", 0))
+    return f"{int(u.get('model_calls', 0))} calls, {tokens} tok"
+
+
+def _state_text(run: dict[str, Any]) -> str:
+    style = STATE_STYLE.get(run["state"], "")
+    stale = " [red](stale)[/red]" if run.get("stale") else ""
+    return f"[{style}]{run['state']}[/{style}]{stale}"
+
+
+def _short(text: str | None, n: int = 60) -> str:
+    text = " ".join((text or "").split())
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def render_tree(node: dict[str, Any]) -> Tree:
+    """A rich tree of runs: state, depth, duration, model calls, tokens, last output."""
 
     def label(r: dict[str, Any]) -> str:
-        style = STATE_STYLE.get(r["state"], "")
-        took = ""
-        if r["started_at"] and r["ended_at"]:
-            took = f" {r['ended_at'] - r['started_at']:.2f}s"
         why = f" ({r['reason']})" if r["reason"] and r["state"] != "completed" else ""
-        prompt = r["prompt"] if len(r["prompt"]) <= 60 else r["prompt"][:57] + "..."
-        return f"[bold]{r['id']}[/bold] [{style}]{r['state']}[/{style}]{took}{why}  {prompt}"
+        own, sub = r["usage"], r["subtree_usage"]
+        usage = _usage_text(own)
+        if r["children"]:
+            usage += f"; subtree {_usage_text(sub)}"
+        line = f"  [dim]» {_short(r['last_line'], 50)}[/dim]" if r.get("last_line") else ""
+        return (
+            f"[bold]{r['id']}[/bold] {_state_text(r)}{why} d{r['depth']} "
+            f"{_secs(r['duration'])} [dim]{usage}[/dim]  {_short(r['prompt'])}{line}"
+        )
 
-    root = next(r for r in runs if r["id"] == root_id)
-    tree = Tree(label(root))
-
-    def add(node: Tree, run_id: str) -> None:
-        for child in by_parent.get(run_id, []):
-            add(node.add(label(child)), child["id"])
-
-    add(tree, root_id)
+    tree = Tree(label(node))
+    stack = [(tree, node)]
+    while stack:
+        branch, run = stack.pop()
+        for child in run["children"]:
+            stack.append((branch.add(label(child)), child))
     return tree
 
 
+def _live_tree(journal: Journal, run_id: str, done: Callable[[], bool]) -> None:
+    """Redraw the tree on stderr until `done()`."""
+    console = Console(stderr=True)
+    with Live(console=console, refresh_per_second=8, transient=False) as live:
+        while True:
+            finished = done()
+            live.update(render_tree(journal.tree(run_id)))
+            if finished:
+                return
+            time.sleep(REFRESH_S)
+
+
+# ---- commands: running ---------------------------------------------------------------------
 @app.command()
 def run(
     prompt: Annotated[str, typer.Argument(help="the task")],
@@ -85,10 +152,12 @@ def run(
     max_concurrency: Annotated[int | None, typer.Option(help="runs computing at once")] = None,
     max_iterations: Annotated[int | None, typer.Option(help="model turns per run")] = None,
     child_timeout: Annotated[float | None, typer.Option(help="seconds per child run")] = None,
+    token_budget: Annotated[int | None, typer.Option(help="tokens for the whole tree")] = None,
     timeout: Annotated[float | None, typer.Option(help="seconds for the whole run")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="print the RunResult as JSON")] = False,
+    live: Annotated[bool, typer.Option(help="show the live tree on stderr")] = True,
+    as_json: JsonOpt = False,
 ) -> None:
-    """Run PROMPT as a root run and print its answer."""
+    """Run PROMPT as a root run, show its tree live, and print its answer."""
     text = None
     if context is not None:
         try:
@@ -101,18 +170,24 @@ def run(
         "max_concurrency": max_concurrency,
         "max_iterations": max_iterations,
         "child_timeout": child_timeout,
+        "token_budget": token_budget,
     }
+    url = store or default_store_url()
     try:
         limits = brood.Limits(**{k: v for k, v in given.items() if v is not None})
         with brood.Supervisor(
-            model or os.environ.get("BROOD_MODEL"), limits=limits, store=_store(store)
+            model or os.environ.get("BROOD_MODEL"), limits=limits, store=url
         ) as sup:
-            result = sup.run(prompt, context=text, timeout=timeout)
+            handle = sup.spawn(prompt, context=text, timeout=timeout)
+            if live and sys.stderr.isatty():
+                with Journal(url) as journal:
+                    _live_tree(journal, handle.id, lambda: handle.done)
+            result = handle.wait_result()
     except brood.BroodError as exc:
         _fail(str(exc))
         return
     if as_json:
-        print(json.dumps(result._asdict()))
+        _print_json(result._asdict())
     elif result.state == "completed":
         print(result.answer)
     if result.state != "completed":
@@ -126,14 +201,219 @@ def demo(store: StoreOpt = None) -> None:
     console = Console()
     notes = resources.files("brood").joinpath("data/field_notes.md").read_text()
     limits = brood.Limits(max_depth=2, max_concurrency=4, shutdown_grace=0.5, term_grace=0.5)
+    url = store or default_store_url()
     console.print(f"[bold]task:[/bold] {ROOT_TASK}")
-    with brood.Supervisor("scripted:demo", limits=limits, store=_store(store)) as sup:
+    with brood.Supervisor("scripted:demo", limits=limits, store=url) as sup:
         result = sup.run(ROOT_TASK, context=notes)
-        runs = sup.store.runs(result.run_id)
-    console.print(render_tree(runs, result.run_id))
+    with Journal(url) as journal:
+        console.print(render_tree(journal.tree(result.run_id)))
     console.print(f"[bold]answer:[/bold] {result.answer}")
+    console.print(f"[dim]journal: {url}; try `brood show {result.run_id}`[/dim]")
     if result.state != "completed":
         _fail(f"the demo's root {result.state}: {result.error}", code=1)
+
+
+# ---- commands: reading the journal ---------------------------------------------------------
+@app.command()
+def ps(
+    limit: Annotated[int, typer.Option(help="how many trees")] = 20,
+    store: StoreOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """The most recent trees, newest first; `stale` marks runs whose supervisor is gone."""
+    with _journal(store) as journal:
+        roots = journal.roots(limit)
+    if as_json:
+        _print_json([_flat(r) | {"runs": r["runs"], "open": r["open"]} for r in roots])
+        return
+    table = Table("RUN", "STATE", "RUNS", "CALLS", "TOKENS", "TIME", "PROMPT", box=None)
+    for r in roots:
+        u = r["subtree_usage"]
+        table.add_row(
+            r["id"],
+            _state_text(r),
+            f"{r['runs']}" + (f" ({r['open']} open)" if r["open"] else ""),
+            str(int(u.get("model_calls", 0))),
+            str(int(u.get("input_tokens", 0)) + int(u.get("output_tokens", 0))),
+            _secs(r["duration"]),
+            _short(r["prompt"], 50),
+        )
+    Console().print(table)
+
+
+def _flat(run: dict[str, Any]) -> dict[str, Any]:
+    """A run as the JSON read commands print it (children as nested objects, if any)."""
+    keys = (
+        "run_id",
+        "parent_id",
+        "root_id",
+        "depth",
+        "key",
+        "state",
+        "stale",
+        "reason",
+        "prompt",
+        "answer",
+        "error",
+        "model",
+        "usage",
+        "subtree_usage",
+        "duration",
+        "created_at",
+        "started_at",
+        "ended_at",
+        "pid",
+        "last_line",
+    )
+    out = {k: run.get(k) for k in keys}
+    if run.get("children") and isinstance(run["children"][0], dict):
+        out["children"] = [_flat(c) for c in run["children"]]
+    elif "children" in run:
+        out["children"] = run["children"]
+    return out
+
+
+@app.command()
+def tree(run_id: RunArg, store: StoreOpt = None, as_json: JsonOpt = False) -> None:
+    """The tree under RUN with states, times, model calls and tokens."""
+    with _journal(store) as journal:
+        node = journal.tree(run_id)
+    if as_json:
+        _print_json(_flat(node))
+    else:
+        Console().print(render_tree(node))
+
+
+@app.command()
+def show(run_id: RunArg, store: StoreOpt = None, as_json: JsonOpt = False) -> None:
+    """One run: prompt, answer, error, usage (own and subtree) and its REPL steps."""
+    with _journal(store) as journal:
+        run = journal.run(run_id)
+        steps = journal.steps(run_id)
+    if as_json:
+        _print_json(_flat(run) | {"steps": steps})
+        return
+    console = Console()
+    console.print(
+        f"[bold]{run['id']}[/bold] {_state_text(run)} depth {run['depth']}"
+        f" {_secs(run['duration'])}" + (f"  parent {run['parent_id']}" if run["parent_id"] else "")
+    )
+    console.print(Text(f"prompt: {run['prompt']}"))
+    if run["answer"] is not None:
+        console.print(Text(f"answer: {run['answer']}"))
+    if run["reason"] and run["state"] != "completed":
+        console.print(Text(f"reason: {run['reason']}"))
+    if run["error"]:
+        console.print(Text(f"error: {run['error'].strip().splitlines()[-1]}"))
+    console.print(
+        f"usage: {_usage_text(run['usage'])}; subtree {_usage_text(run['subtree_usage'])}"
+    )
+    if run["children"]:
+        console.print(f"children: {', '.join(run['children'])}")
+    for s in steps:
+        console.print(f"[bold]step {s['step']}[/bold] [dim]{s['duration']:.3f}s[/dim]")
+        console.print(Text(_indent(s["code"], "  > ")))
+        out = (s["stdout"] or "") + (s["stderr"] or "")
+        if out.strip():
+            console.print(Text(_indent(out.rstrip(), "    ")))
+
+
+def _indent(text: str, prefix: str) -> str:
+    return "\n".join(prefix + line for line in text.splitlines())
+
+
+def _event_lines(ev: dict[str, Any]) -> Group:
+    d, kind = ev["data"], ev["kind"]
+    stamp = time.strftime("%H:%M:%S", time.localtime(ev["at"]))
+    if kind == "model_call":
+        head = (
+            f"[dim]{stamp}[/dim] [bold]model[/bold] {d['kind']} {d.get('model') or ''} "
+            f"{d['latency']:.2f}s {d['input_tokens']}+{d['output_tokens']} tok"
+        )
+        body = d.get("response") or (f"error: {d['error']}" if d.get("error") else "")
+        return Group(head, Text(_indent(body, "  | ")))
+    if kind == "step":
+        out = (d["stdout"] or "") + (d["stderr"] or "")
+        parts: list[Any] = [
+            f"[dim]{stamp}[/dim] [bold]step {d['step']}[/bold]",
+            Text(_indent(d["code"], "  > ")),
+        ]
+        if out.strip():
+            parts.append(Text(_indent(out.rstrip(), "    ")))
+        return Group(*parts)
+    if kind == "message":
+        return Group(f"[dim]{stamp}[/dim] [bold]message[/bold] {d['message']}")
+    return Group(f"[dim]{stamp}[/dim] [bold]{kind}[/bold] {json.dumps(d, default=str)}")
+
+
+@app.command()
+def logs(
+    run_id: RunArg,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="wait for more")] = False,
+    store: StoreOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """The trajectory of RUN: model turns and REPL steps in order (JSON lines with --json)."""
+    console = Console()
+    with _journal(store) as journal:
+        after = 0
+        while True:
+            for ev in journal.events(run_id, after=after):
+                after = ev["seq"]
+                if as_json:
+                    print(json.dumps(ev, default=str), flush=True)
+                else:
+                    console.print(_event_lines(ev))
+            if not follow:
+                return
+            run = journal.run(run_id)
+            if run["state"] in ("completed", "failed", "cancelled", "timed_out") or run["stale"]:
+                for ev in journal.events(run_id, after=after):  # what landed meanwhile
+                    after = ev["seq"]
+                    if as_json:
+                        print(json.dumps(ev, default=str), flush=True)
+                    else:
+                        console.print(_event_lines(ev))
+                return
+            time.sleep(REFRESH_S)
+
+
+@app.command()
+def export(
+    run_id: RunArg,
+    fmt: Annotated[str, typer.Option("--format", help="jsonl")] = "jsonl",
+    store: StoreOpt = None,
+) -> None:
+    """One JSON line per model call of the tree under RUN: messages, response, usage."""
+    if fmt != "jsonl":
+        _fail(f"--format {fmt!r} is not supported; use --format jsonl")
+    with _journal(store) as journal:
+        for record in journal.export(run_id):
+            print(json.dumps(record, default=str))
+
+
+# ---- commands: acting on a tree another process runs ---------------------------------------
+@app.command()
+def cancel(run_id: RunArg, store: StoreOpt = None, as_json: JsonOpt = False) -> None:
+    """Cancel RUN and its subtree; returns once every exit is confirmed."""
+    with _journal(store) as journal:
+        state = journal.cancel(run_id)
+    if as_json:
+        _print_json({"run_id": run_id, "state": state})
+    else:
+        print(f"{run_id} {state}")
+
+
+@app.command()
+def send(
+    run_id: RunArg,
+    message: Annotated[str, typer.Argument(help="the follow-up")],
+    store: StoreOpt = None,
+) -> None:
+    """Send RUN a follow-up message, delivered before its next model turn."""
+    with _journal(store) as journal:
+        journal.send(run_id, message)
+    print(f"sent to {run_id}")
 
 
 def main() -> None:  # pragma: no cover - console entry
