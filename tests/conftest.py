@@ -22,3 +22,6 @@ def no_leftover_processes():
         except OSError:
             pass
     assert not left, f"processes left behind: {left}"
+
+
+pytest_plugins = ["tests.pg"]

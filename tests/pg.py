@@ -1,0 +1,90 @@
+"""A real PostgreSQL server for the tests, started from the Debian package's binaries.
+
+The server runs in a temporary folder, listens only on a Unix socket, and is stopped at the
+end of the session. Tests that need it skip, with the reason, only when no server can be
+started here (no postgresql package). BROOD_TEST_PG_URL points the tests at a server of
+your own instead.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import pwd
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+
+START_TIMEOUT_S = 60
+
+
+def _bin(name: str) -> str | None:
+    found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
+    return found[-1] if found else shutil.which(name)
+
+
+def _as_postgres(cmd: list[str]) -> list[str]:
+    # initdb refuses to run as root; the Debian package creates a `postgres` user.
+    if os.geteuid() == 0:
+        return ["runuser", "-u", "postgres", "--", *cmd]
+    return cmd
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    url = os.environ.get("BROOD_TEST_PG_URL")
+    if url:
+        yield url
+        return
+    initdb, pg_ctl = _bin("initdb"), _bin("pg_ctl")
+    if not initdb or not pg_ctl:
+        pytest.skip("no PostgreSQL server can be started here: install the Debian package "
+                    "`postgresql` (.ci/run does), or set BROOD_TEST_PG_URL")
+    if os.geteuid() == 0:
+        try:
+            owner = pwd.getpwnam("postgres")
+        except KeyError:
+            pytest.skip("running as root and there is no `postgres` user to run the server")
+    base = tempfile.mkdtemp(prefix="brood-pg-")
+    data, sock = os.path.join(base, "data"), os.path.join(base, "sock")
+    os.makedirs(sock)
+    if os.geteuid() == 0:
+        for path in (base, sock):
+            os.chown(path, owner.pw_uid, owner.pw_gid)
+    port = "54329"
+    try:
+        subprocess.run(_as_postgres([initdb, "-D", data, "-U", "postgres", "-A", "trust",
+                                     "--no-sync"]), check=True, capture_output=True,
+                       timeout=START_TIMEOUT_S)
+        subprocess.run(_as_postgres([
+            pg_ctl, "-D", data, "-w", "-t", str(START_TIMEOUT_S), "-l",
+            os.path.join(base, "log"), "-o",
+            f"-k {sock} -p {port} -c listen_addresses='' -c fsync=off",
+            "start"]), check=True, capture_output=True, timeout=START_TIMEOUT_S + 10)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+        out = getattr(exc, "stderr", b"") or b""
+        shutil.rmtree(base, ignore_errors=True)
+        pytest.skip(f"PostgreSQL could not be started: {out.decode(errors='replace')[-500:]}")
+    try:
+        yield f"postgresql://postgres@/postgres?host={sock}&port={port}"
+    finally:
+        subprocess.run(_as_postgres([pg_ctl, "-D", data, "-m", "immediate", "stop"]),
+                       capture_output=True, timeout=60)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def fresh_pg_url(postgres_url: str) -> Iterator[str]:
+    """A new, empty database on the test server for one test."""
+    import psycopg
+
+    name = "brood_" + os.urandom(4).hex()
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    base, _, query = postgres_url.partition("?")
+    yield f"{base.rsplit('/', 1)[0]}/{name}?{query}"
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
