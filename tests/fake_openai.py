@@ -45,6 +45,7 @@ class Reply:
     error: str = "scripted error"
     delay: float = 0.0
     finish_reason: str = "stop"
+    headers: tuple[tuple[str, str], ...] = ()  # extra response headers, e.g. Retry-After
 
 
 @dataclass
@@ -213,7 +214,7 @@ class _Handler(BaseHTTPRequestHandler):
             return  # closed while waiting: drop the request unanswered
         ex.status = reply.status
         if reply.status != 200:
-            self._send(reply.status, _error_body(reply.error))
+            self._send(reply.status, _error_body(reply.error), reply.headers)
             return
         usage = {
             "prompt_tokens": reply.prompt_tokens,
@@ -240,10 +241,14 @@ class _Handler(BaseHTTPRequestHandler):
             },
         )
 
-    def _send(self, status: int, payload: dict[str, Any]) -> None:
+    def _send(
+        self, status: int, payload: dict[str, Any], headers: tuple[tuple[str, str], ...] = ()
+    ) -> None:
         data = json.dumps(payload).encode()
         try:
             self.send_response(status)
+            for name, value in headers:
+                self.send_header(name, value)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()

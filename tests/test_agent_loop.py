@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from tests.util import FAST, Gate, fast
 
 import brood
+from tests.util import FAST, Gate, fast
 
 FENCE = "```"
 

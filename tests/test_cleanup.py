@@ -7,10 +7,10 @@ import signal
 import threading
 
 import pytest
-from tests.util import FAST, Gate, Signal, fast, pid_alive
 
 import brood
 from brood.supervisor import core
+from tests.util import FAST, Gate, Signal, fast, pid_alive
 
 FENCE = "```"
 # Model code for a child that ignores SIGTERM and starts a grandchild that ignores it too,

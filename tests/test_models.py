@@ -321,7 +321,7 @@ def test_openai_errors_become_model_errors() -> None:
     import openai
 
     model = with_fake_client(OpenAIModel("m"), FakeCompletions(error=openai.OpenAIError("down")))
-    with pytest.raises(ModelError, match="model 'm': OpenAIError: down"):
+    with pytest.raises(ModelError, match="model 'm' at the default OpenAI URL: OpenAIError: down"):
         model.complete([])
 
 

@@ -44,7 +44,7 @@ class RunResult(NamedTuple):
 
 def _model_blob(model: object) -> tuple[bytes, str | None, tuple[str, ...]]:
     m = resolve_model(model)
-    preload = ("openai",) if type(m).__name__ == "OpenAIModel" else ()
+    preload = tuple(m.preload)
     try:
         return cloudpickle.dumps(m), m.name, preload
     except Exception as exc:

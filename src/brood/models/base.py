@@ -29,6 +29,7 @@ class Model:
     """
 
     name: str | None = None
+    preload: tuple[str, ...] = ()  # modules the worker template imports once, for every worker
 
     def complete(self, messages: Messages, model: str | None = None) -> Completion:
         raise NotImplementedError

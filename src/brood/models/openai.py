@@ -2,21 +2,33 @@
 
 from __future__ import annotations
 
+import email.utils
 import os
+import time
+from collections.abc import Callable
 from typing import Any
 
-from brood.errors import ModelError
+from brood.errors import InvalidArgument, ModelError
 from brood.models.base import Completion, Messages, Model, check_text
 
 DEFAULT_TIMEOUT_S = 600.0  # a long generation on a slow local server still fits
+BACKOFF_FIRST_S = 0.5  # first wait before a retry, doubled each time
+BACKOFF_MAX_S = 30.0  # no single wait is longer, whatever the server asks
+RETRY_STATUSES = frozenset({408, 409, 429}) | frozenset(range(500, 600))
 
 
 class OpenAIModel(Model):
     """Chat completions through the `openai` client.
 
     The base URL and key come from the arguments or from OPENAI_BASE_URL / OPENAI_API_KEY.
-    The client is built lazily, inside the worker that uses it.
+    The client is built lazily, inside the worker that uses it. A 429, a 5xx, a timeout or a
+    dropped connection is retried up to `max_retries` times, waiting what the server's
+    Retry-After asks (capped at BACKOFF_MAX_S) or else 0.5 s doubling; when the retries run
+    out, the call fails with a ModelError naming the last error. `sleep` is how it waits
+    (tests pass a fake clock).
     """
+
+    preload = ("openai",)
 
     def __init__(
         self,
@@ -25,14 +37,22 @@ class OpenAIModel(Model):
         base_url: str | None = None,
         api_key: str | None = None,
         timeout: float = DEFAULT_TIMEOUT_S,
-        max_retries: int = 2,
+        max_retries: int = 4,
+        sleep: Callable[[float], object] = time.sleep,
         **create_kwargs: Any,
     ) -> None:
+        if not isinstance(model, str) or not model.strip():
+            raise InvalidArgument("OpenAIModel(model=...) needs a model name, e.g. 'gpt-4.1-mini'")
+        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+            raise InvalidArgument(
+                f"OpenAIModel(max_retries=...) must be an int >= 0, got {max_retries!r}"
+            )
         self.name = model
         self.base_url = base_url
         self.api_key = api_key
         self.timeout = timeout
         self.max_retries = max_retries
+        self.sleep = sleep
         self.create_kwargs = create_kwargs
         self._client: Any = None
 
@@ -49,25 +69,71 @@ class OpenAIModel(Model):
                 base_url=self.base_url or os.environ.get("OPENAI_BASE_URL"),
                 api_key=self.api_key or os.environ.get("OPENAI_API_KEY") or "not-needed",
                 timeout=self.timeout,
-                max_retries=self.max_retries,
+                max_retries=0,  # brood retries itself, so the waits are its own and testable
             )
         return self._client
 
     def complete(self, messages: Messages, model: str | None = None) -> Completion:
         import openai
 
-        try:
-            resp = self._get_client().chat.completions.create(
-                model=model or self.name, messages=messages, **self.create_kwargs
-            )
-        except openai.OpenAIError as exc:
-            raise ModelError(f"model {model or self.name!r}: {type(exc).__name__}: {exc}") from exc
+        name = model or self.name
+        where = self.base_url or os.environ.get("OPENAI_BASE_URL") or "the default OpenAI URL"
+        for attempt in range(self.max_retries + 1):
+            try:
+                resp = self._get_client().chat.completions.create(
+                    model=name, messages=messages, **self.create_kwargs
+                )
+                break
+            except openai.OpenAIError as exc:
+                wait = retry_wait(exc, attempt)
+                if wait is None or attempt == self.max_retries:
+                    tries = f" after {attempt + 1} tries" if attempt else ""
+                    cause = f" ({exc.__cause__})" if exc.__cause__ else ""
+                    raise ModelError(
+                        f"model {name!r} at {where}: {type(exc).__name__}{tries}: {exc}{cause}"
+                    ) from exc
+                self.sleep(wait)
         if not resp.choices:
-            raise ModelError(f"model {model or self.name!r} returned no choices")
-        text = check_text(resp.choices[0].message.content, f"model {model or self.name!r}")
+            raise ModelError(f"model {name!r} returned no choices")
+        text = check_text(resp.choices[0].message.content, f"model {name!r}")
         usage = resp.usage
         return Completion(
             text,
             input_tokens=getattr(usage, "prompt_tokens", 0) or 0,
             output_tokens=getattr(usage, "completion_tokens", 0) or 0,
         )
+
+
+def retry_wait(exc: Exception, attempt: int) -> float | None:
+    """Seconds to wait before retrying after `exc`, or None if it is not worth retrying."""
+    import openai
+
+    if isinstance(exc, openai.APIStatusError):
+        if exc.status_code not in RETRY_STATUSES:
+            return None
+        asked = _retry_after(exc.response.headers)
+        if asked is not None:
+            return min(max(asked, 0.0), BACKOFF_MAX_S)
+    elif not isinstance(exc, openai.APIConnectionError):  # includes timeouts
+        return None
+    return float(min(BACKOFF_FIRST_S * 2**attempt, BACKOFF_MAX_S))
+
+
+def _retry_after(headers: Any) -> float | None:
+    ms = headers.get("retry-after-ms")
+    if ms:
+        try:
+            return float(ms) / 1000
+        except ValueError:
+            pass
+    value = headers.get("retry-after")
+    if not value:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    try:
+        return email.utils.parsedate_to_datetime(value).timestamp() - time.time()
+    except (TypeError, ValueError):
+        return None  # unreadable: fall back to brood's own backoff

@@ -1,0 +1,85 @@
+"""Retries of an OpenAI-compatible server's 429 and 5xx answers, with the clock faked."""
+
+from __future__ import annotations
+
+import json
+
+import brood
+from tests.fake_openai import FakeOpenAI, Reply
+from tests.util import FAST
+
+FINAL_OK = "```repl\nFINAL('ok')\n```"
+
+
+def recording_sleep(path):
+    """A `sleep` for OpenAIModel that records the waits instead of sleeping."""
+
+    def sleep(seconds: float) -> None:
+        with open(path, "a") as f:
+            f.write(json.dumps(seconds) + "\n")
+
+    return sleep
+
+
+def waits(path) -> list[float]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_429_and_5xx_are_retried_honoring_retry_after(tmp_path):
+    script = {
+        "task": [
+            Reply(status=429, error="slow down", headers=(("Retry-After", "7"),)),
+            Reply(status=503, error="overloaded"),
+            Reply(status=500, error="oops", headers=(("retry-after-ms", "250"),)),
+            FINAL_OK,
+        ]
+    }
+    log = tmp_path / "sleeps"
+    with FakeOpenAI(script) as server:
+        model = brood.OpenAIModel(
+            "m", base_url=server.base_url, max_retries=4, sleep=recording_sleep(log)
+        )
+        with brood.Supervisor(model, limits=FAST) as sup:
+            result = sup.run("task")
+        statuses = [ex.status for ex in server.requests]
+    assert result.answer == "ok"
+    assert statuses == [429, 503, 500, 200]
+    # Retry-After honored; without it, brood's own backoff (0.5 s doubling).
+    assert waits(log) == [7.0, 1.0, 0.25]
+
+
+def test_the_run_fails_with_a_clear_reason_when_retries_run_out(tmp_path):
+    script = {"task": [Reply(status=429, error="quota exhausted")] * 3}
+    log = tmp_path / "sleeps"
+    with FakeOpenAI(script) as server:
+        model = brood.OpenAIModel(
+            "m", base_url=server.base_url, max_retries=2, sleep=recording_sleep(log)
+        )
+        with brood.Supervisor(model, limits=FAST) as sup:
+            result = sup.run("task")
+        assert len(server.requests) == 3
+    assert result.state == "failed"
+    assert result.error.startswith("model error: model 'm' at http://127.0.0.1:")
+    assert "RateLimitError after 3 tries" in result.error
+    assert "quota exhausted" in result.error
+    assert waits(log) == [0.5, 1.0]
+
+
+def test_a_huge_retry_after_is_capped(tmp_path):
+    script = {"task": [Reply(status=429, headers=(("Retry-After", "86400"),)), FINAL_OK]}
+    log = tmp_path / "sleeps"
+    with FakeOpenAI(script) as server:
+        model = brood.OpenAIModel("m", base_url=server.base_url, sleep=recording_sleep(log))
+        with brood.Supervisor(model, limits=FAST) as sup:
+            assert sup.run("task").answer == "ok"
+    assert waits(log) == [30.0]
+
+
+def test_a_client_error_is_not_retried(tmp_path):
+    script = {"task": [Reply(status=400, error="bad request"), FINAL_OK]}
+    with FakeOpenAI(script) as server:
+        model = brood.OpenAIModel("m", base_url=server.base_url, sleep=recording_sleep(tmp_path))
+        with brood.Supervisor(model, limits=FAST) as sup:
+            result = sup.run("task")
+        assert len(server.requests) == 1
+    assert result.state == "failed" and "BadRequestError" in result.error
