@@ -69,6 +69,7 @@ class SQLStore:
         self._local = threading.local()
         self._queue: queue.Queue[tuple[Write, Future[None]] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._stats = {"writes": 0, "batches": 0, "busy_s": 0.0}
         conn = self._open(readonly)
         if readonly:
             self._local.conn = conn
@@ -152,6 +153,7 @@ class SQLStore:
         conn.close()
 
     def _commit(self, conn: Conn, batch: list[tuple[Write, Future[None]]]) -> None:
+        start = time.perf_counter()
         try:
             with self._transaction(conn) as cur:
                 for write, _ in batch:
@@ -161,8 +163,15 @@ class SQLStore:
             for _, fut in batch:
                 fut.set_exception(err)
             return
+        self._stats["batches"] += 1
+        self._stats["writes"] += len(batch)
+        self._stats["busy_s"] += time.perf_counter() - start
         for _, fut in batch:
             fut.set_result(None)
+
+    def statistics(self) -> dict[str, float]:
+        """Writes and batches committed so far, and the writer thread's time spent on them."""
+        return dict(self._stats)
 
     def _submit(self, sql: str, args: tuple[Any, ...]) -> Future[None]:
         return self._submit_many([(sql, args)])
