@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TypeVar
 
+import psutil
+
 import brood
 from brood.testing import leftover_processes
 
@@ -127,6 +129,18 @@ def retry_on_id_collision(what: str, measure: Callable[[], T]) -> T:
             raise
         print(f"[{what}] two runs drew the same id (a known brood bug); measuring again")
         return measure()
+
+
+def idle_worker_pids(sup: brood.Supervisor) -> list[int]:
+    """Pids of the warm workers waiting in the local backend's pool."""
+    return list(sup._backend.idle_pids())  # type: ignore[attr-defined]
+
+
+def zygote_pid(sup: brood.Supervisor) -> int:
+    """The zygote's pid: the parent of every worker (found that way to lean on no more of
+    the backend's internals than its idle-worker list)."""
+    wait_until(lambda: bool(idle_worker_pids(sup)), 30.0, "a warm worker in the pool")
+    return psutil.Process(idle_worker_pids(sup)[0]).ppid()
 
 
 def no_leftovers(bench: str) -> list[int]:

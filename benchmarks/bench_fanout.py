@@ -6,8 +6,9 @@ step, timed inside its own code from the call to the last answer, in two ways:
 `rlm_query_batched(prompts)`, and `rlm_spawn` for each prompt then `rlm_wait_all`.
 
 The floor is a bare asyncio loop making the same scripted model calls (ScriptedModel.complete
-on the messages each child's first turn sees) as 1,000 tasks behind a semaphore of 16, with
-no processes. The ratio says how many times more a child costs than its model call alone.
+on the messages each child's first turn sees, captured from a real child first) as 1,000
+tasks behind a semaphore of 16, with no processes. The ratio says how many times more a
+child costs than its model call alone.
 
 CPU per child is split between the supervisor process (this one: loop, journal writer) and
 the zygote with every worker it forked and reaped (user + system time of both).
@@ -17,6 +18,9 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import json
+import os
+import tempfile
 import time
 from typing import Any
 
@@ -32,11 +36,8 @@ from _common import (
     parse_args,
     retry_on_id_collision,
     run_completed,
+    zygote_pid,
 )
-from brood.protocol import Start
-from brood.worker.helpers import Runtime, make_helpers
-from brood.worker.main import first_message
-from brood.worker.prompt import system_prompt
 
 BENCH = "fanout"
 CHILDREN = 1000
@@ -61,27 +62,37 @@ FINAL(repr((time.perf_counter() - t0, len(answers), sorted(set(answers)))))
 ```"""
 
 
-def child_messages(model: brood.ScriptedModel, prompt: str) -> list[dict[str, Any]]:
-    """The messages of a child's first model turn, built by the worker's own functions."""
-    rt = Runtime(
-        None,  # type: ignore[arg-type]  # building the prompt sends nothing
-        model,
-        run_id="r-floor",
-        depth=1,
-        can_spawn=True,
-        clock=None,  # type: ignore[arg-type]
-        max_depth=brood.Limits().max_depth,
+def captured_messages(limits: brood.Limits) -> list[dict[str, Any]]:
+    """The messages of a real child's first model turn ('child 0'), as its worker sent them."""
+    fd, path = tempfile.mkstemp(prefix="bench-fanout-", suffix=".json")
+    os.close(fd)
+
+    def capture(messages: list[dict[str, Any]]) -> str:
+        with open(path, "w") as f:
+            json.dump(messages, f)
+        return CHILD_REPLY
+
+    model = brood.ScriptedModel(
+        {"capture": ["```repl\nFINAL(rlm_query('child 0'))\n```"], "child": [capture]}
     )
-    start = Start(run_id="r-floor", depth=1, prompt=prompt, context=None, model=b"", limits={})
-    return [
-        {"role": "system", "content": system_prompt(make_helpers(rt), can_spawn=True)},
-        {"role": "user", "content": first_message(start, None)},
+    try:
+        with brood.Supervisor(model=model, limits=limits) as sup:
+            run_completed(sup, "capture: one child")
+        with open(path) as f:
+            messages: list[dict[str, Any]] = json.load(f)
+    finally:
+        os.unlink(path)
+    return messages
+
+
+def floor_seconds(model: brood.ScriptedModel, first: list[dict[str, Any]]) -> float:
+    """One run of the asyncio floor: 1,000 scripted calls, 16 at a time, no processes.
+
+    `first` holds child 0's messages; child i's differ only in its task."""
+    messages = [
+        [{**m, "content": str(m["content"]).replace("child 0", f"child {i}")} for m in first]
+        for i in range(CHILDREN)
     ]
-
-
-def floor_seconds(model: brood.ScriptedModel) -> float:
-    """One run of the asyncio floor: 1,000 scripted calls, 16 at a time, no processes."""
-    messages = [child_messages(model, f"child {i}") for i in range(CHILDREN)]
 
     async def calls() -> list[str]:
         sem = asyncio.Semaphore(CONCURRENCY)
@@ -111,7 +122,7 @@ def fan_out(key: str, model: brood.ScriptedModel, limits: brood.Limits) -> dict[
     with brood.Supervisor(model=model, limits=limits) as sup:
         run_completed(sup, "warm-up: fan out")
         me = psutil.Process()
-        zygote = psutil.Process(sup._backend._zygote.pid)  # type: ignore[attr-defined]
+        zygote = psutil.Process(zygote_pid(sup))
         sup_cpu, zyg_cpu = cpu_seconds(me, children=False), cpu_seconds(zygote, children=True)
         t0 = time.perf_counter()
         res = run_completed(sup, f"{key}: fan out")
@@ -134,7 +145,6 @@ def main() -> None:
             "child": [CHILD_REPLY],
         }
     )
-    floor = median([floor_seconds(model) for _ in range(FLOOR_REPEATS)])
     limits = brood.Limits(
         max_concurrency=CONCURRENCY,
         max_children=2 * CHILDREN,
@@ -143,6 +153,8 @@ def main() -> None:
         shutdown_grace=0.5,
         term_grace=0.5,
     )
+    first = captured_messages(limits)
+    floor = median([floor_seconds(model, first) for _ in range(FLOOR_REPEATS)])
     results = {
         key: retry_on_id_collision(BENCH, lambda key=key: fan_out(key, model, limits))
         for key in ("batched", "spawn-wait-all")

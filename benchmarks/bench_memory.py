@@ -24,7 +24,17 @@ import time
 import psutil
 
 import brood
-from _common import MIB, Row, finish, median, no_leftovers, parse_args, wait_until
+from _common import (
+    MIB,
+    Row,
+    finish,
+    idle_worker_pids,
+    median,
+    no_leftovers,
+    parse_args,
+    wait_until,
+    zygote_pid,
+)
 
 BENCH = "memory"
 TARGET_BYTES = 12 * MIB
@@ -93,8 +103,8 @@ def main() -> None:
     try:
         with brood.Supervisor(model=model, limits=limits) as sup:
             time.sleep(SETTLE_S)
-            idle = [uss(pid) for pid in sup._backend.idle_pids()]  # type: ignore[attr-defined]
-            zygote = uss(sup._backend._zygote.pid)  # type: ignore[attr-defined]
+            idle = [uss(pid) for pid in idle_worker_pids(sup)]
+            zygote = uss(zygote_pid(sup))
             root = sup.spawn("sleeping root")
             waiter = sup.spawn("waiting root")
             wait_until(
@@ -105,9 +115,9 @@ def main() -> None:
             time.sleep(SETTLE_S)
             in_run = uss(sup.store.get_run(root.id)["pid"])
             waiting_uss = uss(sup.store.get_run(waiter.id)["pid"])
-            child = next(c for c in waiter.tree()["children"])
+            child = waiter.tree()["children"][0]
             child_uss = uss(sup.store.get_run(child["run_id"])["pid"])
-            idle_later = [uss(pid) for pid in sup._backend.idle_pids()]  # type: ignore[attr-defined]
+            idle_later = [uss(pid) for pid in idle_worker_pids(sup)]
     finally:
         shutil.rmtree(marks, ignore_errors=True)
     left = no_leftovers(BENCH)
