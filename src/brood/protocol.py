@@ -34,10 +34,12 @@ class Forked(Msg):
 
 
 class Exited(Msg):
-    """A worker process was reaped; `status` is its return code (-N for signal N)."""
+    """A worker process was reaped; `status` is its return code (-N for signal N).
+    `group_empty` says no process of its group is left (else GroupGone follows later)."""
 
     pid: int
     status: int
+    group_empty: bool = False
 
 
 class GroupGone(Msg):

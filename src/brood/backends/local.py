@@ -176,10 +176,12 @@ class LocalBackend:
             if isinstance(msg, Forked):
                 self._ready.set()
             elif isinstance(msg, Exited):
-                conn = self.conns.get(msg.pid)
+                conn = self.conns.pop(msg.pid, None) if msg.group_empty else self.conns.get(msg.pid)
                 if conn is None:
                     self._early_exit[msg.pid] = msg.status
                 else:
+                    if msg.group_empty:
+                        conn.gone.set()
                     conn.mark_exited(msg.status)
             elif isinstance(msg, GroupGone):
                 conn = self.conns.pop(msg.pid, None)

@@ -51,7 +51,7 @@ SCHEMA = [
 ]
 
 Conn = Any  # a DB-API connection of the database at hand
-Write = Callable[[Any], object]  # given a cursor
+Write = Callable[[Any], Any]  # given a cursor; returns the write's result
 
 
 class SQLStore:
@@ -67,7 +67,7 @@ class SQLStore:
         self.url = url
         self.readonly = readonly
         self._local = threading.local()
-        self._queue: queue.Queue[tuple[Write, Future[None]] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[Write, Future[Any]] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._stats = {"writes": 0, "batches": 0, "busy_s": 0.0}
         conn = self._open(readonly)
@@ -134,7 +134,7 @@ class SQLStore:
         stop = False
         while not stop:
             item = self._queue.get()
-            batch: list[tuple[Write, Future[None]]] = []
+            batch: list[tuple[Write, Future[Any]]] = []
             if item is None:
                 stop = True
             else:
@@ -152,59 +152,65 @@ class SQLStore:
                 self._commit(conn, batch)
         conn.close()
 
-    def _commit(self, conn: Conn, batch: list[tuple[Write, Future[None]]]) -> None:
+    def _commit(self, conn: Conn, batch: list[tuple[Write, Future[Any]]]) -> None:
         start = time.perf_counter()
         try:
             with self._transaction(conn) as cur:
-                for write, _ in batch:
-                    write(cur)
+                results = [write(cur) for write, _ in batch]
         except self.errors as exc:
-            err = StoreError(f"journal write to {self.where} failed: {exc}")
-            for _, fut in batch:
-                fut.set_exception(err)
+            if len(batch) > 1:
+                # One bad write must not take the others down with it: commit each alone.
+                for item in batch:
+                    self._commit(conn, [item])
+                return
+            batch[0][1].set_exception(StoreError(f"journal write to {self.where} failed: {exc}"))
             return
         self._stats["batches"] += 1
         self._stats["writes"] += len(batch)
         self._stats["busy_s"] += time.perf_counter() - start
-        for _, fut in batch:
-            fut.set_result(None)
+        for (_, fut), result in zip(batch, results, strict=True):
+            fut.set_result(result)
 
     def statistics(self) -> dict[str, float]:
         """Writes and batches committed so far, and the writer thread's time spent on them."""
         return dict(self._stats)
 
-    def _submit(self, sql: str, args: tuple[Any, ...]) -> Future[None]:
+    def _submit(self, sql: str, args: tuple[Any, ...]) -> Future[Any]:
         return self._submit_many([(sql, args)])
 
-    def _submit_many(self, statements: list[tuple[str, tuple[Any, ...]]]) -> Future[None]:
+    def _submit_many(self, statements: list[tuple[str, tuple[Any, ...]]]) -> Future[Any]:
         if self.readonly:
             raise StoreError(f"{self.where} was opened read-only")
-        fut: Future[None] = Future()
+        fut: Future[Any] = Future()
         stmts = [(self.q(sql), args) for sql, args in statements]
 
-        def write(cur: Any) -> None:
+        def write(cur: Any) -> int:
+            count = 0
             for sql, args in stmts:
                 cur.execute(sql, args)
+                count = cur.rowcount
+            return count  # rows the last statement touched
 
         self._queue.put((write, fut))
         return fut
 
     def insert_supervisor(
         self, token: str, pid: int, host: str, control: str | None
-    ) -> Future[None]:
+    ) -> Future[Any]:
         return self._submit(
             "INSERT INTO supervisors (id, pid, host, control, started_at) VALUES (?,?,?,?,?)",
             (token, pid, host, control, time.time()),
         )
 
-    def close_supervisor(self, token: str) -> Future[None]:
+    def close_supervisor(self, token: str) -> Future[Any]:
         return self._submit("UPDATE supervisors SET closed_at=? WHERE id=?", (time.time(), token))
 
-    def insert_run(self, rec: RunRecord, supervisor: str) -> Future[None]:
+    def insert_run(self, rec: RunRecord, supervisor: str) -> Future[Any]:
+        """Resolves to 1 once the run is journaled, or 0 if its id is already taken."""
         return self._submit(
             "INSERT INTO runs (id, root_id, parent_id, depth, key, attempt, prompt, model,"
             " pool, context_ref, state, reason, usage, created_at, supervisor)"
-            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT (id) DO NOTHING",
             (
                 rec.id,
                 rec.root_id,
@@ -224,7 +230,7 @@ class SQLStore:
             ),
         )
 
-    def transition(self, rec: RunRecord, frm: str, to: str) -> Future[None]:
+    def transition(self, rec: RunRecord, frm: str, to: str) -> Future[Any]:
         return self._submit_many(
             [
                 (
@@ -251,7 +257,7 @@ class SQLStore:
 
     def event(
         self, rec: RunRecord, kind: str, data: dict[str, Any], progress: str | None = None
-    ) -> Future[None]:
+    ) -> Future[Any]:
         """Journal an event; with it the run's usage so far (and its last line of output,
         when `progress` is given), so readers in other processes see a live tree."""
         stmts: list[tuple[str, tuple[Any, ...]]] = [

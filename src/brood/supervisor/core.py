@@ -46,8 +46,8 @@ from brood.protocol import (
 from brood.store.base import Store
 from brood.supervisor.observers import Observers
 
+ID_DRAWS = 8  # fresh ids tried for a run whose id the journal already holds
 KILL_CONFIRM_S = 5.0  # after SIGKILL, a group still present this long is reported, not awaited
-GONE_SETTLE_S = 0.2  # after the leader exits, how long reaping its group's rest may take
 DRAIN_ON_EXIT_S = 1.0  # read what a dead worker sent last before calling its exit a crash
 
 Q, RUN, CANCELLING = RunState.QUEUED, RunState.RUNNING, RunState.CANCELLING
@@ -60,7 +60,8 @@ def last_line(text: str) -> str:
 
 
 def new_run_id() -> str:
-    return "r-" + secrets.token_hex(3)
+    """A short, readable id; `Core._journal_new` draws again on a clash in the journal."""
+    return "r-" + secrets.token_hex(4)
 
 
 @dataclass
@@ -194,7 +195,7 @@ class Core:
         self.check_open()
         if not isinstance(prompt, str) or not prompt.strip():
             raise InvalidArgument("prompt must be a non-empty str")
-        rid = new_run_id()
+        rid = self._new_id()
         rec = RunRecord(
             id=rid,
             root_id=rid,
@@ -211,9 +212,37 @@ class Core:
         await self._admit(run)
         return run
 
+    def _new_id(self) -> str:
+        while (rid := new_run_id()) in self.runs:
+            pass
+        return rid
+
+    async def _journal_new(self, runs: list[Run]) -> None:
+        """Insert new runs into the journal. An id that an earlier tree in the same journal
+        already holds is drawn again (the journal outlives this supervisor's memory)."""
+        for run in runs:
+            self.runs[run.id] = run
+        pending = runs
+        for _ in range(ID_DRAWS):
+            inserted = await asyncio.gather(
+                *(asyncio.wrap_future(self.store.insert_run(r.rec, self.owner)) for r in pending)
+            )
+            pending = [r for r, ok in zip(pending, inserted, strict=True) if not ok]
+            if not pending:
+                return
+            for run in pending:
+                del self.runs[run.id]
+                run.rec.id = self._new_id()
+                if run.parent is None:
+                    run.rec.root_id = run.rec.id
+                self.runs[run.id] = run
+        raise BroodError(
+            f"could not draw an unused run id in {ID_DRAWS} tries; the journal "
+            f"{self.store.url} holds very many runs"
+        )
+
     async def _admit(self, run: Run) -> None:
-        self.runs[run.id] = run
-        await asyncio.wrap_future(self.store.insert_run(run.rec, self.owner))
+        await self._journal_new([run])
         if run.driven:
             # A Session's root is driven by the trainer between steps; it holds no slot.
             self._task(self._launch(run))
@@ -241,7 +270,7 @@ class Core:
             seq = parent.seq.get(msg.step, 0)
             parent.seq[msg.step] = seq + 1
             rec = RunRecord(
-                id=new_run_id(),
+                id=self._new_id(),
                 root_id=parent.rec.root_id,
                 parent_id=parent.id,
                 depth=parent.rec.depth + 1,
@@ -254,10 +283,7 @@ class Core:
             )
             parent.children.append(child)
             children.append(child)
-            self.runs[child.id] = child
-        await asyncio.gather(
-            *(asyncio.wrap_future(self.store.insert_run(c.rec, self.owner)) for c in children)
-        )
+        await self._journal_new(children)
         self.start_queue.extend(children)
         self._grant()
         return [c.id for c in children]
@@ -508,9 +534,9 @@ class Core:
             return True
         lim = self.limits
         conn.send(_STOP)
-        if await _wait(conn.exited, lim.shutdown_grace) and await _wait_event(
-            conn.gone, GONE_SETTLE_S
-        ):
+        # The zygote reports the exit and whether the group emptied with it, in one message;
+        # processes the run left behind (grandchildren) get the signals below at once.
+        if await _wait(conn.exited, lim.shutdown_grace) and conn.gone.is_set():
             return True
         for sig, grace in ((signal.SIGTERM, lim.term_grace), (signal.SIGKILL, KILL_CONFIRM_S)):
             self.backend.signal_group(conn, sig)

@@ -179,24 +179,33 @@ class Runtime:
                 "rlm_query answers with a plain model call (llm_query) instead of a child run"
             )
 
-    def collect(self, handles: Sequence[Handle], timeout: float | None) -> list[str]:
-        """Wait for every handle; answers in order, or ChildFailed naming failed indices."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for h in handles:
-            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            if not h.wait_done(left):
-                pending = [x.id for x in handles if not x.done]
-                raise TimeoutError(
-                    f"{len(pending)} of {len(handles)} still running after {timeout} s "
-                    f"({', '.join(pending[:5])}); they keep running: wait again later, "
-                    "or cancel them"
-                )
-        answers: list[str | None] = []
+    def collect(self, handles: Sequence[Handle], timeout: float | None) -> list[Any]:
+        """Wait for every handle, in one wait (one release of the compute slot); results in
+        order, or ChildFailed naming the failed indices once all have settled."""
+        self.check_open()
+        children = [h for h in handles if isinstance(h, ChildHandle)]
+        tasks = [h for h in handles if isinstance(h, Task)]
+        for t in tasks:  # wake the waiter when a task finishes
+            t._future.add_done_callback(lambda _f: _notify(self.link))
+
+        def settled() -> bool:
+            return all(self.link.children[h.id].state in TERMINAL_STATES for h in children) and all(
+                t._future.done() for t in tasks
+            )
+
+        if not self.wait_for(settled, timeout):
+            pending = [x.id for x in handles if not x.done]
+            raise TimeoutError(
+                f"{len(pending)} of {len(handles)} still running after {timeout} s "
+                f"({', '.join(pending[:5])}); they keep running: wait again later, "
+                "or cancel them"
+            )
+        answers: list[Any] = []
         failed: list[int] = []
         for i, h in enumerate(handles):
             try:
                 answers.append(h.result())
-            except ChildFailed:
+            except Exception:  # ChildFailed, or whatever a task raised
                 answers.append(None)
                 failed.append(i)
         if failed:
@@ -207,7 +216,7 @@ class Runtime:
                 failed=failed,
                 answers=answers,
             )
-        return [a for a in answers if a is not None]
+        return answers
 
 
 class ChildHandle:

@@ -20,6 +20,7 @@ from brood.protocol import (
     Exec,
     Msg,
     Reply,
+    Start,
     Stop,
     SyncChannel,
     rebuild_error,
@@ -38,6 +39,7 @@ class Link:
         self.children: dict[str, ChildUpdate] = {}  # guarded by cond; insertion = start order
         self.inbox: list[str] = []  # guarded by cond
         self.execs: queue.Queue[Exec] = queue.Queue()
+        self.starts: queue.Queue[Start] = queue.Queue()
 
     def start_reader(self) -> None:
         threading.Thread(target=self._read_loop, name="brood-link", daemon=True).start()
@@ -89,3 +91,5 @@ class Link:
                 self.cond.notify_all()
         elif isinstance(msg, Exec):
             self.execs.put(msg)
+        elif isinstance(msg, Start):
+            self.starts.put(msg)

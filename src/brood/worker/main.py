@@ -14,7 +14,7 @@ from brood.protocol import Failed, Final, Hello, Start, SyncChannel
 from brood.worker.agent import Agent
 from brood.worker.helpers import ERRORS, Runtime, make_helpers
 from brood.worker.link import Link
-from brood.worker.prompt import describe_context, system_prompt
+from brood.worker.prompt import cached_system_prompt, describe_context
 from brood.worker.repl import Repl, StepClock
 
 
@@ -29,12 +29,10 @@ def serve(sock_path: str) -> None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(sock_path)
     chan = SyncChannel.over_socket(sock)
-    chan.send(Hello(os.getpid()))
-    start = chan.recv()
-    if not isinstance(start, Start):
-        os._exit(0)  # the supervisor closed before giving this warm worker a run
     link = Link(chan)
-    link.start_reader()
+    link.start_reader()  # while the worker waits in the warm pool, not after its Start
+    chan.send(Hello(os.getpid()))
+    start = link.starts.get()  # the reader exits the process if the supervisor goes first
     try:
         run(start, link)
     except BaseException as exc:  # anything that escapes the loop fails the run, with a reason
@@ -76,7 +74,7 @@ def run(start: Start, link: Link) -> None:
     if start.driven:
         agent.driven()
         return
-    final = agent.loop(first_message(start, context), system_prompt(helpers, can_spawn=can_spawn))
+    final = agent.loop(first_message(start, context), cached_system_prompt(can_spawn))
     link.send(final)
 
 

@@ -54,3 +54,16 @@ def describe_context(context: Any) -> str:
     except TypeError:
         return f"`context` is a value of type {kind}."
     return f"`context` is a {kind} of {n:,} item{'s' if n != 1 else ''}."
+
+
+_CACHE: dict[bool, str] = {}
+
+
+def cached_system_prompt(can_spawn: bool) -> str:
+    """The system prompt, built once per process. The zygote builds both variants before it
+    freezes its heap, so a forked worker starts its first turn without rebuilding them."""
+    if can_spawn not in _CACHE:
+        from brood.worker.helpers import make_helpers
+
+        _CACHE[can_spawn] = system_prompt(make_helpers(None), can_spawn=can_spawn)  # type: ignore[arg-type]
+    return _CACHE[can_spawn]

@@ -79,8 +79,12 @@ class Zygote:
             if pid == 0:
                 break
             if pid in self.groups and pid not in self.reaped:
-                self.reaped.add(pid)
-                self.chan.send(Exited(pid, os.waitstatus_to_exitcode(status)))
+                empty = _group_empty(pid)
+                if empty:
+                    self.groups.discard(pid)
+                else:
+                    self.reaped.add(pid)
+                self.chan.send(Exited(pid, os.waitstatus_to_exitcode(status), empty))
         for pgid in [g for g in self.groups if g in self.reaped]:
             if _group_empty(pgid):
                 self.groups.discard(pgid)
@@ -149,6 +153,10 @@ def main() -> None:
         except ImportError:
             pass
     import brood.worker.main  # noqa: F401  - pre-import what every worker runs
+    from brood.worker.prompt import cached_system_prompt
+
+    for can_spawn in (True, False):
+        cached_system_prompt(can_spawn)
 
     _set_subreaper()
     ctrl = socket.socket(fileno=fd)
