@@ -1,0 +1,135 @@
+"""The journal under a 1,000-child fan-out with SQLite.
+
+A root starts 1,000 children of one scripted turn each (max_concurrency=16) with the
+journal in an SQLite file. Every run, transition, model call and REPL step is journaled by
+the one writer thread. Reported: journal writes per second over the fan-out's wall time,
+and the share of that wall time the writer spent committing (target under 10%).
+
+The floor is the same fan-out with a journal that commits nothing (every write resolves at
+once): the wall-time ratio says what journaling costs the fan-out end to end, including
+the supervisor's side of it (encoding and queueing the writes).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import brood
+import brood.api as brood_api
+from _common import Row, finish, median, no_leftovers, parse_args, run_completed
+
+BENCH = "journal"
+CHILDREN = 1000
+ROUNDS = 3
+TARGET_SHARE = 0.10
+ROOT = f"""```repl
+answers = rlm_query_batched([f'child {{i}}' for i in range({CHILDREN})])
+FINAL(str(len(answers)))
+```"""
+MODEL = brood.ScriptedModel(
+    {"root": [ROOT], "child": ["```repl\nprint('x')\nFINAL('x')\n```"]}, tokens_per_call=(50, 5)
+)
+LIMITS = brood.Limits(
+    max_concurrency=16, max_children=CHILDREN, max_children_per_run=CHILDREN, max_depth=2
+)
+
+
+class NullStore:
+    """A journal that keeps nothing: every write is 'committed' at once."""
+
+    url = "null://"
+    readonly = False
+
+    def __init__(self) -> None:
+        self.writes = 0
+
+    def _done(self, *args: Any, **kw: Any) -> Future[Any]:
+        self.writes += 1
+        fut: Future[Any] = Future()
+        fut.set_result(1)
+        return fut
+
+    insert_supervisor = close_supervisor = insert_run = transition = event = _done
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def fan_out(store: str | None) -> tuple[float, dict[str, float]]:
+    with brood.Supervisor(MODEL, limits=LIMITS, store=store) as sup:
+        t0 = time.perf_counter()
+        res = run_completed(sup, "root")
+        wall = time.perf_counter() - t0
+        assert res.answer == str(CHILDREN), res
+        sup.store.flush()
+        stats = sup.store.statistics()  # type: ignore[attr-defined]
+        events = len(sup.store.events(root_id=res.run_id))
+        stats["events"] = events
+    return wall, stats
+
+
+def null_fan_out() -> float:
+    real = brood_api.open_store
+    brood_api.open_store = lambda url, **kw: NullStore()  # type: ignore[assignment]
+    try:
+        with brood.Supervisor(MODEL, limits=LIMITS) as sup:
+            t0 = time.perf_counter()
+            res = sup.run("root")
+            wall = time.perf_counter() - t0
+            assert res.answer == str(CHILDREN), res
+    finally:
+        brood_api.open_store = real
+    return wall
+
+
+def main() -> None:
+    args = parse_args(__doc__ or "")
+    walls, shares, rates, null_walls = [], [], [], []
+    with tempfile.TemporaryDirectory(prefix="brood-bench-journal-") as tmp:
+        fan_out(None)  # warm-up: first-use costs on both sides
+        for i in range(ROUNDS):
+            url = f"sqlite:///{os.path.join(tmp, f'j{i}.db')}"
+            wall, stats = fan_out(url)
+            null_walls.append(null_fan_out())
+            walls.append(wall)
+            shares.append(stats["busy_s"] / wall)
+            rates.append(stats["writes"] / wall)
+            print(
+                f"round {i + 1}: fan-out {wall:.2f} s, {int(stats['writes'])} writes in "
+                f"{int(stats['batches'])} commits ({stats['writes'] / stats['batches']:.1f} per "
+                f"commit), {stats['events']} events; writer busy {stats['busy_s']:.3f} s "
+                f"({stats['busy_s'] / wall:.1%}); without a journal {null_walls[-1]:.2f} s"
+            )
+    left = no_leftovers(BENCH)
+    share = median(shares)
+    rows = [
+        Row(BENCH, "journal writes per second (fan-out)", median(rates), "/s"),
+        Row(
+            BENCH,
+            "writer's share of the fan-out's wall time",
+            share * 100,
+            "%",
+            None,
+            f"< {TARGET_SHARE:.0%}",
+            share < TARGET_SHARE,
+        ),
+        Row(
+            BENCH,
+            f"fan-out of {CHILDREN} with the SQLite journal",
+            median(walls),
+            "s",
+            median(null_walls),
+        ),
+    ]
+    finish(BENCH, rows, left, args.json)
+
+
+if __name__ == "__main__":
+    main()
