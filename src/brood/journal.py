@@ -36,7 +36,7 @@ class Journal:
     def __init__(self, url: str) -> None:
         self.url = url
         self.store: Store = open_store(url, readonly=True)
-        self._alive: dict[str, bool] = {}
+        self._dead: set[str] = set()
 
     def close(self) -> None:
         self.store.close()
@@ -51,10 +51,13 @@ class Journal:
     def supervisor_alive(self, token: str | None) -> bool:
         if not token:
             return False
-        if token not in self._alive:
-            row = self.store.supervisor(token)
-            self._alive[token] = bool(row and row["closed_at"] is None and owner_alive(token))
-        return self._alive[token]
+        if token in self._dead:
+            return False
+        row = self.store.supervisor(token)
+        alive = bool(row and row["closed_at"] is None and owner_alive(token))
+        if not alive:
+            self._dead.add(token)  # a supervisor that is gone stays gone; a live one may die
+        return alive
 
     def _decorate(self, run: dict[str, Any]) -> dict[str, Any]:
         """Adds `run_id`, `stale` (not ended, but its supervisor is gone) and `duration`."""

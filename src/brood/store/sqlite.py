@@ -38,23 +38,32 @@ class SQLiteStore(SQLStore):
     def _connect(self, readonly: bool) -> sqlite3.Connection:
         try:
             if readonly:
-                # mode=ro: a read command cannot change the journal, not even its WAL mode.
-                conn = sqlite3.connect(
-                    f"file:{os.path.abspath(self.path)}?mode=ro",
-                    uri=True,
-                    check_same_thread=False,
-                    timeout=30.0,
-                )
-            else:
-                conn = sqlite3.connect(
-                    self.path, check_same_thread=False, timeout=30.0, isolation_level=None
-                )
-                conn.execute("PRAGMA journal_mode=WAL")
-                conn.execute("PRAGMA synchronous=NORMAL")
+                return self._connect_readonly()
+            conn = sqlite3.connect(
+                self.path, check_same_thread=False, timeout=30.0, isolation_level=None
+            )
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
         except sqlite3.Error as exc:
             raise StoreError(
                 f"cannot open {self.where}: {exc}; check the path and its permissions"
             ) from exc
+        return conn
+
+    def _connect_readonly(self) -> sqlite3.Connection:
+        """mode=ro: a read command cannot change the journal, not even its WAL mode. Reading
+        a WAL journal still needs its -shm file; in a folder the reader may not write to,
+        and with no writer (so no -wal file), the file is opened as immutable instead."""
+        uri = f"file:{os.path.abspath(self.path)}?mode=ro"
+        conn = sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=30.0)
+        try:
+            conn.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()
+        except sqlite3.OperationalError:
+            if os.path.exists(self.path + "-wal") and os.access(self.path + "-wal", os.W_OK):
+                conn.close()
+                raise
+            conn.close()
+            conn = sqlite3.connect(uri + "&immutable=1", uri=True, check_same_thread=False)
         return conn
 
     @contextlib.contextmanager
