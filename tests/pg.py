@@ -41,8 +41,10 @@ def postgres_url() -> Iterator[str]:
         return
     initdb, pg_ctl = _bin("initdb"), _bin("pg_ctl")
     if not initdb or not pg_ctl:
-        pytest.skip("no PostgreSQL server can be started here: install the Debian package "
-                    "`postgresql` (.ci/run does), or set BROOD_TEST_PG_URL")
+        pytest.skip(
+            "no PostgreSQL server can be started here: install the Debian package "
+            "`postgresql` (.ci/run does), or set BROOD_TEST_PG_URL"
+        )
     if os.geteuid() == 0:
         try:
             owner = pwd.getpwnam("postgres")
@@ -56,14 +58,32 @@ def postgres_url() -> Iterator[str]:
             os.chown(path, owner.pw_uid, owner.pw_gid)
     port = "54329"
     try:
-        subprocess.run(_as_postgres([initdb, "-D", data, "-U", "postgres", "-A", "trust",
-                                     "--no-sync"]), check=True, capture_output=True,
-                       timeout=START_TIMEOUT_S)
-        subprocess.run(_as_postgres([
-            pg_ctl, "-D", data, "-w", "-t", str(START_TIMEOUT_S), "-l",
-            os.path.join(base, "log"), "-o",
-            f"-k {sock} -p {port} -c listen_addresses='' -c fsync=off",
-            "start"]), check=True, capture_output=True, timeout=START_TIMEOUT_S + 10)
+        subprocess.run(
+            _as_postgres([initdb, "-D", data, "-U", "postgres", "-A", "trust", "--no-sync"]),
+            check=True,
+            capture_output=True,
+            timeout=START_TIMEOUT_S,
+        )
+        subprocess.run(
+            _as_postgres(
+                [
+                    pg_ctl,
+                    "-D",
+                    data,
+                    "-w",
+                    "-t",
+                    str(START_TIMEOUT_S),
+                    "-l",
+                    os.path.join(base, "log"),
+                    "-o",
+                    f"-k {sock} -p {port} -c listen_addresses='' -c fsync=off",
+                    "start",
+                ]
+            ),
+            check=True,
+            capture_output=True,
+            timeout=START_TIMEOUT_S + 10,
+        )
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
         out = getattr(exc, "stderr", b"") or b""
         shutil.rmtree(base, ignore_errors=True)
@@ -71,8 +91,11 @@ def postgres_url() -> Iterator[str]:
     try:
         yield f"postgresql://postgres@/postgres?host={sock}&port={port}"
     finally:
-        subprocess.run(_as_postgres([pg_ctl, "-D", data, "-m", "immediate", "stop"]),
-                       capture_output=True, timeout=60)
+        subprocess.run(
+            _as_postgres([pg_ctl, "-D", data, "-m", "immediate", "stop"]),
+            capture_output=True,
+            timeout=60,
+        )
         shutil.rmtree(base, ignore_errors=True)
 
 

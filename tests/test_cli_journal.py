@@ -596,7 +596,7 @@ def test_read_commands_leave_a_finished_journal_unchanged(tmp_path, start_tree):
     for args, out in zip(reads, brood_each([(a, tree.store) for a in reads]), strict=True):
         assert out.returncode == 0 and out.stdout.strip(), (args, out)
     assert journal_file(tree.journal) == before
-    # SQLite does leave an empty j.db-wal and a j.db-shm next to it (see the xfail below).
+    # SQLite does leave an empty j.db-wal and a j.db-shm next to it: reading WAL needs them.
     assert (tmp_path / "j.db-wal").stat().st_size == 0
 
 
