@@ -20,6 +20,7 @@ CONNECT_TIMEOUT_S = 10
 class PostgresStore(SQLStore):
     placeholder = "%s"
     real = "DOUBLE PRECISION"
+    blob = "BYTEA"
     serial = "BIGSERIAL PRIMARY KEY"
 
     def __init__(self, url: str, *, readonly: bool = False) -> None:

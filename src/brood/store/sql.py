@@ -21,7 +21,7 @@ from typing import Any
 from brood.errors import StoreError
 from brood.lifecycle import RunRecord
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 BATCH_MAX = 500  # writes committed in one transaction at most
 
 # {real} and {serial} are filled in per database.
@@ -36,9 +36,11 @@ SCHEMA = [
         pool TEXT, context_ref TEXT, state TEXT NOT NULL, reason TEXT, answer TEXT,
         error TEXT, usage TEXT NOT NULL DEFAULT '{{}}', last_line TEXT,
         created_at {real} NOT NULL, started_at {real}, ended_at {real}, pid BIGINT,
-        supervisor TEXT)""",
+        supervisor TEXT, context {blob}, model_name TEXT)""",
     "CREATE INDEX IF NOT EXISTS runs_root ON runs(root_id)",
     "CREATE INDEX IF NOT EXISTS runs_parent ON runs(parent_id)",
+    # Exactly-once child starts: one child per key and attempt inside its parent.
+    "CREATE UNIQUE INDEX IF NOT EXISTS runs_key ON runs(parent_id, key, attempt)",
     """CREATE TABLE IF NOT EXISTS transitions (
         seq {serial}, run_id TEXT NOT NULL, frm TEXT NOT NULL, "to" TEXT NOT NULL,
         reason TEXT, at {real} NOT NULL)""",
@@ -50,6 +52,22 @@ SCHEMA = [
     "CREATE INDEX IF NOT EXISTS events_root ON events(root_id, seq)",
 ]
 
+# What turns a journal of version N-1 into version N (the key).
+MIGRATIONS: dict[int, list[str]] = {
+    2: [
+        "ALTER TABLE runs ADD COLUMN context {blob}",  # what resume needs to restart a run
+        "ALTER TABLE runs ADD COLUMN model_name TEXT",  # rlm_query(model=...) of a child
+        "CREATE UNIQUE INDEX IF NOT EXISTS runs_key ON runs(parent_id, key, attempt)",
+    ],
+}
+
+# What reads of runs return: every column but the context, which can be large.
+RUN_COLUMNS = (
+    "id, root_id, parent_id, depth, key, attempt, prompt, model, pool, context_ref, state,"
+    " reason, answer, error, usage, last_line, created_at, started_at, ended_at, pid,"
+    " supervisor"
+)
+
 Conn = Any  # a DB-API connection of the database at hand
 Write = Callable[[Any], Any]  # given a cursor; returns the write's result
 
@@ -58,6 +76,7 @@ class SQLStore:
     """Base of the SQL journals; subclasses connect, and say how a transaction is opened."""
 
     placeholder = "?"
+    blob = "BLOB"
     real = "REAL"
     serial = "INTEGER PRIMARY KEY"
     errors: tuple[type[BaseException], ...] = ()
@@ -91,14 +110,7 @@ class SQLStore:
         try:
             if not readonly:
                 with self._transaction(conn) as cur:
-                    for stmt in SCHEMA:
-                        cur.execute(stmt.format(real=self.real, serial=self.serial))
-                    cur.execute(self.q("SELECT value FROM meta WHERE key='schema'"))
-                    row = cur.fetchone()
-                    if row is None:
-                        cur.execute(
-                            self.q("INSERT INTO meta VALUES ('schema', ?)"), (str(SCHEMA_VERSION),)
-                        )
+                    self._create_or_migrate(cur)
             version = self._schema_version(conn)
         except self.errors as exc:
             conn.close()
@@ -113,6 +125,24 @@ class SQLStore:
                 f"{SCHEMA_VERSION}; upgrade brood (pip install -U rlm-brood)"
             )
         return conn
+
+    def _create_or_migrate(self, cur: Any) -> None:
+        """Create a new journal, or bring an older one up to SCHEMA_VERSION. A newer one is
+        left as it is (and refused by the caller)."""
+        fill = {"real": self.real, "serial": self.serial, "blob": self.blob}
+        cur.execute(SCHEMA[0])
+        cur.execute("SELECT value FROM meta WHERE key='schema'")
+        row = cur.fetchone()
+        if row is None:
+            for stmt in SCHEMA[1:]:
+                cur.execute(stmt.format(**fill))
+            cur.execute(self.q("INSERT INTO meta VALUES ('schema', ?)"), (str(SCHEMA_VERSION),))
+            return
+        version = int(row[0] if not isinstance(row, dict) else row["value"])
+        for target in range(version + 1, SCHEMA_VERSION + 1):
+            for stmt in MIGRATIONS[target]:
+                cur.execute(stmt.format(**fill))
+            cur.execute(self.q("UPDATE meta SET value=? WHERE key='schema'"), (str(target),))
 
     def _schema_version(self, conn: Conn) -> int:
         cur = conn.cursor()
@@ -205,12 +235,19 @@ class SQLStore:
     def close_supervisor(self, token: str) -> Future[Any]:
         return self._submit("UPDATE supervisors SET closed_at=? WHERE id=?", (time.time(), token))
 
-    def insert_run(self, rec: RunRecord, supervisor: str) -> Future[Any]:
-        """Resolves to 1 once the run is journaled, or 0 if its id is already taken."""
+    def insert_run(
+        self,
+        rec: RunRecord,
+        supervisor: str,
+        context: bytes | None = None,
+        model_name: str | None = None,
+    ) -> Future[Any]:
+        """Resolves to 1 once the run is journaled, or 0 if its id is already taken. A
+        second child under the same parent, key and attempt fails (exactly-once starts)."""
         return self._submit(
             "INSERT INTO runs (id, root_id, parent_id, depth, key, attempt, prompt, model,"
-            " pool, context_ref, state, reason, usage, created_at, supervisor)"
-            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT (id) DO NOTHING",
+            " pool, context_ref, state, reason, usage, created_at, supervisor, context,"
+            " model_name) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT (id) DO NOTHING",
             (
                 rec.id,
                 rec.root_id,
@@ -227,8 +264,25 @@ class SQLStore:
                 json.dumps(rec.usage),
                 rec.created_at,
                 supervisor,
+                context,
+                model_name,
             ),
         )
+
+    def claim_tree(self, root_id: str, supervisor: str) -> Future[Any]:
+        """Make `supervisor` the owner of the tree's runs that have not ended (resume)."""
+        return self._submit(
+            "UPDATE runs SET supervisor=? WHERE root_id=? AND state NOT IN"
+            " ('completed', 'failed', 'cancelled', 'timed_out')",
+            (supervisor, root_id),
+        )
+
+    def resume_data(self, root_id: str) -> dict[str, dict[str, Any]]:
+        """What resume needs per run of a tree, that reads leave out: context, model name."""
+        rows = self._rows("SELECT id, context, model_name FROM runs WHERE root_id=?", (root_id,))
+        return {
+            r["id"]: {"context": _bytes(r["context"]), "model_name": r["model_name"]} for r in rows
+        }
 
     def transition(self, rec: RunRecord, frm: str, to: str) -> Future[Any]:
         return self._submit_many(
@@ -311,7 +365,7 @@ class SQLStore:
         """Close the read transaction so the next read sees newer commits."""
 
     def get_run(self, run_id: str) -> dict[str, Any]:
-        rows = self._rows("SELECT * FROM runs WHERE id=?", (run_id,))
+        rows = self._rows(f"SELECT {RUN_COLUMNS} FROM runs WHERE id=?", (run_id,))
         if not rows:
             raise StoreError(
                 f"no run {run_id!r} in {self.where}; `brood ps` lists the recent trees"
@@ -320,14 +374,17 @@ class SQLStore:
 
     def runs(self, root_id: str | None = None) -> list[dict[str, Any]]:
         if root_id is None:
-            rows = self._rows("SELECT * FROM runs ORDER BY created_at")
+            rows = self._rows(f"SELECT {RUN_COLUMNS} FROM runs ORDER BY created_at")
         else:
-            rows = self._rows("SELECT * FROM runs WHERE root_id=? ORDER BY created_at", (root_id,))
+            rows = self._rows(
+                f"SELECT {RUN_COLUMNS} FROM runs WHERE root_id=? ORDER BY created_at", (root_id,)
+            )
         return [_decode_run(r) for r in rows]
 
     def roots(self, limit: int = 20) -> list[dict[str, Any]]:
         rows = self._rows(
-            "SELECT * FROM runs WHERE parent_id IS NULL ORDER BY created_at DESC LIMIT ?", (limit,)
+            f"SELECT {RUN_COLUMNS} FROM runs WHERE parent_id IS NULL ORDER BY created_at DESC LIMIT ?",
+            (limit,),
         )
         return [_decode_run(r) for r in rows]
 
@@ -372,6 +429,10 @@ class SQLStore:
         if conn is not None:
             conn.close()
             self._local.conn = None
+
+
+def _bytes(value: Any) -> bytes | None:
+    return None if value is None else bytes(value)  # Postgres returns memoryview
 
 
 def _decode_run(row: dict[str, Any]) -> dict[str, Any]:

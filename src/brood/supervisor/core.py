@@ -225,7 +225,12 @@ class Core:
         pending = runs
         for _ in range(ID_DRAWS):
             inserted = await asyncio.gather(
-                *(asyncio.wrap_future(self.store.insert_run(r.rec, self.owner)) for r in pending)
+                *(
+                    asyncio.wrap_future(
+                        self.store.insert_run(r.rec, self.owner, r.context_blob, r.model_name)
+                    )
+                    for r in pending
+                )
             )
             pending = [r for r, ok in zip(pending, inserted, strict=True) if not ok]
             if not pending:
