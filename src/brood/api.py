@@ -12,11 +12,13 @@ from typing import Any, NamedTuple
 import cloudpickle
 
 from brood.backends.base import make_backend
-from brood.backends.local import owner_token
+from brood.backends.local import owner_alive, owner_token
 from brood.errors import (
+    BroodError,
     ChildFailed,
     ChildNotReady,
     InvalidArgument,
+    ReplayDiverged,
     StaleHandle,
     SupervisorClosed,
 )
@@ -151,6 +153,36 @@ class Supervisor:
         """Run a root run to its end and return how it ended (never raises for a failed run)."""
         return self.spawn(prompt, context=context, timeout=timeout, model=model).wait_result()
 
+    def resume(self, run_id: str) -> RunHandle:
+        """Resume the crashed tree that `run_id` belongs to, from this supervisor's journal,
+        and return a handle on its root at once.
+
+        Every unfinished run replays its journaled steps in a new worker, with journaled
+        model replies (no new model call for recorded work) and journaled children adopted
+        by key instead of started again; then it goes on live. A replay that asks for a call
+        the journal does not hold stops the resume: `wait()` then raises ReplayDiverged.
+        Refused (nothing changes) for an unknown id, a tree that has ended, and a tree whose
+        supervisor is still alive.
+        """
+        if self._closed:
+            raise SupervisorClosed("the supervisor is closed; make a new one")
+        root_id = self._store.get_run(run_id)["root_id"]
+        runs = self._store.runs(root_id)
+        root = next(r for r in runs if r["id"] == root_id)
+        if RunState(root["state"]).terminal:
+            raise BroodError(
+                f"run {root_id} is {root['state']}; a tree that has ended has nothing to resume"
+            )
+        for token in {r["supervisor"] for r in runs if not RunState(r["state"]).terminal}:
+            row = self._store.supervisor(token) if token else None
+            if row is not None and row["closed_at"] is None and owner_alive(token):
+                raise BroodError(
+                    f"tree {root_id} is still run by a live supervisor (pid {row['pid']}); "
+                    "it can only be resumed once that process is gone (brood cancel stops it)"
+                )
+        run = self._loop.call(self._core.resume_tree(root_id))
+        return RunHandle(self, run)
+
     async def _create(
         self, prompt: str, context: Any, timeout: float | None, model: Any, driven: bool
     ) -> Run:
@@ -276,6 +308,9 @@ class RunHandle:
         rec = self._run.rec
         if not rec.state.terminal:
             raise ChildNotReady(f"run {self.id} is {rec.state.value}; use wait() to block")
+        diverged = self._sup._core.diverged.get(self.id)
+        if diverged is not None:
+            raise ReplayDiverged(f"the resume of tree {self.id} stopped: {diverged}")
         if rec.state is RunState.COMPLETED:
             return rec.answer or ""
         raise ChildFailed(

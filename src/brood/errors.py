@@ -19,6 +19,7 @@ __all__ = [
     "InvalidSpec",
     "LimitExceeded",
     "ModelError",
+    "ReplayDiverged",
     "StaleHandle",
     "StoreError",
     "SupervisorClosed",
@@ -104,6 +105,12 @@ class ChildCleanupError(BroodError):
 
 class InvalidSpec(BroodError, ValueError):
     """A flow spec or model spec is invalid; the message lists every problem with its path."""
+
+
+class ReplayDiverged(BroodError):
+    """Resuming a tree, a replayed step asked for a call the journal does not hold (another
+    prompt, another order, a child under a new key). The message names the run, the step,
+    and the expected and actual call."""
 
 
 class SupervisorClosed(BroodError):

@@ -64,6 +64,7 @@ class SpawnReq(Msg):
     model: str | None = None
     timeout: float | None = None
     step: int = 0
+    replaying: bool = False  # the step is one the journal holds: its children must be there
 
 
 class CancelReq(Msg):
@@ -130,6 +131,15 @@ class StepResult(Msg):
 
 
 # ---- supervisor -> worker -------------------------------------------------------------------
+class Replay(msgspec.Struct, omit_defaults=True):
+    """What a resumed run's journal holds: its model turns' replies in order, its plain
+    calls' replies by prompt, and how many REPL steps it had run."""
+
+    turns: list[str] = []
+    calls: dict[str, list[str]] = {}
+    steps: int = 0
+
+
 class Start(Msg):
     run_id: str
     depth: int
@@ -140,6 +150,7 @@ class Start(Msg):
     driven: bool = False  # True for a Session root: steps come from Exec, not a model
     messages: list[str] = []
     model_name: str | None = None  # rlm_query(model=...): passed to every model call
+    replay: Replay | None = None  # set when the run is resumed from the journal
 
 
 class ErrorInfo(msgspec.Struct, omit_defaults=True):

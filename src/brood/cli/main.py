@@ -195,6 +195,43 @@ def run(
 
 
 @app.command()
+def resume(
+    run_id: RunArg,
+    model: Annotated[
+        str | None, typer.Option(help="model spec for the live part (or BROOD_MODEL)")
+    ] = None,
+    store: StoreOpt = None,
+    live: Annotated[bool, typer.Option(help="show the live tree on stderr")] = True,
+    as_json: JsonOpt = False,
+) -> None:
+    """Resume a crashed tree from its journal: replay what was recorded (no new model calls
+    for it, journaled children adopted, not started again), then go on live."""
+    url = store or default_store_url()
+    try:
+        with brood.Supervisor(model or os.environ.get("BROOD_MODEL"), store=url) as sup:
+            handle = sup.resume(run_id)
+            if live and sys.stderr.isatty():
+                with Journal(url) as journal:
+                    _live_tree(journal, handle.id, lambda: handle.done)
+            result = handle.wait_result()
+            try:
+                handle.result()
+            except brood.ReplayDiverged as exc:
+                _fail(str(exc), code=1)
+            except brood.ChildFailed:
+                pass
+    except brood.BroodError as exc:
+        _fail(str(exc))
+        return
+    if as_json:
+        _print_json(result._asdict())
+    elif result.state == "completed":
+        print(result.answer)
+    if result.state != "completed":
+        _fail(f"run {result.run_id} {result.state}: {result.error}", code=1)
+
+
+@app.command()
 def demo(store: StoreOpt = None) -> None:
     """A built-in scenario on a scripted model: a root fans out to children without
     blocking, keeps working, collects them, cancels one, and answers."""

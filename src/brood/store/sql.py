@@ -383,7 +383,8 @@ class SQLStore:
 
     def roots(self, limit: int = 20) -> list[dict[str, Any]]:
         rows = self._rows(
-            f"SELECT {RUN_COLUMNS} FROM runs WHERE parent_id IS NULL ORDER BY created_at DESC LIMIT ?",
+            f"SELECT {RUN_COLUMNS} FROM runs WHERE parent_id IS NULL"
+            " ORDER BY created_at DESC LIMIT ?",
             (limit,),
         )
         return [_decode_run(r) for r in rows]

@@ -20,6 +20,7 @@ from brood.errors import (
     ChildCleanupError,
     InvalidArgument,
     LimitExceeded,
+    ReplayDiverged,
     SupervisorClosed,
 )
 from brood.lifecycle import RunRecord, RunState, move
@@ -34,6 +35,7 @@ from brood.protocol import (
     Final,
     ModelCall,
     Msg,
+    Replay,
     Reply,
     SendReq,
     SpawnReq,
@@ -51,6 +53,10 @@ KILL_CONFIRM_S = 5.0  # after SIGKILL, a group still present this long is report
 DRAIN_ON_EXIT_S = 1.0  # read what a dead worker sent last before calling its exit a crash
 
 Q, RUN, CANCELLING = RunState.QUEUED, RunState.RUNNING, RunState.CANCELLING
+
+
+def _clip(text: str, n: int = 80) -> str:
+    return repr(text if len(text) <= n else text[: n - 3] + "...")
 
 
 def last_line(text: str) -> str:
@@ -103,6 +109,15 @@ class Run:
     last_line: str = ""
     tree_children: int = 0  # roots only: children started in the whole tree
     tree_usage: dict[str, float] = field(default_factory=dict)  # roots only
+    replay: Replay | None = None  # a run resumed from the journal, until its worker starts
+    by_key: dict[str, Run] = field(default_factory=dict)  # resumed: journaled children by key
+
+    @property
+    def launchable(self) -> bool:
+        """Waiting for a worker: queued, or resumed while it was running."""
+        if self.rec.state is RUN:
+            return self.replay is not None and self.conn is None and self.ending is None
+        return self.rec.state is Q
 
     @property
     def id(self) -> str:
@@ -150,6 +165,7 @@ class Core:
         self.resume_queue: deque[tuple[Run, asyncio.Future[None]]] = deque()
         self.closing = False
         self.broken: ChildCleanupError | None = None
+        self.diverged: dict[str, str] = {}  # root id -> why its resume stopped
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # ---- bookkeeping -------------------------------------------------------------------
@@ -264,22 +280,27 @@ class Core:
             raise LimitExceeded("max_depth", parent.rec.depth + 2, self.limits.max_depth)
         if not msg.prompts:
             return []
-        root = self.runs[parent.rec.root_id]
-        self.limits.admit_children(
-            tree_total=root.tree_children, run_total=len(parent.children), count=len(msg.prompts)
-        )
-        root.tree_children += len(msg.prompts)
-        timeout = msg.timeout if msg.timeout is not None else self.limits.child_timeout
-        children = []
-        for prompt in msg.prompts:
+        keys = []
+        for _ in msg.prompts:
             seq = parent.seq.get(msg.step, 0)
             parent.seq[msg.step] = seq + 1
+            keys.append(f"{msg.step}:{seq}")
+        adopted = self._adopt(parent, msg, keys)
+        fresh = [(k, p) for k, p in zip(keys, msg.prompts, strict=True) if k not in adopted]
+        root = self.runs[parent.rec.root_id]
+        self.limits.admit_children(
+            tree_total=root.tree_children, run_total=len(parent.children), count=len(fresh)
+        )
+        root.tree_children += len(fresh)
+        timeout = msg.timeout if msg.timeout is not None else self.limits.child_timeout
+        children = []
+        for key, prompt in fresh:
             rec = RunRecord(
                 id=self._new_id(),
                 root_id=parent.rec.root_id,
                 parent_id=parent.id,
                 depth=parent.rec.depth + 1,
-                key=f"{msg.step}:{seq}",
+                key=key,
                 prompt=prompt,
                 model=msg.model or parent.rec.model,
             )
@@ -290,8 +311,49 @@ class Core:
             children.append(child)
         await self._journal_new(children)
         self.start_queue.extend(children)
+        self.start_queue.extend(c for c in adopted.values() if c.launchable)
         self._grant()
-        return [c.id for c in children]
+        # Children that ended before the crash: tell the parent once it has their ids.
+        ended = [c for c in adopted.values() if c.rec.state.terminal]
+        if ended:
+            asyncio.get_running_loop().call_soon(self._announce, parent, ended)
+        by_key = {c.rec.key: c for c in children} | adopted
+        return [by_key[k].id for k in keys]
+
+    def _adopt(self, parent: Run, msg: SpawnReq, keys: list[str]) -> dict[str, Run]:
+        """The journaled children a resumed parent's replay asks for again, by key.
+
+        A key the journal holds must come with the same prompt; while the parent replays a
+        journaled step, every child it starts must be in the journal. Anything else is a
+        divergence, and nothing is started.
+        """
+        adopted: dict[str, Run] = {}
+        for key, prompt in zip(keys, msg.prompts, strict=True):
+            child = parent.by_key.get(key)
+            if child is None:
+                if msg.replaying:
+                    raise ReplayDiverged(
+                        f"run {parent.id} step {msg.step}: the replay started a child under "
+                        f"key {key} ({_clip(prompt)}), but the journal holds no child there"
+                    )
+                continue
+            if child.rec.prompt != prompt:
+                raise ReplayDiverged(
+                    f"run {parent.id} step {msg.step}: the journal holds child {child.id} "
+                    f"under key {key} with prompt {_clip(child.rec.prompt)}, the replay "
+                    f"asked for {_clip(prompt)}"
+                )
+            adopted[key] = child
+        for key in adopted:
+            del parent.by_key[key]  # adopted once
+        return adopted
+
+    def _announce(self, parent: Run, children: list[Run]) -> None:
+        if parent.conn is None:
+            return
+        for c in children:
+            r = c.rec
+            parent.conn.send(ChildUpdate(r.id, r.state.value, r.answer, r.reason, r.error))
 
     # ---- concurrency slots -------------------------------------------------------------
     def _grant(self) -> None:
@@ -306,7 +368,7 @@ class Core:
                 fut.set_result(None)
             elif self.start_queue:
                 run = self.start_queue.popleft()
-                if run.rec.state is not Q:
+                if not run.launchable:
                     continue
                 run.holds_slot = True
                 self.free_slots -= 1
@@ -326,14 +388,23 @@ class Core:
         except Exception as exc:
             await self.finish(run, RunState.FAILED, f"backend error: {exc}")
             return
-        if run.rec.state is not Q:
+        if not run.launchable:
             self.backend.release_unused(conn)
             return
+        resumed = run.rec.state is RUN
         run.conn = conn
         conn.handler = lambda msg: self._on_msg(run, msg)
         conn.on_exit = lambda status: self._task(self._on_exit(run, status))
         run.rec.pid = conn.pid
-        await self._move(run, RUN)
+        if resumed:
+            # Still `running` in the journal: a new worker picks it up by replaying it.
+            self._event(
+                run,
+                "resumed",
+                {"pid": conn.pid, "turns": len(run.replay.turns) if run.replay else 0},
+            )
+        else:
+            await self._move(run, RUN)
         if run.rec.state is not RUN:
             return
         r = run.rec
@@ -348,9 +419,11 @@ class Core:
                 driven=run.driven,
                 messages=run.messages,
                 model_name=run.model_name,
+                replay=run.replay,
             )
         )
         run.messages = []
+        run.replay = None
         if run.timeout is not None:
             run.timer = asyncio.get_running_loop().call_later(
                 run.timeout,
@@ -392,6 +465,8 @@ class Core:
             self._task(self.finish(run, RunState.COMPLETED, msg.reason, answer=msg.answer))
         elif isinstance(msg, Failed):
             self._task(self.finish(run, RunState.FAILED, msg.reason, error=msg.error))
+            if msg.reason.startswith("replay diverged"):
+                self._stop_resume(run, msg.reason)
         elif isinstance(msg, StepResult):
             fut = run.pending.pop(msg.req_id, None)
             if fut is not None and not fut.done():
@@ -569,6 +644,111 @@ class Core:
         run.pending[req_id] = fut
         run.conn.send(Exec(req_id, code))
         return await fut
+
+    # ---- resuming a tree from the journal ----------------------------------------------
+    async def resume_tree(self, root_id: str) -> Run:
+        """Rebuild the tree under `root_id` from the journal and start its root again.
+
+        Runs that ended keep their journaled outcome. A run cancelled before the crash, or
+        under a parent that ended, is cancelled (not resumed). The root replays its journal
+        in a new worker; each child waits until its parent's replay asks for it again by
+        key (adoption) and is then resumed the same way, or handed its journaled answer.
+        """
+        self.check_open()
+        rows = self.store.runs(root_id)
+        extra = self.store.resume_data(root_id)
+        runs: dict[str, Run] = {}
+        for row in rows:  # in creation order: a parent comes before its children
+            rec = RunRecord(
+                id=row["id"],
+                root_id=row["root_id"],
+                parent_id=row["parent_id"],
+                depth=row["depth"],
+                key=row["key"],
+                prompt=row["prompt"],
+                model=row["model"],
+                pool=row["pool"],
+                context_ref=row["context_ref"],
+                attempt=row["attempt"],
+                state=RunState(row["state"]),
+                reason=row["reason"],
+                answer=row["answer"],
+                error=row["error"],
+                usage=dict(row["usage"]),
+                created_at=row["created_at"],
+                started_at=row["started_at"],
+                ended_at=row["ended_at"],
+            )
+            parent = runs.get(row["parent_id"]) if row["parent_id"] else None
+            data = extra.get(rec.id, {})
+            run = Run(
+                rec,
+                self.model_blob,
+                data.get("context"),
+                data.get("model_name"),
+                self.limits.child_timeout if parent else None,
+                parent,
+            )
+            if parent is not None:
+                parent.children.append(run)
+                if rec.key is not None:
+                    parent.by_key[rec.key] = run
+            if rec.state.terminal:
+                run.started.set()
+                run.done.set()
+            runs[rec.id] = run
+        root = runs[root_id]
+        root.tree_children = len(runs) - 1
+        for run in runs.values():
+            u = run.rec.usage
+            root.tree_usage["tokens"] = (
+                root.tree_usage.get("tokens", 0)
+                + u.get("input_tokens", 0)
+                + u.get("output_tokens", 0)
+            )
+            root.tree_usage["cost"] = root.tree_usage.get("cost", 0.0) + u.get("cost", 0.0)
+        self.runs.update(runs)
+        await asyncio.wrap_future(self.store.claim_tree(root_id, self.owner))
+        open_ids = [r.id for r in runs.values() if not r.rec.state.terminal]
+        self._event(root, "resume", {"supervisor": self.owner, "open": open_ids})
+        for run in runs.values():
+            if run.rec.state.terminal or run.ending is not None:
+                continue
+            parent = run.parent
+            if run.rec.state is CANCELLING:  # journaled first, so it stays cancelled
+                self._task(self.finish(run, RunState.CANCELLED, run.rec.reason or "cancelled"))
+            elif parent is not None and (parent.rec.state.terminal or parent.ending):
+                self._task(self.finish(run, RunState.CANCELLED, "parent ended before the resume"))
+            elif run.rec.state is RUN:
+                run.replay = self._replay_of(run)
+        if root.launchable:
+            self.start_queue.append(root)
+            self._grant()
+        return root
+
+    def _replay_of(self, run: Run) -> Replay:
+        """What the journal holds of a run: its turns' replies, its plain calls' replies by
+        prompt, the number of its last journaled step."""
+        replay = Replay()
+        for ev in self.store.events(run.id, "model_call"):
+            d = ev["data"]
+            if d.get("response") is None:
+                continue
+            if d["kind"] == "turn":
+                replay.turns.append(d["response"])
+            else:
+                prompt = str((d.get("request") or [{}])[-1].get("content", ""))
+                replay.calls.setdefault(prompt, []).append(d["response"])
+        steps = self.store.events(run.id, "step")
+        replay.steps = max((int(e["data"]["step"]) for e in steps), default=0)
+        return replay
+
+    def _stop_resume(self, run: Run, reason: str) -> None:
+        """A replay diverged: the resume of the whole tree stops."""
+        root = self.runs[run.rec.root_id]
+        self.diverged.setdefault(root.id, reason)
+        if root is not run:
+            self._task(self.finish(root, RunState.CANCELLED, f"resume stopped: {reason}"))
 
     # ---- shutting down -----------------------------------------------------------------
     async def close(self, reason: str = "supervisor closed") -> None:

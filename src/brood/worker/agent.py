@@ -74,7 +74,10 @@ class Agent:
         if self.rt.notes:
             stderr += "".join(n + "\n" for n in self.rt.notes)
             self.rt.notes.clear()
-        self.rt.link.send(StepDone(self.rt.step, code, out.stdout, stderr, out.error, out.duration))
+        if not self.rt.replaying:  # a replayed step is in the journal already
+            self.rt.link.send(
+                StepDone(self.rt.step, code, out.stdout, stderr, out.error, out.duration)
+            )
         return out.stdout, stderr, out.error
 
     def feedback(self, reply: str) -> str:

@@ -23,12 +23,21 @@ from brood.errors import (
     ChildNotReady,
     InvalidArgument,
     LimitExceeded,
+    ReplayDiverged,
     StaleHandle,
 )
 from brood.models.base import Completion, Model
-from brood.protocol import Blocked, CancelReq, ChildUpdate, ModelCall, SendReq, SpawnReq
+from brood.protocol import (
+    Blocked,
+    CancelReq,
+    ChildUpdate,
+    ModelCall,
+    Replay,
+    SendReq,
+    SpawnReq,
+)
 from brood.worker.link import TERMINAL_STATES, Link
-from brood.worker.repl import FinalSignal, StepClock
+from brood.worker.repl import FinalSignal, ReplayStop, StepClock
 
 BATCH_THREADS = 16  # concurrent plain model calls of one run
 
@@ -57,6 +66,7 @@ class Runtime:
         self.step = 0
         self.final: str | None = None
         self.model_name: str | None = None  # the model name this run was started with
+        self.replay: Replay | None = None  # what the journal holds, for a resumed run
         self.turn_sent = 0  # messages of the conversation already journaled
         self.namespace: dict[str, Any] = {}
         self.closed: str | None = None  # why handles are stale, once they are
@@ -72,6 +82,9 @@ class Runtime:
     # ---- model calls -------------------------------------------------------------------
     def call_model(self, messages: list[dict[str, Any]], kind: str, model: str | None) -> str:
         """One model call, reported to the supervisor (usage, latency, error) either way."""
+        recorded = self.recorded_reply(messages, kind)
+        if recorded is not None:
+            return recorded
         start = time.perf_counter()
         done: Completion | None = None
         error = None
@@ -101,6 +114,35 @@ class Runtime:
                     response=done.text if done else None,
                 )
             )
+
+    # ---- resuming from the journal -----------------------------------------------------
+    @property
+    def replaying(self) -> bool:
+        """Whether the current step is one the journal holds (so it must repeat its calls)."""
+        return self.replay is not None and self.step <= self.replay.steps
+
+    def recorded_reply(self, messages: list[dict[str, Any]], kind: str) -> str | None:
+        """The journaled reply to this call, if the run is resumed and the journal has it.
+        Recorded replies are used once each, and are not journaled again."""
+        replay = self.replay
+        if replay is None:
+            return None
+        if kind == "turn":
+            if not replay.turns:
+                return None
+            self.turn_sent = len(messages)
+            return replay.turns.pop(0)
+        prompt = str(messages[-1].get("content", ""))
+        with self._block_lock:  # batched calls run on several threads
+            queue = replay.calls.get(prompt)
+            if queue:
+                return queue.pop(0)
+        if self.replaying:
+            raise ReplayStop(
+                f"run {self.run_id} step {self.step}: the replay asked llm_query({prompt[:80]!r}),"
+                " a call the journal does not hold for this step"
+            )
+        return None
 
     def pool(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -152,16 +194,20 @@ class Runtime:
     ) -> list[ChildHandle]:
         self.check_open()
         blob = cloudpickle.dumps(context) if context is not None else None
-        ids: list[str] = self.link.request(
-            SpawnReq(
-                req_id=self.link.next_id(),
-                prompts=list(prompts),
-                context=blob,
-                model=model,
-                timeout=timeout,
-                step=self.step,
+        try:
+            ids: list[str] = self.link.request(
+                SpawnReq(
+                    req_id=self.link.next_id(),
+                    prompts=list(prompts),
+                    context=blob,
+                    model=model,
+                    timeout=timeout,
+                    step=self.step,
+                    replaying=self.replaying,
+                )
             )
-        )
+        except ReplayDiverged as exc:
+            raise ReplayStop(str(exc)) from None
         handles = []
         with self.link.cond:
             for child_id, prompt in zip(ids, prompts, strict=True):

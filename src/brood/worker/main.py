@@ -15,7 +15,7 @@ from brood.worker.agent import Agent
 from brood.worker.helpers import ERRORS, Runtime, make_helpers
 from brood.worker.link import Link
 from brood.worker.prompt import cached_system_prompt, describe_context
-from brood.worker.repl import Repl, StepClock
+from brood.worker.repl import Repl, ReplayStop, StepClock
 
 
 def first_message(start: Start, context: object) -> str:
@@ -46,6 +46,8 @@ def _reason(exc: BaseException) -> str:
 
     if isinstance(exc, ModelError):
         return f"model error: {exc}"
+    if isinstance(exc, ReplayStop):
+        return f"replay diverged: {exc}"
     return f"worker error: {type(exc).__name__}: {exc}"
 
 
@@ -67,6 +69,7 @@ def run(start: Start, link: Link) -> None:
         max_depth=int(limits.get("max_depth", 1)),
     )
     rt.model_name = start.model_name
+    rt.replay = start.replay
     helpers = make_helpers(rt)
     repl = Repl({**helpers, **ERRORS}, context, clock=clock)
     rt.namespace = repl.namespace

@@ -19,6 +19,11 @@ class StepTimeout(BaseException):
     """The step used up its compute limit (a BaseException so `except Exception` cannot hide it)."""
 
 
+class ReplayStop(BaseException):
+    """A resumed run's replay diverged from its journal: the run stops, the model's code
+    cannot catch it."""
+
+
 class FinalSignal(BaseException):
     """Raised by FINAL to end the step at once; the executor catches it."""
 
@@ -141,6 +146,8 @@ class Repl:
                     self._exec(code)
             except FinalSignal:
                 pass
+            except ReplayStop:
+                raise
             except StepTimeout as exc:
                 error = f"StepTimeout: {exc}"
                 err.write(error + "\n")
