@@ -34,6 +34,7 @@ from brood.protocol import (
     Msg,
     ProtocolError,
     Quit,
+    Remember,
     Reply,
     SendReq,
     SpawnReq,
@@ -83,6 +84,7 @@ SAMPLES: list[Msg] = [
     Deliver(message="more"),
     Exec(req_id=8, code="x = 1"),
     Stop(),
+    Remember(value=b"\x80\x04K*."),
     CtlCancel(req_id=9, run_id="r-1"),
     CtlSend(req_id=10, run_id="r-1", message="hurry"),
 ]

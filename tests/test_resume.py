@@ -13,6 +13,7 @@ import textwrap
 import pytest
 
 import brood
+import brood.journal
 from brood.backends.local import processes_owned
 from tests.util import FAST, Signal, pid_alive
 
@@ -202,3 +203,81 @@ def test_a_replay_that_asks_for_another_child_diverges(tmp_path):
     assert runs[root_id]["reason"].startswith("replay diverged")
     # Nothing was started under the new prompt.
     assert len(runs) == 3
+
+
+def test_remember_gives_back_the_journaled_value_on_replay(tmp_path):
+    root = [
+        repl(
+            "import random\nv = remember(random.random)\nh = rlm_spawn('child A: count')\n"
+            "x = llm_query('plain: q')\nprint(v)"
+        ),
+        ROOT[1],
+        repl("FINAL(repr(v))"),
+    ]
+    url, root_id = crashed_tree(tmp_path, root)
+    model = brood.ScriptedModel(
+        {"root": root, "child A": CHILD_A, "plain:": PLAIN, "child B": [repl("FINAL('B')")]}
+    )
+    with brood.Supervisor(model, store=url, limits=FAST) as sup:
+        answer = sup.resume(root_id).wait(timeout=60)
+        (first_step,) = [e for e in sup.store.events(root_id, "step") if e["data"]["step"] == 1]
+    assert answer == first_step["data"]["stdout"].strip()
+
+
+def test_a_tree_cancelled_before_the_crash_stays_cancelled(tmp_path):
+    """The cancel is journaled (cancelling) before its escalation; the crash lands while the
+    escalation waits on a grandchild that ignores SIGTERM. The resume finishes the cancel and
+    runs nothing again."""
+    url = f"sqlite:///{tmp_path}/j.db"
+    blocked, termed = Signal(tmp_path, "blocked"), Signal(tmp_path, "termed")
+    # The grandchild says it is ready only once its SIGTERM handler is in place.
+    grandchild = (
+        "import signal, time\n"
+        f"signal.signal(signal.SIGTERM, lambda *a: open({termed.path!r}, 'w').write('1'))\n"
+        f"{blocked.code}\n"
+        "time.sleep(10**6)"
+    )
+    child_code = (
+        "import subprocess, sys, time\n"
+        f"p = subprocess.Popen([sys.executable, '-c', {grandchild!r}])\n"
+        "time.sleep(10**6)"
+    )
+    script = textwrap.dedent(f"""
+        import brood, signal
+        F = "```"
+        model = brood.ScriptedModel({{
+            "root": [F + "repl\\nh = rlm_spawn('child: stubborn')\\nrlm_wait(h)\\n" + F],
+            "child:": [F + "repl\\n" + {child_code!r} + "\\n" + F],
+        }})
+        sup = brood.Supervisor(model, store={url!r},
+                               limits=brood.Limits(shutdown_grace=0.2, term_grace=600))
+        h = sup.spawn("root task")
+        print(h.id, flush=True)
+        open({blocked.path!r}).read()  # stands in for the model code's signal: forwarded
+        h.cancel()
+    """)
+    # The test reads `blocked` after the supervisor's script has passed it on.
+    relay = Signal(tmp_path, "relay")
+    script = script.replace(
+        f"open({blocked.path!r}).read()",
+        f"open({blocked.path!r}).read(); open({relay.path!r}, 'w').write('1')",
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        root_id = proc.stdout.readline().strip()
+        relay.wait()  # the child is running; the supervisor now cancels the root
+        termed.wait()  # the escalation reached SIGTERM: both cancels are journaled
+    finally:
+        proc.kill()
+        proc.wait(CRASH_TIMEOUT_S)
+        proc.stdout.close()
+    wait_gone(proc.pid)
+    before = {r["id"]: r["state"] for r in brood.journal.Journal(url).store.runs(root_id)}
+    assert set(before.values()) == {"cancelling"}
+    model = brood.ScriptedModel({}, log_path=tmp_path / "calls-after.jsonl")
+    with brood.Supervisor(model, store=url, limits=FAST) as sup:
+        result = sup.resume(root_id).wait_result(timeout=60)
+        runs = sup.store.runs(root_id)
+    assert result.state == "cancelled"
+    assert [r["state"] for r in runs] == ["cancelled", "cancelled"]
+    assert calls(tmp_path / "calls-after.jsonl") == []

@@ -102,6 +102,12 @@ class ModelCall(Msg):
     response: str | None = None
 
 
+class Remember(Msg):
+    """A value `remember(fn)` computed live, journaled so a replay gets it back."""
+
+    value: bytes  # cloudpickled
+
+
 class StepDone(Msg):
     step: int
     code: str
@@ -138,6 +144,7 @@ class Replay(msgspec.Struct, omit_defaults=True):
     turns: list[str] = []
     calls: dict[str, list[str]] = {}
     steps: int = 0
+    remembered: list[bytes] = []  # values of remember(), in order
 
 
 class Start(Msg):
@@ -212,6 +219,7 @@ AnyMsg = (
     | Blocked
     | ModelCall
     | StepDone
+    | Remember
     | Final
     | Failed
     | StepResult

@@ -8,6 +8,7 @@ the journal to commit before anyone (parent worker, caller, observer) is told.
 from __future__ import annotations
 
 import asyncio
+import base64
 import secrets
 import signal
 from collections import deque
@@ -35,6 +36,7 @@ from brood.protocol import (
     Final,
     ModelCall,
     Msg,
+    Remember,
     Replay,
     Reply,
     SendReq,
@@ -460,6 +462,8 @@ class Core:
                 },
                 progress=last_line(msg.stdout) or run.last_line,
             )
+        elif isinstance(msg, Remember):
+            self._event(run, "remember", {"value": base64.b64encode(msg.value).decode()})
         elif isinstance(msg, Final):
             run.rec.answer = msg.answer
             self._task(self.finish(run, RunState.COMPLETED, msg.reason, answer=msg.answer))
@@ -739,6 +743,9 @@ class Core:
             else:
                 prompt = str((d.get("request") or [{}])[-1].get("content", ""))
                 replay.calls.setdefault(prompt, []).append(d["response"])
+        replay.remembered = [
+            base64.b64decode(e["data"]["value"]) for e in self.store.events(run.id, "remember")
+        ]
         steps = self.store.events(run.id, "step")
         replay.steps = max((int(e["data"]["step"]) for e in steps), default=0)
         return replay

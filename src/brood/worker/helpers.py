@@ -32,6 +32,7 @@ from brood.protocol import (
     CancelReq,
     ChildUpdate,
     ModelCall,
+    Remember,
     Replay,
     SendReq,
     SpawnReq,
@@ -587,6 +588,26 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
             raise NameError(f"FINAL_VAR: no variable {name!r}; variables: {sorted(SHOW_VARS())}")
         FINAL(rt.namespace[name])
 
+    def remember(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        """Call fn(*args, **kw) once and journal its result; when a crashed tree is resumed
+        and this step replays, the journaled result comes back instead of a new call. Use it
+        for the clock, randomness, files and the network, e.g. now = remember(time.time)."""
+        if not callable(fn):
+            raise InvalidArgument(f"remember(fn, ...) needs a callable, got {type(fn).__name__}")
+        replay = rt.replay
+        if replay is not None and replay.remembered:
+            return cloudpickle.loads(replay.remembered.pop(0))
+        value = fn(*args, **kw)
+        try:
+            blob = cloudpickle.dumps(value)
+        except Exception as exc:
+            raise InvalidArgument(
+                f"remember: the result ({type(value).__name__}) cannot be pickled to be "
+                f"journaled: {exc}"
+            ) from exc
+        rt.link.send(Remember(blob))
+        return value
+
     def SHOW_VARS() -> dict[str, str]:
         """The user variables of the REPL, as {name: type}."""
         reserved = HELPER_NAMES | ERRORS.keys() | {"context"}
@@ -615,6 +636,7 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
             spawn,
             rlm_await,
             rlm_await_all,
+            remember,
             FINAL,
             FINAL_VAR,
             SHOW_VARS,
@@ -633,26 +655,5 @@ ERRORS: dict[str, type[BaseException]] = {
     e.__name__: e for e in (BroodError, ChildFailed, ChildNotReady, LimitExceeded, StaleHandle)
 }
 
-HELPER_NAMES = frozenset(
-    {
-        "llm_query",
-        "llm_query_batched",
-        "rlm_query",
-        "rlm_query_batched",
-        "rlm_spawn",
-        "rlm_status",
-        "rlm_result",
-        "rlm_wait",
-        "rlm_wait_all",
-        "rlm_wait_any",
-        "rlm_cancel",
-        "rlm_send",
-        "rlm_children",
-        "spawn",
-        "rlm_await",
-        "rlm_await_all",
-        "FINAL",
-        "FINAL_VAR",
-        "SHOW_VARS",
-    }
-)
+# The helpers' names, as the model sees them (make_helpers only defines functions).
+HELPER_NAMES = frozenset(make_helpers(None))  # type: ignore[arg-type]
