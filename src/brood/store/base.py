@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from concurrent.futures import Future
 from typing import Any, Protocol
@@ -66,6 +67,15 @@ class Store(Protocol):
     def close(self) -> None: ...
 
 
+_PASSWORD_PARAM = re.compile(r"(password\s*=\s*)('[^']*'|[^&\s]*)", re.IGNORECASE)
+_USERINFO = re.compile(r"(://[^:/@]*:)([^@/]*)(@)")
+
+
+def redact(url: str) -> str:
+    """A store URL (or libpq key=value string) fit for a message: passwords masked."""
+    return _USERINFO.sub(r"\1***\3", _PASSWORD_PARAM.sub(r"\1***", url))
+
+
 def open_store(url: str | None, *, readonly: bool = False) -> Store:
     """Open the store a URL names. None gives a private temporary SQLite file.
 
@@ -83,7 +93,8 @@ def open_store(url: str | None, *, readonly: bool = False) -> Store:
     scheme, sep, rest = url.partition("://")
     if not sep:
         raise StoreError(
-            f"store {url!r} is not a URL; use 'sqlite:///PATH' (e.g. sqlite:///.brood/brood.db)"
+            f"store {redact(url)!r} is not a URL; use 'sqlite:///PATH' "
+            "(e.g. sqlite:///.brood/brood.db)"
         )
     if scheme == "sqlite":
         path = rest[1:] if rest.startswith("/") else rest
@@ -95,6 +106,6 @@ def open_store(url: str | None, *, readonly: bool = False) -> Store:
 
         return PostgresStore(url, readonly=readonly)
     raise StoreError(
-        f"store {url!r} has an unknown scheme {scheme!r}; use sqlite:///PATH or "
+        f"store {redact(url)!r} has an unknown scheme {scheme!r}; use sqlite:///PATH or "
         "postgresql://USER@HOST/DB"
     )

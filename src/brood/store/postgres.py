@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from brood.errors import StoreError
+from brood.store.base import redact
 from brood.store.sql import SQLStore
 
 try:
@@ -25,9 +26,11 @@ class PostgresStore(SQLStore):
 
     def __init__(self, url: str, *, readonly: bool = False) -> None:
         if psycopg is None:
-            raise StoreError(f"store {url!r} needs psycopg: pip install 'rlm-brood[postgres]'")
+            raise StoreError(
+                f"store {redact(url)!r} needs psycopg: pip install 'rlm-brood[postgres]'"
+            )
         self.errors = (psycopg.Error,)
-        self.where = f"journal {_redact(url)}"
+        self.where = f"journal {redact(url)}"
         super().__init__(url, readonly=readonly)
 
     def _connect(self, readonly: bool) -> Any:
@@ -55,13 +58,3 @@ class PostgresStore(SQLStore):
             raise
         except Exception as exc:  # the meta table is missing: not a brood journal yet
             raise StoreError(f"{self.where} is not a brood journal: {exc}") from exc
-
-
-def _redact(url: str) -> str:
-    """The URL without its password, for messages."""
-    head, at, tail = url.rpartition("@")
-    if not at or ":" not in head.split("//", 1)[-1]:
-        return url
-    scheme, _, cred = head.partition("//")
-    user = cred.split(":", 1)[0]
-    return f"{scheme}//{user}:***@{tail}"

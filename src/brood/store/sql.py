@@ -89,9 +89,12 @@ class SQLStore:
         self._queue: queue.Queue[tuple[Write, Future[Any]] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._stats = {"writes": 0, "batches": 0, "busy_s": 0.0}
+        self._readers: list[Conn] = []
+        self._readers_lock = threading.Lock()
         conn = self._open(readonly)
         if readonly:
             self._local.conn = conn
+            self._readers.append(conn)
             return
         self._writer = conn
         self._thread = threading.Thread(target=self._write_loop, name="brood-journal", daemon=True)
@@ -112,6 +115,9 @@ class SQLStore:
                 with self._transaction(conn) as cur:
                     self._create_or_migrate(cur)
             version = self._schema_version(conn)
+        except StoreError:
+            conn.close()
+            raise
         except self.errors as exc:
             conn.close()
             raise StoreError(
@@ -341,6 +347,8 @@ class SQLStore:
         conn = getattr(self._local, "conn", None)
         if conn is None:
             conn = self._local.conn = self._connect(self.readonly)
+            with self._readers_lock:
+                self._readers.append(conn)
         return conn
 
     def _rows(self, sql: str, args: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
@@ -426,10 +434,11 @@ class SQLStore:
         if self._thread is not None and self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
-        conn = getattr(self._local, "conn", None)
-        if conn is not None:
+        with self._readers_lock:  # every reading thread's connection, not just this one's
+            readers, self._readers = self._readers, []
+        for conn in readers:
             conn.close()
-            self._local.conn = None
+        self._local = threading.local()
 
 
 def _bytes(value: Any) -> bytes | None:

@@ -42,8 +42,12 @@ class SQLiteStore(SQLStore):
             conn = sqlite3.connect(
                 self.path, check_same_thread=False, timeout=30.0, isolation_level=None
             )
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=NORMAL")
+            try:
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute("PRAGMA synchronous=NORMAL")
+            except sqlite3.DatabaseError as exc:
+                conn.close()
+                raise self._damaged(exc) from exc
         except sqlite3.Error as exc:
             raise StoreError(
                 f"cannot open {self.where}: {exc}; check the path and its permissions"
@@ -58,13 +62,22 @@ class SQLiteStore(SQLStore):
         conn = sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=30.0)
         try:
             conn.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()
-        except sqlite3.OperationalError:
+        except sqlite3.DatabaseError as exc:
+            if not isinstance(exc, sqlite3.OperationalError):  # not a database at all
+                conn.close()
+                raise self._damaged(exc) from exc
             if os.path.exists(self.path + "-wal") and os.access(self.path + "-wal", os.W_OK):
                 conn.close()
                 raise
             conn.close()
             conn = sqlite3.connect(uri + "&immutable=1", uri=True, check_same_thread=False)
         return conn
+
+    def _damaged(self, exc: Exception) -> StoreError:
+        return StoreError(
+            f"{self.where} cannot be read as a brood journal: {exc}; if the file is damaged, "
+            "move it aside and brood starts a new one"
+        )
 
     @contextlib.contextmanager
     def _transaction(self, conn: sqlite3.Connection) -> Iterator[Any]:
