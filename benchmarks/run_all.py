@@ -17,7 +17,14 @@ import time
 from _common import Row, format_table
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-BENCHMARKS = ("bench_spawn", "bench_fanout", "bench_close", "bench_memory", "bench_journal")
+BENCHMARKS = (
+    "bench_spawn",
+    "bench_fanout",
+    "bench_close",
+    "bench_memory",
+    "bench_journal",
+    "bench_resume",
+)
 TIMEOUT_S = 300.0  # each is meant to take under a minute; this only stops a hung one
 
 
