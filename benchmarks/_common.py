@@ -103,13 +103,6 @@ class RunFailed(RuntimeError):
     """A benchmark's run did not complete; the message carries its last step's stderr."""
 
 
-# brood draws run ids from 24 random bits and does not check them for uniqueness, so about
-# one journal in eight that holds 2,000 runs sees two runs with one id; the second insert then
-# fails (and takes every write committed with it). Reported as a bug; until it is fixed, a
-# benchmark that hits it says so and tries once more.
-ID_COLLISION = "UNIQUE constraint failed: runs.id"
-
-
 def run_completed(sup: brood.Supervisor, prompt: str) -> brood.RunResult:
     """`sup.run(prompt)`, raising RunFailed (with what its code printed last) unless it
     completed."""
@@ -119,16 +112,6 @@ def run_completed(sup: brood.Supervisor, prompt: str) -> brood.RunResult:
         last = steps[-1]["data"]["stderr"][-2000:] if steps else ""
         raise RunFailed(f"run {res.run_id} ({prompt!r}) ended {res.state}: {res.error}\n{last}")
     return res
-
-
-def retry_on_id_collision(what: str, measure: Callable[[], T]) -> T:
-    try:
-        return measure()
-    except RunFailed as exc:
-        if ID_COLLISION not in str(exc):
-            raise
-        print(f"[{what}] two runs drew the same id (a known brood bug); measuring again")
-        return measure()
 
 
 def idle_worker_pids(sup: brood.Supervisor) -> list[int]:

@@ -34,7 +34,6 @@ from _common import (
     median,
     no_leftovers,
     parse_args,
-    retry_on_id_collision,
     run_completed,
     zygote_pid,
 )
@@ -155,10 +154,7 @@ def main() -> None:
     )
     first = captured_messages(limits)
     floor = median([floor_seconds(model, first) for _ in range(FLOOR_REPEATS)])
-    results = {
-        key: retry_on_id_collision(BENCH, lambda key=key: fan_out(key, model, limits))
-        for key in ("batched", "spawn-wait-all")
-    }
+    results = {key: fan_out(key, model, limits) for key in ("batched", "spawn-wait-all")}
     left = no_leftovers(BENCH)
 
     print(

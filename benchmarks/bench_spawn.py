@@ -33,7 +33,6 @@ from _common import (
     median,
     no_leftovers,
     parse_args,
-    retry_on_id_collision,
     run_completed,
     spread_ms,
 )
@@ -107,9 +106,9 @@ def main() -> None:
         term_grace=0.5,
     )
     with brood.Supervisor(model=model, limits=limits) as sup:
-        retry_on_id_collision(BENCH, lambda: child_series(sup, "warm-up"))
-        settled = retry_on_id_collision(BENCH, lambda: child_series(sup, "settled"))
-        back_to_back = retry_on_id_collision(BENCH, lambda: child_series(sup, "back-to-back"))
+        child_series(sup, "warm-up")
+        settled = child_series(sup, "settled")
+        back_to_back = child_series(sup, "back-to-back")
         roots = root_series(sup, ROOTS)
     floor += [fork_pipe_round_trip() for _ in range(FLOOR_SAMPLES)]
     left = no_leftovers(BENCH)
