@@ -407,8 +407,12 @@ class Core:
             )
         else:
             await self._move(run, RUN)
-        if run.rec.state is not RUN:
-            return
+        # The run has started (journaled, with a worker) even if a cancel landed while the
+        # start was being journaled: observers and waiters hear of it either way.
+        run.started.set()
+        self.observers.emit("on_start", run.info())
+        if run.rec.state is not RUN or run.ending is not None:
+            return  # that cancel stops the worker, which never gets its Start
         r = run.rec
         conn.send(
             Start(
@@ -433,8 +437,6 @@ class Core:
                     self.finish(run, RunState.TIMED_OUT, f"timed out after {run.timeout:g} s")
                 ),
             )
-        run.started.set()
-        self.observers.emit("on_start", run.info())
 
     # ---- messages from workers ---------------------------------------------------------
     def _on_msg(self, run: Run, msg: Msg) -> None:
