@@ -124,6 +124,25 @@ def render_tree(node: dict[str, Any]) -> Tree:
     return tree
 
 
+def _report(result: brood.RunResult, as_json: bool) -> None:
+    """Print how a run ended: its answer (or the RunResult as JSON); exit 1 unless it
+    completed."""
+    if as_json:
+        _print_json(result._asdict())
+    elif result.state == "completed":
+        print(result.answer)
+    if result.state != "completed":
+        _fail(f"run {result.run_id} {result.state}: {result.error}", code=1)
+
+
+def _watch(handle: brood.RunHandle, url: str, live: bool) -> brood.RunResult:
+    """Draw the live tree while the run goes (on a terminal), then its RunResult."""
+    if live and sys.stderr.isatty():
+        with Journal(url) as journal:
+            _live_tree(journal, handle.id, lambda: handle.done)
+    return handle.wait_result()
+
+
 def _live_tree(journal: Journal, run_id: str, done: Callable[[], bool]) -> None:
     """Redraw the tree on stderr until `done()`."""
     console = Console(stderr=True)
@@ -178,20 +197,11 @@ def run(
         with brood.Supervisor(
             model or os.environ.get("BROOD_MODEL"), limits=limits, store=url
         ) as sup:
-            handle = sup.spawn(prompt, context=text, timeout=timeout)
-            if live and sys.stderr.isatty():
-                with Journal(url) as journal:
-                    _live_tree(journal, handle.id, lambda: handle.done)
-            result = handle.wait_result()
+            result = _watch(sup.spawn(prompt, context=text, timeout=timeout), url, live)
     except brood.BroodError as exc:
         _fail(str(exc))
         return
-    if as_json:
-        _print_json(result._asdict())
-    elif result.state == "completed":
-        print(result.answer)
-    if result.state != "completed":
-        _fail(f"run {result.run_id} {result.state}: {result.error}", code=1)
+    _report(result, as_json)
 
 
 @app.command()
@@ -210,10 +220,7 @@ def resume(
     try:
         with brood.Supervisor(model or os.environ.get("BROOD_MODEL"), store=url) as sup:
             handle = sup.resume(run_id)
-            if live and sys.stderr.isatty():
-                with Journal(url) as journal:
-                    _live_tree(journal, handle.id, lambda: handle.done)
-            result = handle.wait_result()
+            result = _watch(handle, url, live)
             try:
                 handle.result()
             except brood.ReplayDiverged as exc:
@@ -223,12 +230,7 @@ def resume(
     except brood.BroodError as exc:
         _fail(str(exc))
         return
-    if as_json:
-        _print_json(result._asdict())
-    elif result.state == "completed":
-        print(result.answer)
-    if result.state != "completed":
-        _fail(f"run {result.run_id} {result.state}: {result.error}", code=1)
+    _report(result, as_json)
 
 
 @app.command()

@@ -297,15 +297,7 @@ class Core:
         timeout = msg.timeout if msg.timeout is not None else self.limits.child_timeout
         children = []
         for key, prompt in fresh:
-            rec = RunRecord(
-                id=self._new_id(),
-                root_id=parent.rec.root_id,
-                parent_id=parent.id,
-                depth=parent.rec.depth + 1,
-                key=key,
-                prompt=prompt,
-                model=msg.model or parent.rec.model,
-            )
+            rec = self._child_record(parent, key, prompt, msg.model or parent.rec.model)
             child = Run(
                 rec, parent.model_blob, msg.context, msg.model or parent.model_name, timeout, parent
             )
@@ -321,6 +313,17 @@ class Core:
             asyncio.get_running_loop().call_soon(self._announce, parent, ended)
         by_key = {c.rec.key: c for c in children} | adopted
         return [by_key[k].id for k in keys]
+
+    def _child_record(self, parent: Run, key: str, prompt: str, model: str | None) -> RunRecord:
+        return RunRecord(
+            id=self._new_id(),
+            root_id=parent.rec.root_id,
+            parent_id=parent.id,
+            depth=parent.rec.depth + 1,
+            key=key,
+            prompt=prompt,
+            model=model,
+        )
 
     def _adopt(self, parent: Run, msg: SpawnReq, keys: list[str]) -> dict[str, Run]:
         """The journaled children a resumed parent's replay asks for again, by key.
@@ -650,6 +653,56 @@ class Core:
         run.pending[req_id] = fut
         run.conn.send(Exec(req_id, code))
         return await fut
+
+    # ---- runs the supervisor's own code drives (flows) ----------------------------------
+    async def create_controller(self, prompt: str) -> Run:
+        """A root run with no worker of its own, driven by code in the supervisor (a flow's
+        control loop). It is `running` at once; its children come from `start_child`."""
+        self.check_open()
+        rid = self._new_id()
+        rec = RunRecord(
+            id=rid, root_id=rid, parent_id=None, depth=0, key=None, prompt=prompt, model="flow"
+        )
+        run = Run(rec, self.model_blob, None, None, None, None)
+        await self._journal_new([run])
+        await self._move(run, RUN)
+        run.started.set()
+        return run
+
+    async def start_child(
+        self,
+        parent: Run,
+        prompt: str,
+        *,
+        key: str,
+        context_blob: bytes | None = None,
+        model_blob: bytes | None = None,
+        model_name: str | None = None,
+        timeout: float | None = None,
+    ) -> Run:
+        """Start a child of a controller run. Its outcome is awaited on `child.done`.
+        Flow instances are bounded by the flow's own settings, not by the child limits."""
+        if self.closing or parent.ending is not None or parent.rec.state is not RUN:
+            raise BroodError(f"run {parent.id} is {parent.rec.state.value}; it starts no children")
+        rec = self._child_record(parent, key, prompt, model_name or self.model_name)
+        child = Run(
+            rec,
+            model_blob or parent.model_blob,
+            context_blob,
+            model_name,
+            timeout if timeout is not None else self.limits.child_timeout,
+            parent,
+        )
+        parent.children.append(child)
+        self.runs[parent.rec.root_id].tree_children += 1
+        await self._journal_new([child])
+        self.start_queue.append(child)
+        self._grant()
+        return child
+
+    def event(self, run: Run, kind: str, data: dict[str, Any]) -> None:
+        """Journal an event of a run (a flow's ledger)."""
+        self._event(run, kind, data)
 
     # ---- resuming a tree from the journal ----------------------------------------------
     async def resume_tree(self, root_id: str) -> Run:
