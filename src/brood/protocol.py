@@ -76,6 +76,7 @@ class SendReq(Msg):
     req_id: int
     child_id: str
     message: str
+    replaying: bool = False  # a replayed step's send was delivered before the crash
 
 
 class Blocked(Msg):
@@ -115,6 +116,9 @@ class StepDone(Msg):
     stderr: str
     error: str | None
     duration: float
+    # Plain calls still in flight when the step ended (started with spawn): a replay of
+    # this step may find no journaled reply for them, and then asks the model live.
+    pending: list[str] = []
 
 
 class Final(Msg):
@@ -145,6 +149,7 @@ class Replay(msgspec.Struct, omit_defaults=True):
     calls: dict[str, list[str]] = {}
     steps: int = 0
     remembered: list[bytes] = []  # values of remember(), in order
+    pending: list[str] = []  # plain calls in flight when a journaled step ended
 
 
 class Start(Msg):

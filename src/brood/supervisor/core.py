@@ -464,6 +464,7 @@ class Core:
                     "stderr": msg.stderr,
                     "error": msg.error,
                     "duration": msg.duration,
+                    "pending": msg.pending,
                 },
                 progress=last_line(msg.stdout) or run.last_line,
             )
@@ -499,6 +500,8 @@ class Core:
         if isinstance(msg, CancelReq):
             state = await self.finish(child, RunState.CANCELLED, "cancelled by parent")
             return state.value
+        if msg.replaying:
+            return None  # delivered (and journaled) before the crash
         await self.send_message(child, msg.message)
         return None
 
@@ -512,9 +515,9 @@ class Core:
 
     async def send_message(self, run: Run, message: str) -> None:
         if run.rec.state.terminal or run.ending is not None:
+            how = run.rec.state.value if run.rec.state.terminal else "ending"
             raise BroodError(
-                f"run {run.id} is {run.rec.state.value}; a follow-up cannot "
-                "reach a run that has ended"
+                f"run {run.id} is {how}; a follow-up cannot reach a run that has ended"
             )
         self._event(run, "message", {"message": message, "delivered": run.conn is not None})
         if run.conn is not None and run.rec.state is RUN:
@@ -780,6 +783,8 @@ class Core:
                 self._task(self.finish(run, RunState.CANCELLED, "parent ended before the resume"))
             elif run.rec.state is RUN:
                 run.replay = self._replay_of(run)
+            else:  # queued: follow-ups held for its start were in memory only
+                run.messages = [e["data"]["message"] for e in self.store.events(run.id, "message")]
         if root.launchable:
             self.start_queue.append(root)
             self._grant()
@@ -802,6 +807,7 @@ class Core:
             base64.b64decode(e["data"]["value"]) for e in self.store.events(run.id, "remember")
         ]
         steps = self.store.events(run.id, "step")
+        replay.pending = [p for e in steps for p in e["data"].get("pending", [])]
         replay.steps = max((int(e["data"]["step"]) for e in steps), default=0)
         return replay
 

@@ -75,8 +75,10 @@ class Agent:
             stderr += "".join(n + "\n" for n in self.rt.notes)
             self.rt.notes.clear()
         if not self.rt.replaying:  # a replayed step is in the journal already
+            with self.rt._block_lock:
+                pending = [p for p, n in self.rt.in_flight.items() for _ in range(n)]
             self.rt.link.send(
-                StepDone(self.rt.step, code, out.stdout, stderr, out.error, out.duration)
+                StepDone(self.rt.step, code, out.stdout, stderr, out.error, out.duration, pending)
             )
         return out.stdout, stderr, out.error
 

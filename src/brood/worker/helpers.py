@@ -68,6 +68,7 @@ class Runtime:
         self.final: str | None = None
         self.model_name: str | None = None  # the model name this run was started with
         self.replay: Replay | None = None  # what the journal holds, for a resumed run
+        self.in_flight: dict[str, int] = {}  # plain calls under way, by prompt
         self.turn_sent = 0  # messages of the conversation already journaled
         self.namespace: dict[str, Any] = {}
         self.closed: str | None = None  # why handles are stale, once they are
@@ -86,6 +87,10 @@ class Runtime:
         recorded = self.recorded_reply(messages, kind)
         if recorded is not None:
             return recorded
+        prompt = str(messages[-1].get("content", "")) if kind == "llm_query" else ""
+        if prompt:
+            with self._block_lock:
+                self.in_flight[prompt] = self.in_flight.get(prompt, 0) + 1
         start = time.perf_counter()
         done: Completion | None = None
         error = None
@@ -102,6 +107,9 @@ class Runtime:
             error = f"{type(exc).__name__}: {exc}"
             raise
         finally:
+            if prompt:
+                with self._block_lock:
+                    self.in_flight[prompt] -= 1
             self.link.send(
                 ModelCall(
                     kind=kind,
@@ -138,6 +146,9 @@ class Runtime:
             queue = replay.calls.get(prompt)
             if queue:
                 return queue.pop(0)
+            if prompt in replay.pending:  # in flight at the crash: asked again, live
+                replay.pending.remove(prompt)
+                return None
         if self.replaying:
             raise ReplayStop(
                 f"run {self.run_id} step {self.step}: the replay asked llm_query({prompt[:80]!r}),"
@@ -339,7 +350,12 @@ class ChildHandle:
                 f"rlm_send(h, message): message must be str, got {type(message).__name__}"
             )
         self._rt.link.request(
-            SendReq(req_id=self._rt.link.next_id(), child_id=self.id, message=message)
+            SendReq(
+                req_id=self._rt.link.next_id(),
+                child_id=self.id,
+                message=message,
+                replaying=self._rt.replaying,
+            )
         )
 
 
