@@ -25,6 +25,7 @@ __all__ = [
     "OPS",
     "Condition",
     "GuardLike",
+    "Op",
     "evaluate",
     "json_equal",
     "parse_path",

@@ -1,0 +1,1524 @@
+"""Flow specs: the YAML/JSON schema, its validation, and the machine it compiles to.
+
+A flow is a state machine of sub-agents (DESIGN.md section 8). It is written in one of two
+forms that compile to the same `Machine`:
+
+- the state form: `states` (each with an `entry` flag) and `transitions` between them,
+  optionally guarded (`when {output, path, op, value}`);
+- the DAG form: `nodes` with `depends_on`. The nodes without dependencies are the entries,
+  every dependency becomes an unconditional transition into the node, and every output of
+  a dependency becomes a required input of the node, so a node starts only once all of its
+  dependencies have produced their outputs.
+
+`load_spec` reads a spec (a path, YAML/JSON text or a dict), checks the schema with
+pydantic (unknown keys are errors) and then everything that spans fields (ids, references,
+cycles, guards, templates). It reports every problem at once, each as `path: message`, in
+one `InvalidSpec`, and returns a `FlowSpec` only if there is none. `compile_spec` turns a
+valid `FlowSpec` into the plain-dataclass `Machine` the executor runs.
+
+Decisions a spec author relies on:
+
+- `budget` (run and state) is wall-clock seconds, a plain positive number.
+- An input without `from` is a flow input: a value given when the flow is started, by name.
+  Its type defaults to `text`; an input with `from` defaults to its source output's type.
+- `outputs` items are a name (a text output) or `{name, type}`.
+- A state runs at most `max_entries` times (default 1); a loop needs `max_entries` > 1 on
+  the states it re-enters.
+- A prompt's `{name}` placeholders must name the state's inputs; `{{` and `}}` are literal
+  braces (so a JSON example in a prompt is written `{{"ok": true}}`).
+- A state's model settings (`model`, `temperature`, `max_tokens`, `max_iterations`)
+  override the settings of the subagent it names.
+- YAML is read with YAML 1.2 booleans (only `true`/`false`; `yes`, `no`, `on`, `off` stay
+  strings), no implicit timestamps (a date stays a string), and duplicate keys are errors.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import re
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Final, Literal
+
+import yaml
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from brood.errors import BroodError, InvalidSpec
+from brood.flow.guards import NUMERIC_OPS, Condition, Op, parse_path
+
+__all__ = [
+    "FOREACH_MAX",
+    "MAX_TRANSITIONS",
+    "AgentSettings",
+    "FlowParam",
+    "FlowSpec",
+    "Foreach",
+    "Guard",
+    "Input",
+    "Machine",
+    "MachineForeach",
+    "MachineInput",
+    "MachineOutput",
+    "MachineState",
+    "MachineTransition",
+    "Node",
+    "Output",
+    "OutputError",
+    "Placeholder",
+    "RunConfig",
+    "RunSettings",
+    "State",
+    "SubAgent",
+    "Transition",
+    "check_spec",
+    "compile_spec",
+    "load_spec",
+    "parse_template",
+]
+
+MAX_TRANSITIONS: Final = 1000  # a bound on fired transitions, so a runaway loop ends
+FOREACH_MAX: Final = 64  # Limits.max_children_per_run's default: one instance per child run
+SPEC_SUFFIXES: Final = (".yaml", ".yml", ".json")
+TOP: Final = "(top level)"  # the path shown for problems of the spec as a whole
+MAX_BRACE_PROBLEMS: Final = 3  # per template; a pasted JSON example would list every brace
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
+_NAME_RULE = "use letters, digits, '_' and '-', starting with a letter or '_'"
+
+ValueType = Literal["text", "json"]
+FailurePolicy = Literal["fail_fast", "continue", "escalate"]
+Lifecycle = Literal["task", "resident"]
+
+
+class OutputError(BroodError, ValueError):
+    """A state's answer does not hold one of its declared outputs in the declared form
+    (a json output that does not parse as JSON); the message names the output and says how
+    the answer should carry it."""
+
+
+# ---- schema ----------------------------------------------------------------------------------
+
+
+def _check_name(value: str) -> str:
+    if not _NAME.fullmatch(value):
+        raise ValueError(f"{value!r} is not a valid name; {_NAME_RULE}")
+    return value
+
+
+Name = Annotated[str, AfterValidator(_check_name)]
+
+
+class _Spec(BaseModel):
+    # strict: YAML's "3" is a string, not a number; allow_inf_nan: a budget of .inf or NaN
+    # is a mistake, not "no limit".
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
+
+
+class _AgentFields(_Spec):
+    """Model settings a sub-agent run may set; None means the supervisor's default."""
+
+    model: str | None = Field(default=None, min_length=1)
+    temperature: float | None = Field(default=None, ge=0)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_iterations: int | None = Field(default=None, ge=1)
+
+
+class SubAgent(_AgentFields):
+    """A named sub-agent under `subagents`: a prompt template plus optional model settings.
+    States use it with `subagent: NAME`; its placeholders must be inputs of every such state."""
+
+    prompt: str
+    description: str | None = None
+
+
+class Input(_Spec):
+    """A state input. `from: STATE.OUTPUT` reads another state's output; without `from` it is
+    a flow input given when the flow starts. `type` defaults to the source output's type
+    (`text` for a flow input). A required input (the default) holds the state until the
+    value exists; an optional one is `null` when it does not."""
+
+    name: Name
+    type: ValueType | None = None
+    from_: str | None = Field(default=None, alias="from")
+    optional: bool = False
+
+
+class Output(_Spec):
+    """A declared output: `name` and `type` (`text`: the answer, `json`: parsed JSON)."""
+
+    name: Name
+    type: ValueType = "text"
+
+
+class Foreach(_Spec):
+    """Run one instance of the state per element of the json input `over` (a list), at
+    most `max` of them; in the prompt, `{over}` is the current element."""
+
+    over: Name
+    max: int = Field(default=FOREACH_MAX, ge=1)
+
+
+def _shorthand(items: Any) -> Any:
+    """`[a, {name: b, ...}]` -> `[{name: a}, {name: b, ...}]`; anything else is left to the
+    schema to refuse."""
+    if isinstance(items, list):
+        return [{"name": item} if isinstance(item, str) else item for item in items]
+    return items
+
+
+class _Step(_AgentFields):
+    """What states and nodes share."""
+
+    id: Name
+    description: str | None = None
+    prompt: str | None = None
+    subagent: str | None = None
+    inputs: list[Input] = []
+    outputs: list[Output] = []
+    retries: int = Field(default=0, ge=0)
+    budget: float | None = Field(default=None, gt=0)
+    failure_policy: FailurePolicy | None = None
+    foreach: Foreach | None = None
+    lifecycle: Lifecycle = "task"
+
+    @field_validator("inputs", "outputs", mode="before")
+    @classmethod
+    def _names_are_shorthand(cls, items: Any) -> Any:
+        return _shorthand(items)
+
+
+class State(_Step):
+    """A state of the state form. `entry: true` states start when the flow starts; others
+    start when a transition enters them; `max_entries` bounds how often one runs."""
+
+    entry: bool = False
+    max_entries: int = Field(default=1, ge=1)
+
+
+class Node(_Step):
+    """A node of the DAG form: runs once, after every node in `depends_on` settled, with
+    their outputs as inputs."""
+
+    depends_on: list[Name] = []
+
+
+class Guard(_Spec):
+    """A transition's condition on the source state's output `output`, optionally at `path`
+    inside it (`a.b[0].c`), compared JSON-strictly (see `brood.flow.guards`)."""
+
+    output: Name
+    path: str | None = None
+    op: Op
+    value: Any = None
+
+
+class Transition(_Spec):
+    """`from` -> `to`, fired when `from` settles and `when` (if any) passes."""
+
+    from_: Name = Field(alias="from")
+    to: Name
+    when: Guard | None = None
+
+
+class RunSettings(_Spec):
+    """Whole-flow settings: `max_parallel` state instances at once (None: the supervisor's
+    max_concurrency bounds it), `budget` wall-clock seconds for the flow, the default
+    `failure_policy` of its states, and `max_transitions` fired in all."""
+
+    max_parallel: int | None = Field(default=None, ge=1)
+    budget: float | None = Field(default=None, gt=0)
+    failure_policy: FailurePolicy = "fail_fast"
+    max_transitions: int = Field(default=MAX_TRANSITIONS, ge=1)
+
+
+class FlowSpec(_Spec):
+    """A whole flow spec: `states` + `transitions` (the state form) or `nodes` (the DAG
+    form), `subagents` by name, and `run` settings. Build it with `load_spec`, which also
+    runs the checks that span fields; `FlowSpec.model_validate` alone checks only the
+    schema."""
+
+    name: str | None = None
+    description: str | None = None
+    run: RunSettings = RunSettings()
+    subagents: dict[str, SubAgent] = {}
+    states: list[State] | None = None
+    transitions: list[Transition] = []
+    nodes: list[Node] | None = None
+
+
+# ---- templates -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Placeholder:
+    """A `{name}` in a prompt template."""
+
+    name: str
+
+
+_TEMPLATE_TOKEN = re.compile(r"\{\{|\}\}|\{([A-Za-z_][A-Za-z0-9_-]*)\}|[{}]|[^{}]+")
+
+
+def parse_template(template: str) -> tuple[list[str | Placeholder], list[str]]:
+    """Split a prompt template into literal text and `{name}` placeholders.
+
+    `{{` and `}}` are literal braces. Returns the parts and the problems: each other `{` or
+    `}` is one, naming its line and column and the fix (at most MAX_BRACE_PROBLEMS, then a
+    count of the rest).
+    """
+    parts: list[str | Placeholder] = []
+    problems: list[str] = []
+    stray = 0
+    text: list[str] = []
+    for m in _TEMPLATE_TOKEN.finditer(template):
+        token = m.group(0)
+        if m.group(1) is not None:
+            if text:
+                parts.append("".join(text))
+                text = []
+            parts.append(Placeholder(m.group(1)))
+        elif token in ("{{", "}}"):
+            text.append(token[0])
+        elif token in ("{", "}"):
+            stray += 1
+            if stray <= MAX_BRACE_PROBLEMS:
+                line = template.count("\n", 0, m.start()) + 1
+                column = m.start() - (template.rfind("\n", 0, m.start()) + 1) + 1
+                what = "starts no placeholder {name}" if token == "{" else "closes no placeholder"
+                problems.append(
+                    f"'{token}' at line {line}, column {column} {what}; "
+                    f"write '{token * 2}' for a literal brace"
+                )
+            text.append(token)
+        else:
+            text.append(token)
+    if text:
+        parts.append("".join(text))
+    if stray > MAX_BRACE_PROBLEMS:
+        problems.append(f"and {stray - MAX_BRACE_PROBLEMS} more unmatched braces")
+    return parts, problems
+
+
+def placeholders(template: str) -> list[str]:
+    """The names of a template's placeholders, first occurrence order, without repeats."""
+    names = [p.name for p in parse_template(template)[0] if isinstance(p, Placeholder)]
+    return list(dict.fromkeys(names))
+
+
+# ---- the compiled machine ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentSettings:
+    """Model settings of a state's runs; None means the supervisor's default."""
+
+    model: str | None = None
+    temperature: float | None = None
+    max_tokens: int | None = None
+    max_iterations: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class MachineInput:
+    """An input with its type resolved. `source`/`output` name where its value comes from;
+    both None for a flow input (given when the flow starts)."""
+
+    name: str
+    type: ValueType
+    source: str | None
+    output: str | None
+    optional: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class MachineOutput:
+    name: str
+    type: ValueType
+
+
+@dataclass(frozen=True, kw_only=True)
+class MachineForeach:
+    over: str
+    max: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class MachineState:
+    """One state, with everything resolved: the prompt template (its own or its subagent's),
+    the merged model settings, input types, and the failure policy (its own or the run's)."""
+
+    id: str
+    entry: bool
+    prompt: str
+    subagent: str | None
+    settings: AgentSettings
+    inputs: tuple[MachineInput, ...]
+    outputs: tuple[MachineOutput, ...]
+    retries: int
+    budget: float | None
+    failure_policy: FailurePolicy
+    foreach: MachineForeach | None
+    max_entries: int
+    lifecycle: Lifecycle
+
+    def output_type(self, name: str) -> ValueType:
+        return next(o.type for o in self.outputs if o.name == name)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MachineTransition:
+    """Fired when `source` settles and `guard` (None: always) passes on its outputs."""
+
+    source: str
+    target: str
+    guard: Condition | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """The run settings of a compiled flow (see `RunSettings`)."""
+
+    max_parallel: int | None
+    budget: float | None
+    failure_policy: FailurePolicy
+    max_transitions: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class FlowParam:
+    """A flow input: a value given by name when the flow starts. `optional` only if every
+    state that reads it declares it optional."""
+
+    name: str
+    type: ValueType
+    optional: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class Machine:
+    """The executable form of a flow, the same for both spec forms.
+
+    `states` maps id -> state in declaration order; `transitions` are in spec order (for the
+    DAG form: node order, then each node's `depends_on` order); `entry` lists the states
+    the flow starts in; `params` the flow inputs by name. Treat it as immutable.
+    """
+
+    name: str | None
+    run: RunConfig
+    states: dict[str, MachineState]
+    transitions: tuple[MachineTransition, ...]
+    entry: tuple[str, ...]
+    params: dict[str, FlowParam] = field(default_factory=dict)
+
+    def transitions_from(self, state_id: str) -> tuple[MachineTransition, ...]:
+        """The transitions that `state_id` settling may fire, in spec order."""
+        return tuple(t for t in self.transitions if t.source == state_id)
+
+
+# ---- loading -------------------------------------------------------------------------------
+
+
+class _SpecLoader(yaml.SafeLoader):
+    """PyYAML's safe loader made closer to JSON and YAML 1.2: only true/false are booleans,
+    timestamps stay strings, and a key given twice in one mapping is an error (PyYAML would
+    silently keep the last)."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        seen: set[str] = set()
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != _MERGE_TAG:
+                if key_node.value in seen:
+                    raise yaml.constructor.ConstructorError(
+                        "while reading a mapping",
+                        node.start_mark,
+                        f"found the key {key_node.value!r} twice",
+                        key_node.start_mark,
+                    )
+                seen.add(key_node.value)
+        return super().construct_mapping(node, deep=deep)
+
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+_BOOL_TAG = "tag:yaml.org,2002:bool"
+_TIMESTAMP_TAG = "tag:yaml.org,2002:timestamp"
+_SpecLoader.yaml_implicit_resolvers = {
+    first: [(tag, regex) for tag, regex in resolvers if tag not in (_BOOL_TAG, _TIMESTAMP_TAG)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_SpecLoader.add_implicit_resolver(
+    _BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+
+
+def _json_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"found the key {key!r} twice in one object")
+        result[key] = value
+    return result
+
+
+def _parse_json(text: str) -> Any:
+    """JSON, with duplicate keys refused (NaN is let through for the schema to name)."""
+    try:
+        return json.loads(text, object_pairs_hook=_json_pairs)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+
+
+def _parse_yaml(text: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_SpecLoader)  # a SafeLoader subclass: safe
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        what = exc.problem or exc.context or "invalid YAML"
+        if exc.context and exc.problem:
+            what = f"{exc.context}, {exc.problem}"
+        raise ValueError(f"{where}{what}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _read_source(source: str | Path | Mapping[str, Any]) -> tuple[str, Any]:
+    """(label, data) of a spec source; raises InvalidSpec when it is not a readable spec."""
+    if isinstance(source, Mapping):
+        return "(dict)", source
+    if isinstance(source, str) and not _looks_like_path(source):
+        label = "(text)"
+        try:
+            return label, _parse_json(source)
+        except ValueError as json_error:
+            try:
+                return label, _parse_yaml(source)
+            except ValueError as yaml_error:
+                raise InvalidSpec(
+                    f"invalid flow spec {label}: neither JSON ({json_error}) "
+                    f"nor YAML ({yaml_error}); fix the syntax"
+                ) from None
+    if not isinstance(source, str | Path):
+        raise InvalidSpec(
+            f"a flow spec is a path, YAML or JSON text, or a dict; got {type(source).__name__}"
+        )
+    path = Path(source)
+    label = str(source)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise InvalidSpec(f"invalid flow spec {label}: no such file") from None
+    except IsADirectoryError:
+        raise InvalidSpec(f"invalid flow spec {label}: a directory, not a spec file") from None
+    except OSError as exc:
+        raise InvalidSpec(f"invalid flow spec {label}: cannot read it ({exc})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidSpec(
+            f"invalid flow spec {label}: not UTF-8 text (byte {exc.start}); "
+            "a spec is a YAML or JSON file"
+        ) from None
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".json":
+            return label, _parse_json(text)
+        if suffix in (".yaml", ".yml"):
+            return label, _parse_yaml(text)
+    except ValueError as exc:
+        kind = "JSON" if suffix == ".json" else "YAML"
+        raise InvalidSpec(f"invalid flow spec {label}: not valid {kind}: {exc}") from None
+    try:
+        return label, _parse_json(text)
+    except ValueError as json_error:
+        try:
+            return label, _parse_yaml(text)
+        except ValueError as yaml_error:
+            raise InvalidSpec(
+                f"invalid flow spec {label}: neither JSON ({json_error}) nor YAML "
+                f"({yaml_error}); a spec is a .yaml, .yml or .json file"
+            ) from None
+
+
+def _looks_like_path(source: str) -> bool:
+    """A one-line string is a path if it names an existing file, or ends in .yaml, .yml or
+    .json and holds no ': ' or '{' (which one-line YAML or JSON would); else it is text."""
+    if "\n" in source or not source.strip():
+        return False
+    try:
+        if Path(source).is_file():
+            return True
+    except (OSError, ValueError):  # a name too long for the OS, a NUL byte
+        return False
+    return source.strip().lower().endswith(SPEC_SUFFIXES) and not (": " in source or "{" in source)
+
+
+def load_spec(source: str | Path | Mapping[str, Any]) -> FlowSpec:
+    """Read and validate a flow spec.
+
+    `source` is a `Path`, a one-line string naming a .yaml/.yml/.json file (or any existing
+    file), YAML or JSON text, or a dict. A `.json` file is read as JSON, `.yaml`/`.yml` as
+    YAML, anything else as JSON and then YAML. Returns the `FlowSpec` when the spec is valid;
+    otherwise raises `InvalidSpec` whose message starts with a header naming the source and
+    the number of problems, then lists every problem found, one per line, as
+    `path: message` (e.g. `states[2].inputs[0].from: unknown state 'reviw' (states: draft,
+    review)`). Schema problems and the checks that span fields are reported together: a
+    state that fails the schema is left out of the cross-field checks, so it causes no
+    follow-on noise.
+    """
+    label, data = _read_source(source)
+    if data is None:
+        raise InvalidSpec(f"invalid flow spec {label}: it is empty; write states or nodes")
+    if not isinstance(data, Mapping):
+        raise InvalidSpec(
+            f"invalid flow spec {label}: the spec must be a mapping with states (the state "
+            f"form) or nodes (the DAG form), got {_describe(data)}"
+        )
+    spec: FlowSpec | None = None
+    try:
+        spec = FlowSpec.model_validate(data)
+    except ValidationError as exc:
+        problems = _schema_problems(exc) + _Checker(_view_from_raw(data)).run()
+    else:
+        problems = check_spec(spec)
+    _raise(label, problems)
+    assert spec is not None  # no problem means the schema passed
+    return spec
+
+
+_SECTIONS: Final = ("name", "description", "run", "subagents", "states", "nodes", "transitions")
+_PLACE = re.compile(r"([A-Za-z_]+)(?:\[(\d+)\])?")
+
+
+def _place(problem: str) -> tuple[int, int]:
+    """Where a problem sits in a spec, to list problems in the order of the spec."""
+    m = _PLACE.match(problem)
+    if problem.startswith(TOP) or not m or m.group(1) not in _SECTIONS:
+        return (-1, -1)
+    return (_SECTIONS.index(m.group(1)), int(m.group(2) or -1))
+
+
+def _raise(label: str, problems: list[str]) -> None:
+    problems = sorted(dict.fromkeys(problems), key=_place)
+    if problems:
+        count = f"{len(problems)} problem" + ("s" if len(problems) != 1 else "")
+        lines = "".join(f"\n  {p}" for p in problems)
+        raise InvalidSpec(f"invalid flow spec {label}: {count}{lines}")
+
+
+def check_spec(spec: FlowSpec) -> list[str]:
+    """Every problem of a schema-valid spec that spans fields, as `path: message` lines
+    (empty when the spec is valid)."""
+    return _Checker(_view_from_spec(spec)).run()
+
+
+def compile_spec(spec: FlowSpec) -> Machine:
+    """The `Machine` of a spec, the same for the state form and the equivalent DAG form.
+
+    Re-runs `check_spec` first and raises `InvalidSpec` listing every problem, so a spec
+    built without `load_spec` cannot compile into a broken machine.
+    """
+    view = _view_from_spec(spec)
+    checker = _Checker(view)
+    _raise(f"(FlowSpec {spec.name!r})" if spec.name else "(FlowSpec)", checker.run())
+    return checker.compile(spec)
+
+
+# ---- schema problems -----------------------------------------------------------------------
+
+
+def _format_path(loc: Iterable[Any]) -> str:
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif _NAME.fullmatch(str(part)):
+            path += f".{part}" if path else str(part)
+        else:
+            path += f"[{json.dumps(str(part))}]"
+    return path or TOP
+
+
+def _describe(value: Any) -> str:
+    """`string 'x'`, `float nan`, `null`, `list [1, 2]`: a value with its JSON-ish kind."""
+    if value is None:
+        return "null"
+    kinds = {bool: "boolean", int: "integer", float: "number", str: "string"}
+    kind = next((k for t, k in kinds.items() if type(value) is t), type(value).__name__)
+    if isinstance(value, dict):
+        kind = "mapping"
+    shown = json.dumps(value) if isinstance(value, bool) else repr(value)
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    return f"{kind} {shown}"
+
+
+def _unwrap(annotation: Any) -> Any:
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _unwrap(args[0]) if len(args) == 1 else annotation
+    if origin is Annotated:
+        return _unwrap(typing.get_args(annotation)[0])
+    return annotation
+
+
+def _model_at(loc: Iterable[Any]) -> type[BaseModel] | None:
+    """The schema model that validates the value at `loc` (for naming its allowed keys)."""
+    current: Any = FlowSpec
+    for part in loc:
+        current = _unwrap(current)
+        if isinstance(current, type) and issubclass(current, BaseModel):
+            fields = {f.alias or name: f for name, f in current.model_fields.items()}
+            if part not in fields:
+                return None
+            current = fields[part].annotation
+            continue
+        origin = typing.get_origin(current)
+        args = typing.get_args(current)
+        if origin is list and args and isinstance(part, int):
+            current = args[0]
+        elif origin is dict and len(args) == 2:
+            current = args[1]
+        else:
+            return None
+    current = _unwrap(current)
+    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
+
+
+_KEY_HINTS: Final[dict[tuple[str, str], str]] = {
+    ("State", "depends_on"): "depends_on belongs to the DAG form (nodes); "
+    "in the state form, transitions lead from one state to the next",
+    ("Node", "entry"): "in the DAG form the nodes without depends_on are the entries",
+    ("Node", "max_entries"): "a node runs once; use the state form to re-enter a state",
+    ("FlowSpec", "edges"): "edges are transitions (the state form) or depends_on (the DAG form)",
+    ("Transition", "guard"): "a transition's condition is written under when",
+    ("Transition", "if"): "a transition's condition is written under when",
+    ("Transition", "condition"): "a transition's condition is written under when",
+}
+
+
+def _unknown_key(loc: tuple[Any, ...]) -> str:
+    key = str(loc[-1])
+    model = _model_at(loc[:-1])
+    if model is None:
+        return "unknown key"
+    allowed = sorted(f.alias or name for name, f in model.model_fields.items())
+    hint = _KEY_HINTS.get((model.__name__, key))
+    if hint is None:
+        close = difflib.get_close_matches(key, allowed, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else ""
+    listed = f"(allowed: {', '.join(allowed)})"
+    return f"unknown key; {hint} {listed}" if hint else f"unknown key {listed}"
+
+
+def _bound(value: Any) -> Any:
+    """0.0 -> 0: a bound as the spec author would write it."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _schema_problems(exc: ValidationError) -> list[str]:
+    problems = []
+    for error in exc.errors():
+        loc = tuple(error["loc"])
+        kind = error["type"]
+        value = error.get("input")
+        ctx = error.get("ctx") or {}
+        got = _describe(value)
+        if kind == "missing":
+            message = "required, but missing"
+        elif kind == "extra_forbidden":
+            message = _unknown_key(loc)
+        elif kind == "literal_error":
+            message = f"must be {ctx.get('expected')}, got {got}"
+        elif kind in ("int_type", "int_parsing", "int_from_float"):
+            message = f"must be a whole number, got {got}"
+        elif kind in ("float_type", "float_parsing"):
+            message = f"must be a number, got {got}"
+        elif kind == "finite_number":
+            message = f"must be a finite number, got {got}"
+        elif kind in ("bool_type", "bool_parsing"):
+            message = f"must be true or false, got {got}"
+        elif kind == "string_type":
+            message = f"must be a string, got {got}"
+        elif kind == "list_type":
+            message = f"must be a list, got {got}"
+        elif kind in ("dict_type", "model_type", "model_attributes_type"):
+            message = f"must be a mapping, got {got}"
+            if len(loc) >= 2 and loc[-2] in ("inputs", "outputs"):
+                message = f"must be a name or a mapping with name, got {got}"
+        elif kind == "greater_than_equal":
+            message = f"must be >= {_bound(ctx.get('ge'))}, got {got}"
+        elif kind == "greater_than":
+            message = f"must be > {_bound(ctx.get('gt'))}, got {got}"
+        elif kind == "string_too_short":
+            message = "must not be empty"
+        elif kind == "value_error":
+            message = str(error["msg"]).removeprefix("Value error, ")
+        else:
+            message = str(error["msg"])
+        problems.append(f"{_format_path(loc)}: {message}")
+    return problems
+
+
+# ---- checks that span fields ---------------------------------------------------------------
+
+
+@dataclass
+class _Item:
+    """A state or node as the checks see it. `step` is None when it failed the schema (its
+    problems are reported already); `id` and `entry` come from the raw data then."""
+
+    path: str
+    id: str | None
+    step: State | Node | None
+    entry: bool
+    broken: frozenset[str] = frozenset()  # keys that failed the schema, left out of `step`
+    inputs: list[tuple[str, Input]] = field(default_factory=list)  # (path, input), resolved
+
+
+@dataclass
+class _Edge:
+    path: str
+    transition: Transition | None
+    source: str | None
+    target: str | None
+
+
+@dataclass
+class _View:
+    form: Literal["states", "nodes"]
+    items: list[_Item] | None  # None: the states/nodes list itself is broken
+    edges: list[_Edge]
+    subagents: dict[str, SubAgent | None]
+    has_states: bool
+    has_nodes: bool
+    has_transitions: bool
+
+
+def _view_from_spec(spec: FlowSpec) -> _View:
+    form: Literal["states", "nodes"] = "nodes" if spec.nodes is not None else "states"
+    steps: list[State | Node] = [*(spec.nodes or [])] if form == "nodes" else [*(spec.states or [])]
+    items = [
+        _Item(
+            f"{form}[{i}]",
+            step.id,
+            step,
+            step.entry if isinstance(step, State) else not step.depends_on,
+        )
+        for i, step in enumerate(steps)
+    ]
+    edges = [_Edge(f"transitions[{i}]", t, t.from_, t.to) for i, t in enumerate(spec.transitions)]
+    return _View(
+        form=form,
+        items=items,
+        edges=edges,
+        subagents=dict(spec.subagents),
+        has_states=spec.states is not None,
+        has_nodes=spec.nodes is not None,
+        has_transitions="transitions" in spec.model_fields_set,
+    )
+
+
+def _validated(model: type[_Spec], raw: Any) -> tuple[Any, frozenset[str]]:
+    """`raw` validated as `model`, leaving out the keys that fail the schema (their problems
+    are reported by the whole-spec validation), so the rest can still be checked; with the
+    left-out keys. (None, ...) when even the rest does not pass (a required key is bad)."""
+    try:
+        return model.model_validate(raw), frozenset()
+    except ValidationError as exc:
+        broken = frozenset(str(e["loc"][0]) for e in exc.errors() if e["loc"])
+        if not isinstance(raw, Mapping) or not broken:
+            return None, broken
+        try:
+            kept = {key: value for key, value in raw.items() if key not in broken}
+            return model.model_validate(kept), broken
+        except ValidationError:
+            return None, broken
+
+
+def _view_from_raw(data: Mapping[str, Any]) -> _View:
+    """A view of a spec that failed the schema: the parts that pass it, and the raw ids of
+    those that do not, so that references to them are not reported as unknown."""
+    has_nodes = "nodes" in data and data["nodes"] is not None
+    form: Literal["states", "nodes"] = "nodes" if has_nodes else "states"
+    raw_steps = data.get(form)
+    items: list[_Item] | None = None
+    if isinstance(raw_steps, list):
+        items = []
+        for i, raw in enumerate(raw_steps):
+            step, broken = _validated(Node if form == "nodes" else State, raw)
+            raw_id = raw.get("id") if isinstance(raw, Mapping) else None
+            entry = isinstance(raw, Mapping) and (
+                raw.get("entry") is True if form == "states" else not raw.get("depends_on")
+            )
+            items.append(
+                _Item(
+                    f"{form}[{i}]",
+                    raw_id if isinstance(raw_id, str) and _NAME.fullmatch(raw_id) else None,
+                    step,
+                    entry,
+                    broken,
+                )
+            )
+    edges: list[_Edge] = []
+    raw_edges = data.get("transitions")
+    if isinstance(raw_edges, list):
+        for i, raw in enumerate(raw_edges):
+            fields = raw if isinstance(raw, Mapping) else {}
+            source, target = fields.get("from"), fields.get("to")
+            edges.append(
+                _Edge(
+                    f"transitions[{i}]",
+                    _validated(Transition, raw)[0],
+                    source if isinstance(source, str) else None,
+                    target if isinstance(target, str) else None,
+                )
+            )
+    subagents: dict[str, SubAgent | None] = {}
+    raw_subagents = data.get("subagents")
+    if isinstance(raw_subagents, Mapping):
+        for name, raw in raw_subagents.items():
+            subagents[str(name)] = _validated(SubAgent, raw)[0]
+    return _View(
+        form=form,
+        items=items,
+        edges=edges,
+        subagents=subagents,
+        has_states="states" in data and data["states"] is not None,
+        has_nodes=has_nodes,
+        has_transitions="transitions" in data,
+    )
+
+
+def _names(names: Iterable[str]) -> str:
+    return ", ".join(names) or "none"
+
+
+def _json_problems(value: Any, path: str) -> list[str]:
+    """Problems that keep `value` from being finite JSON, each with its path."""
+    if value is None or isinstance(value, bool | str | int):
+        return []
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return []
+        return [f"{path}: {value} is not JSON (only finite numbers are); give a finite number"]
+    if isinstance(value, list):
+        return [p for i, item in enumerate(value) for p in _json_problems(item, f"{path}[{i}]")]
+    if isinstance(value, dict):
+        problems = []
+        for key, item in value.items():
+            if not isinstance(key, str):
+                problems.append(
+                    f"{path}: the key {key!r} is a {type(key).__name__}; JSON keys are strings"
+                )
+                continue
+            step = f".{key}" if _NAME.fullmatch(key) else f"[{json.dumps(key)}]"
+            problems.extend(_json_problems(item, path + step))
+        return problems
+    if isinstance(value, tuple | set | frozenset):
+        return [f"{path}: a {type(value).__name__} is not JSON; use a list"]
+    return [
+        f"{path}: a {type(value).__name__} is not JSON; use null, true/false, a number, "
+        "a string, a list or a mapping"
+    ]
+
+
+class _Checker:
+    """Runs every cross-field check over a view, collecting problems instead of stopping at
+    the first; `compile` then builds the machine from the same resolved view."""
+
+    def __init__(self, view: _View) -> None:
+        self.view = view
+        self.problems: list[str] = []
+        self.noun = "node" if view.form == "nodes" else "state"
+        self.by_id: dict[str, _Item] = {}
+        self.params: dict[str, tuple[ValueType, bool, str]] = {}  # name -> (type, optional, path)
+
+    def run(self) -> list[str]:
+        view = self.view
+        self._check_form()
+        for name, sub in view.subagents.items():
+            path = _format_path(["subagents", name])
+            if not _NAME.fullmatch(name):
+                self.problems.append(f"{path}: {name!r} is not a valid name; {_NAME_RULE}")
+            if sub is not None:
+                self.problems.extend(f"{path}.prompt: {p}" for p in parse_template(sub.prompt)[1])
+        if view.items is None:
+            return self.problems
+        self._check_ids()
+        for item in view.items:
+            if item.step is not None:
+                self._check_step(item, item.step)
+        if view.form == "nodes":
+            self._check_dependency_cycles()
+        else:
+            for edge in view.edges:
+                if edge.transition is not None:
+                    self._check_transition(edge, edge.transition)
+            self._check_entries()
+            self._check_input_cycles()
+        return self.problems
+
+    # -- the form and the ids
+
+    def _check_form(self) -> None:
+        view = self.view
+        if view.has_states and view.has_nodes:
+            self.problems.append(
+                f"{TOP}: has both states and nodes; write states (with transitions) for the "
+                "state form or nodes (with depends_on) for the DAG form, not both"
+            )
+        elif not view.has_states and not view.has_nodes:
+            self.problems.append(
+                f"{TOP}: a flow needs states (the state form) or nodes (the DAG form)"
+            )
+        if view.has_nodes and view.has_transitions:
+            self.problems.append(
+                "transitions: the DAG form (nodes) takes no transitions; order nodes with "
+                "depends_on, or write the flow in the state form"
+            )
+        if view.items == [] and (view.has_states or view.has_nodes):
+            self.problems.append(f"{view.form}: the flow has no {self.noun}s; add at least one")
+
+    def _check_ids(self) -> None:
+        assert self.view.items is not None
+        for item in self.view.items:
+            if item.id is None:
+                continue  # a missing or invalid id is reported by the schema
+            first = self.by_id.setdefault(item.id, item)
+            if first is not item:
+                self.problems.append(
+                    f"{item.path}.id: duplicate id {item.id!r} (also {first.path}.id); "
+                    f"give every {self.noun} its own id"
+                )
+
+    def _ids(self) -> str:
+        return _names(self.by_id)
+
+    def _outputs(self, state_id: str) -> dict[str, ValueType] | None:
+        """Declared outputs of a known state; None if it is unknown or failed the schema."""
+        item = self.by_id.get(state_id)
+        if item is None or item.step is None or "outputs" in item.broken:
+            return None
+        return {o.name: o.type for o in item.step.outputs}
+
+    # -- one state or node
+
+    def _check_step(self, item: _Item, step: State | Node) -> None:
+        path = item.path
+        self._check_agent(item, step)
+        self._resolve_inputs(item, step)
+        seen_outputs: dict[str, int] = {}
+        for j, output in enumerate(step.outputs):
+            if output.name in seen_outputs:
+                self.problems.append(
+                    f"{path}.outputs[{j}].name: duplicate output {output.name!r} "
+                    f"(also outputs[{seen_outputs[output.name]}])"
+                )
+            seen_outputs.setdefault(output.name, j)
+        if step.lifecycle == "resident" and step.outputs:
+            self.problems.append(
+                f"{path}.outputs: a resident {self.noun} may not declare outputs (it keeps "
+                "running and never settles with an answer); remove outputs or use lifecycle: task"
+            )
+        names = [inp.name for _, inp in item.inputs]
+        # a key that failed the schema is left out of `step`: judging placeholders or
+        # foreach against what is left would report problems that are not there
+        inputs_known = not item.broken & {"inputs", "depends_on"}
+        template = step.prompt if inputs_known and "subagent" not in item.broken else None
+        if inputs_known and "prompt" not in item.broken and step.subagent is not None:
+            sub = self.view.subagents.get(step.subagent)
+            template = sub.prompt if sub is not None else None
+        if template is not None:
+            for name in placeholders(template):
+                if name in names:
+                    continue
+                if step.prompt is not None:
+                    self.problems.append(
+                        f"{path}.prompt: {{{name}}} is not an input of {self.noun} "
+                        f"{step.id!r} (inputs: {_names(names)}); declare it under inputs, "
+                        f"or write {{{{{name}}}}} for literal braces"
+                    )
+                else:
+                    self.problems.append(
+                        f"{path}.subagent: subagent {step.subagent!r} uses {{{name}}}, which "
+                        f"is not an input of {self.noun} {step.id!r} "
+                        f"(inputs: {_names(names)}); declare it under inputs"
+                    )
+        if step.foreach is not None and inputs_known:
+            over = step.foreach.over
+            found = next((inp for _, inp in item.inputs if inp.name == over), None)
+            if found is None:
+                self.problems.append(
+                    f"{path}.foreach.over: {over!r} is not an input of {self.noun} "
+                    f"{step.id!r} (inputs: {_names(names)}); foreach runs over a json input"
+                )
+            elif self._input_type(found) != "json":
+                self.problems.append(
+                    f"{path}.foreach.over: input {over!r} is text; foreach runs over a JSON "
+                    "list, so the input (and its source output) must be type: json"
+                )
+
+    def _check_agent(self, item: _Item, step: State | Node) -> None:
+        path = item.path
+        subagents = _names(self.view.subagents)
+        if item.broken:
+            pass  # a bad or misspelled key: whether it has a prompt or a subagent is unknown
+        elif step.prompt is not None and step.subagent is not None:
+            self.problems.append(
+                f"{path}: has both prompt and subagent; keep one (a subagent brings its own "
+                "prompt; model settings next to subagent override the subagent's)"
+            )
+        elif step.prompt is None and step.subagent is None:
+            self.problems.append(
+                f"{path}: has neither prompt nor subagent; write a prompt template or name "
+                + (f"a subagent (subagents: {subagents})" if self.view.subagents else "a subagent")
+            )
+        if step.prompt is not None:
+            self.problems.extend(f"{path}.prompt: {p}" for p in parse_template(step.prompt)[1])
+        if step.subagent is not None and step.subagent not in self.view.subagents:
+            self.problems.append(
+                f"{path}.subagent: unknown subagent {step.subagent!r} "
+                + (f"(subagents: {subagents})" if self.view.subagents else "(no subagents defined)")
+            )
+
+    def _input_type(self, inp: Input) -> ValueType:
+        if inp.type is not None:
+            return inp.type
+        if inp.from_ is not None and "." in inp.from_:
+            source, output = inp.from_.split(".", 1)
+            outputs = self._outputs(source) or {}
+            return outputs.get(output, "text")
+        return "text"
+
+    def _resolve_inputs(self, item: _Item, step: State | Node) -> None:
+        """Check the declared inputs and, in the DAG form, bind and add the inputs that come
+        from dependencies; `item.inputs` ends up as the state's resolved inputs."""
+        path = item.path
+        deps = list(dict.fromkeys(step.depends_on)) if isinstance(step, Node) else []
+        seen: dict[str, int] = {}
+        for j, inp in enumerate(step.inputs):
+            where = f"{path}.inputs[{j}]"
+            if inp.name in seen:
+                self.problems.append(
+                    f"{where}.name: duplicate input {inp.name!r} (also inputs[{seen[inp.name]}])"
+                )
+            seen.setdefault(inp.name, j)
+            if inp.from_ is None and deps:
+                inp = self._bind_to_dependency(where, inp, deps)
+            if inp.from_ is None:
+                self._note_param(where, inp)
+            else:
+                self._check_source(where, inp, step, deps, "depends_on" not in item.broken)
+            item.inputs.append((where, inp))
+        if isinstance(step, Node):
+            self._check_dependencies(item, step)
+
+    def _bind_to_dependency(self, where: str, inp: Input, deps: list[str]) -> Input:
+        """A DAG node's input without `from`, named like a dependency's output, reads it."""
+        owners = [d for d in deps if inp.name in (self._outputs(d) or {})]
+        if len(owners) > 1:
+            self.problems.append(
+                f"{where}: {inp.name!r} is an output of several dependencies "
+                f"({_names(owners)}); say which with from: {owners[0]}.{inp.name}"
+            )
+        if len(owners) == 1:
+            return inp.model_copy(update={"from_": f"{owners[0]}.{inp.name}"})
+        return inp
+
+    def _note_param(self, where: str, inp: Input) -> None:
+        kind = inp.type or "text"
+        known = self.params.get(inp.name)
+        if known is None:
+            self.params[inp.name] = (kind, inp.optional, where)
+            return
+        if known[0] != kind:
+            self.problems.append(
+                f"{where}.type: flow input {inp.name!r} is {kind} here but {known[0]} at "
+                f"{known[2]}; give it one type everywhere"
+            )
+        self.params[inp.name] = (known[0], known[1] and inp.optional, known[2])
+
+    def _check_source(
+        self, where: str, inp: Input, step: State | Node, deps: list[str], deps_known: bool
+    ) -> None:
+        source_ref = inp.from_ or ""
+        source, dot, output = source_ref.partition(".")
+        if not dot or not _NAME.fullmatch(source) or not _NAME.fullmatch(output):
+            self.problems.append(
+                f"{where}.from: {source_ref!r} is not STATE.OUTPUT; write the source "
+                f"{self.noun}'s id and one of its outputs, e.g. 'draft.text'"
+            )
+            return
+        if source not in self.by_id:
+            self.problems.append(
+                f"{where}.from: unknown {self.noun} {source!r} ({self.noun}s: {self._ids()})"
+            )
+            return
+        if isinstance(step, Node) and deps_known and source not in deps:
+            self.problems.append(
+                f"{where}.from: {source_ref!r} comes from node {source!r}, which is not in "
+                f"depends_on; add {source!r} to depends_on so that {step.id!r} waits for it"
+            )
+        outputs = self._outputs(source)
+        if outputs is None:
+            return
+        if output not in outputs:
+            declared = f"outputs: {', '.join(outputs)}" if outputs else "it declares no outputs"
+            self.problems.append(
+                f"{where}.from: {self.noun} {source!r} has no output {output!r} ({declared})"
+            )
+            return
+        if inp.type is not None and inp.type != outputs[output]:
+            self.problems.append(
+                f"{where}.type: {inp.type} does not match output {source_ref}, which is "
+                f"{outputs[output]}; remove type or make them agree"
+            )
+
+    def _check_dependencies(self, item: _Item, node: Node) -> None:
+        """depends_on names known nodes, once each, not itself; each dependency gives the node
+        at least one required input (that is what makes it wait); unread outputs of the
+        dependencies become inputs named after them."""
+        path = item.path
+        taken = {inp.name for _, inp in item.inputs}
+        seen: set[str] = set()
+        for k, dep in enumerate(node.depends_on):
+            where = f"{path}.depends_on[{k}]"
+            if dep in seen:
+                self.problems.append(f"{where}: {dep!r} is listed twice; list it once")
+                continue
+            seen.add(dep)
+            if dep == node.id:
+                self.problems.append(f"{where}: a node cannot depend on itself")
+                continue
+            if dep not in self.by_id:
+                self.problems.append(f"{where}: unknown node {dep!r} (nodes: {self._ids()})")
+                continue
+            outputs = self._outputs(dep)
+            if outputs is None:
+                continue
+            read = {inp.from_ for _, inp in item.inputs}
+            for output, kind in outputs.items():
+                if f"{dep}.{output}" in read:
+                    continue
+                if output in taken:
+                    self.problems.append(
+                        f"{where}: output {output!r} of {dep!r} would become an input named "
+                        f"like another input of {node.id!r}; declare inputs with from to "
+                        "name them apart"
+                    )
+                    continue
+                taken.add(output)
+                implicit = Input.model_validate({"name": output, "type": kind})
+                implicit = implicit.model_copy(update={"from_": f"{dep}.{output}"})
+                item.inputs.append((where, implicit))
+            waits = any(
+                inp.from_ is not None and inp.from_.partition(".")[0] == dep and not inp.optional
+                for _, inp in item.inputs
+            )
+            if not waits:
+                why = (
+                    "it declares no outputs"
+                    if not outputs
+                    else f"every input of {node.id!r} from it is optional"
+                )
+                self.problems.append(
+                    f"{where}: {node.id!r} would not wait for {dep!r}: {why}; a node waits "
+                    f"for a dependency through a required input, so give {dep!r} an output"
+                    + (" or make an input from it required" if outputs else "")
+                )
+
+    # -- transitions
+
+    def _check_transition(self, edge: _Edge, transition: Transition) -> None:
+        path = edge.path
+        for key, ref in (("from", transition.from_), ("to", transition.to)):
+            if ref not in self.by_id:
+                self.problems.append(f"{path}.{key}: unknown state {ref!r} (states: {self._ids()})")
+        guard = transition.when
+        if guard is None:
+            return
+        where = f"{path}.when"
+        self.problems.extend(_json_problems(guard.value, f"{where}.value"))
+        has_value = "value" in guard.model_fields_set
+        if guard.op == "exists" and has_value:
+            self.problems.append(f"{where}.value: op exists takes no value; remove value")
+        elif guard.op != "exists" and not has_value:
+            self.problems.append(
+                f"{where}: op {guard.op} needs a value; add value (write value: null to "
+                "compare with null)"
+            )
+        elif guard.op in NUMERIC_OPS and (
+            isinstance(guard.value, bool) or not isinstance(guard.value, int | float)
+        ):
+            self.problems.append(
+                f"{where}.value: op {guard.op} compares numbers, got {_describe(guard.value)}; "
+                "give a number"
+            )
+        if guard.path is not None:
+            try:
+                parse_path(guard.path)
+            except ValueError as exc:
+                self.problems.append(f"{where}.path: {exc}")
+        outputs = self._outputs(transition.from_)
+        if outputs is None:
+            return
+        if guard.output not in outputs:
+            declared = f"outputs: {', '.join(outputs)}" if outputs else "it declares no outputs"
+            self.problems.append(
+                f"{where}.output: state {transition.from_!r} has no output {guard.output!r} "
+                f"({declared}); a guard tests an output of the transition's from state"
+            )
+            return
+        if outputs[guard.output] == "text":
+            ref = f"{transition.from_}.{guard.output}"
+            if guard.path is not None:
+                self.problems.append(
+                    f"{where}.path: output {ref} is text, which has no parts; declare it "
+                    "type: json or remove path"
+                )
+            elif guard.op in NUMERIC_OPS:
+                self.problems.append(
+                    f"{where}.op: output {ref} is text, which is never a number, so "
+                    f"{guard.op} could never pass; use eq or contains, or declare it type: json"
+                )
+            elif guard.op in ("eq", "ne", "contains") and not isinstance(guard.value, str):
+                self.problems.append(
+                    f"{where}.value: output {ref} is text, so op {guard.op} compares it with "
+                    f"a string, got {_describe(guard.value)}; quote the value or declare the "
+                    "output type: json"
+                )
+
+    # -- the machine as a whole
+
+    def _check_entries(self) -> None:
+        """At least one entry state, and every state reachable from one (guards ignored)."""
+        items = self.view.items
+        if not items:
+            return
+        entries = [item.id for item in items if item.entry and item.id is not None]
+        if not entries:
+            self.problems.append(
+                "states: no state has entry: true; mark the state(s) the flow starts in"
+            )
+            return
+        if any(edge.target is None or edge.source is None for edge in self.view.edges):
+            return  # a broken transition: reachability would be guesswork
+        reached = set(entries)
+        frontier = list(entries)
+        while frontier:
+            current = frontier.pop()
+            for edge in self.view.edges:
+                if edge.source == current and edge.target not in reached:
+                    assert edge.target is not None
+                    reached.add(edge.target)
+                    frontier.append(edge.target)
+        for item in items:
+            if item.id is not None and item.id not in reached and self.by_id[item.id] is item:
+                self.problems.append(
+                    f"{item.path}: state {item.id!r} can never run: it is not an entry state "
+                    "and no transition from a reachable state leads to it; add entry: true "
+                    "or a transition to it"
+                )
+
+    def _check_input_cycles(self) -> None:
+        """A cycle of required inputs means none of its states can ever start."""
+        assert self.view.items is not None
+        needs: dict[str, list[tuple[str, str, str]]] = {}  # id -> [(source, ref, path)]
+        for item in self.view.items:
+            if item.id is None or item.step is None or self.by_id[item.id] is not item:
+                continue
+            for where, inp in item.inputs:
+                if inp.from_ is None or inp.optional:
+                    continue
+                source = inp.from_.partition(".")[0]
+                if source in self.by_id:
+                    needs.setdefault(item.id, []).append((source, inp.from_, f"{where}.from"))
+        graph = {node: [edge[0] for edge in edges] for node, edges in needs.items()}
+        for cycle in _cycles(list(self.by_id), graph):
+            steps = []
+            first_path = ""
+            for a, b in zip(cycle, [*cycle[1:], cycle[0]], strict=True):
+                source, ref, where = next(e for e in needs[a] if e[0] == b)
+                steps.append(f"{a} needs {ref}")
+                first_path = first_path or where
+            self.problems.append(
+                f"{first_path}: required inputs form a cycle ({', '.join(steps)}), so none "
+                "of these states can ever start; make one of these inputs optional: true"
+            )
+
+    def _check_dependency_cycles(self) -> None:
+        assert self.view.items is not None
+        graph: dict[str, list[str]] = {}
+        paths: dict[str, str] = {}
+        for item in self.view.items:
+            if item.id is None or not isinstance(item.step, Node):
+                continue
+            if self.by_id[item.id] is item:
+                # a self-dependency is reported on its own, not as a cycle
+                graph[item.id] = [
+                    d for d in item.step.depends_on if d in self.by_id and d != item.id
+                ]
+                paths[item.id] = item.path
+        for cycle in _cycles(list(self.by_id), graph):
+            steps = ", ".join(
+                f"{a} depends on {b}" for a, b in zip(cycle, [*cycle[1:], cycle[0]], strict=True)
+            )
+            self.problems.append(
+                f"{paths[cycle[0]]}.depends_on: dependencies form a cycle ({steps}); "
+                "a DAG has no cycles, so none of these nodes could start"
+            )
+
+    # -- compiling
+
+    def compile(self, spec: FlowSpec) -> Machine:
+        """The machine of a view that `run` found no problem in."""
+        assert self.view.items is not None and not self.problems
+        states: dict[str, MachineState] = {}
+        for item in self.view.items:
+            step = item.step
+            assert step is not None and item.id is not None
+            sub = self.view.subagents.get(step.subagent) if step.subagent else None
+            prompt = step.prompt if step.prompt is not None else sub.prompt if sub else ""
+            settings = AgentSettings(
+                **{
+                    key: getattr(step, key)
+                    if getattr(step, key) is not None
+                    else getattr(sub, key, None)
+                    for key in ("model", "temperature", "max_tokens", "max_iterations")
+                }
+            )
+            outputs = tuple(MachineOutput(name=o.name, type=o.type) for o in step.outputs)
+            inputs = []
+            for _, inp in item.inputs:
+                source, _, output = (inp.from_ or "").partition(".")
+                inputs.append(
+                    MachineInput(
+                        name=inp.name,
+                        type=self._input_type(inp),
+                        source=source or None,
+                        output=output or None,
+                        optional=inp.optional,
+                    )
+                )
+            states[item.id] = MachineState(
+                id=item.id,
+                entry=item.entry,
+                prompt=prompt,
+                subagent=step.subagent,
+                settings=settings,
+                inputs=tuple(inputs),
+                outputs=outputs,
+                retries=step.retries,
+                budget=step.budget,
+                failure_policy=step.failure_policy or spec.run.failure_policy,
+                foreach=MachineForeach(over=step.foreach.over, max=step.foreach.max)
+                if step.foreach
+                else None,
+                max_entries=step.max_entries if isinstance(step, State) else 1,
+                lifecycle=step.lifecycle,
+            )
+        transitions: list[MachineTransition] = []
+        if self.view.form == "nodes":
+            for item in self.view.items:
+                assert isinstance(item.step, Node)
+                transitions.extend(
+                    MachineTransition(source=dep, target=item.step.id)
+                    for dep in dict.fromkeys(item.step.depends_on)
+                )
+        else:
+            for edge in self.view.edges:
+                assert edge.transition is not None
+                guard = edge.transition.when
+                condition = (
+                    Condition(output=guard.output, op=guard.op, path=guard.path, value=guard.value)
+                    if guard is not None
+                    else None
+                )
+                transitions.append(
+                    MachineTransition(
+                        source=edge.transition.from_, target=edge.transition.to, guard=condition
+                    )
+                )
+        params = {
+            name: FlowParam(name=name, type=kind, optional=optional)
+            for name, (kind, optional, _) in self.params.items()
+        }
+        return Machine(
+            name=spec.name,
+            run=RunConfig(**spec.run.model_dump()),
+            states=states,
+            transitions=tuple(transitions),
+            entry=tuple(s.id for s in states.values() if s.entry),
+            params=params,
+        )
+
+
+def _cycles(order: list[str], graph: dict[str, list[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component that has one (a self-loop counts), each
+    starting at the component's first node in `order` and following edges in their order."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def connect(node: str) -> None:  # Tarjan; flows are small, recursion depth is fine
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, []):
+            if nxt not in index:
+                connect(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            components.append(component)
+
+    for node in order:
+        if node not in index:
+            connect(node)
+    cycles = []
+    rank = {node: i for i, node in enumerate(order)}
+    for component in sorted(components, key=lambda c: min(rank.get(n, 0) for n in c)):
+        members = set(component)
+        start = min(component, key=lambda n: rank.get(n, 0))
+        if len(component) == 1 and start not in graph.get(start, []):
+            continue
+        cycles.append(_path_back(start, graph, members))
+    return cycles
+
+
+def _path_back(start: str, graph: dict[str, list[str]], members: set[str]) -> list[str]:
+    """The shortest path from `start` back to itself inside one component (breadth first)."""
+    previous: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for nxt in graph.get(node, []):
+                if nxt not in members:
+                    continue
+                if nxt == start:
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(previous[path[-1]])
+                    return list(reversed(path))
+                if nxt not in previous:
+                    previous[nxt] = node
+                    following.append(nxt)
+        frontier = following
+    return [start]  # unreachable: every component with more than one member has a cycle
