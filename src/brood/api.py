@@ -22,6 +22,8 @@ from brood.errors import (
     StaleHandle,
     SupervisorClosed,
 )
+from brood.flow.executor import FlowExecutor
+from brood.flow.spec import compile_spec, load_spec
 from brood.lifecycle import RunState
 from brood.limits import Limits
 from brood.models.base import Model, resolve_model
@@ -31,7 +33,7 @@ from brood.supervisor.core import Core, Run, RunInfo
 from brood.supervisor.loop import LoopThread
 from brood.supervisor.observers import Observers
 
-__all__ = ["RunHandle", "RunInfo", "RunResult", "Supervisor"]
+__all__ = ["FlowHandle", "RunHandle", "RunInfo", "RunResult", "Supervisor"]
 
 
 class RunResult(NamedTuple):
@@ -182,6 +184,24 @@ class Supervisor:
                 )
         run = self._loop.call(self._core.resume_tree(root_id))
         return RunHandle(self, run)
+
+    def flow_run(self, spec: Any, *, inputs: dict[str, Any] | None = None) -> FlowHandle:
+        """Validate a flow spec (a path, YAML/JSON text or a dict) and start it; returns at
+        once, with the states it started on `handle.started`. An invalid spec raises
+        InvalidSpec listing every problem, and nothing starts."""
+        if self._closed:
+            raise SupervisorClosed("the supervisor is closed; make a new one")
+        loaded = load_spec(spec)
+        machine = compile_spec(loaded)
+        executor = FlowExecutor(self._core, machine, inputs)
+
+        async def start() -> list[str]:
+            started = await executor.start(f"flow {machine.name or '(unnamed)'}")
+            executor.ledger("spec", spec=loaded.model_dump(mode="json", exclude_none=True))
+            return started
+
+        started = self._loop.call(start())
+        return FlowHandle(self, executor, started)
 
     async def _create(
         self, prompt: str, context: Any, timeout: float | None, model: Any, driven: bool
@@ -355,3 +375,68 @@ class RunHandle:
             return self._sup._core.snapshot(self._run)
 
         return self._sup._loop.call(snap())
+
+
+class FlowHandle:
+    """A running flow: `id` (its run in the journal), `started` (the states it entered
+    first), `status()`, `wait()`, `stop()`, `resume()`."""
+
+    def __init__(self, sup: Supervisor, executor: FlowExecutor, started: list[str]) -> None:
+        self._sup = sup
+        self._ex = executor
+        self.id = executor.run.id
+        self.started = started
+
+    def __repr__(self) -> str:
+        return f"<FlowHandle {self.id} {self._ex.status_value}>"
+
+    def status(self) -> dict[str, Any]:
+        """Per-state entries used / max and instances, milestones, recent ledger events."""
+        self._sup._check_live(f"flow {self.id}")
+
+        async def snap() -> dict[str, Any]:
+            return self._ex.status()
+
+        return self._sup._loop.call(snap())
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Block until the flow ends (finished, failed, stopped) or pauses; returns that
+        status. On timeout raises TimeoutError and the flow keeps going."""
+        self._sup._check_live(f"flow {self.id}")
+        ex = self._ex
+
+        async def wait() -> str:
+            async def paused() -> None:
+                while ex.status_value != "paused":
+                    await ex.changed.wait()
+                    ex.changed.clear()
+
+            waits = [asyncio.ensure_future(ex.done.wait()), asyncio.ensure_future(paused())]
+            try:
+                finished, _ = await asyncio.wait(
+                    waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                for w in waits:
+                    w.cancel()
+            if not finished:
+                raise TimeoutError(
+                    f"flow {self.id} is still {ex.status_value} after {timeout} s; it keeps going"
+                )
+            return ex.status_value
+
+        return self._sup._loop.call(wait())
+
+    def outputs(self) -> dict[str, dict[str, Any]]:
+        """Each state's latest settled outputs."""
+        return dict(self._ex.outputs)
+
+    def stop(self) -> str:
+        """Stop: admit nothing more, cancel every running instance (exit confirmed)."""
+        self._sup._check_live(f"flow {self.id}")
+        return self._sup._loop.call(self._ex.stop())
+
+    def resume(self) -> None:
+        """Go on after a pause (escalate, max_transitions)."""
+        self._sup._check_live(f"flow {self.id}")
+        self._sup._loop.call(self._ex.resume())

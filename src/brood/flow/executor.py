@@ -1,0 +1,535 @@
+"""The flow executor: runs a compiled `Machine` on the supervisor, one child run per state
+instance (DESIGN.md section 8).
+
+Everything here runs on the supervisor's loop. A flow is a controller run (a root with no
+worker) whose children are the state instances. Each settle fires every transition whose
+guard passes; re-entry is bounded by `max_entries`; the flow finishes at quiescence (nothing
+running, nothing waiting to start). Every step goes to the flow's ledger (journal events).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from brood.errors import BroodError, InvalidArgument
+from brood.flow.guards import evaluate
+from brood.flow.render import read_output, render_prompt
+from brood.flow.spec import Machine, MachineState, OutputError
+from brood.lifecycle import RunState
+
+MILESTONES = ("finished", "failed", "paused", "budget_exceeded", "max_transitions_exceeded")
+
+
+class RunLike(Protocol):
+    """What the executor needs of a supervisor run."""
+
+    @property
+    def id(self) -> str: ...
+
+    done: asyncio.Event
+    rec: Any
+
+
+class Host(Protocol):
+    """The supervisor, as the executor uses it (so this module needs no supervisor import)."""
+
+    async def create_controller(self, prompt: str) -> Any: ...
+
+    async def start_child(
+        self,
+        parent: Any,
+        prompt: str,
+        *,
+        key: str,
+        model_name: str | None = None,
+        timeout: float | None = None,
+    ) -> Any: ...
+
+    async def finish(
+        self,
+        run: Any,
+        state: RunState,
+        reason: str,
+        *,
+        answer: str | None = None,
+        error: str | None = None,
+    ) -> RunState: ...
+
+    def event(self, run: Any, kind: str, data: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class Instance:
+    state: str
+    entry: int  # which entry of the state (1-based)
+    item: int | None  # foreach index
+    attempt: int
+    inputs: dict[str, Any]
+    run: Any = None
+    outcome: str | None = None  # completed / failed / cancelled
+    outputs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Entry:
+    """One entry of a state: waiting for inputs, then its instances, then settled."""
+
+    state: str
+    number: int
+    instances: list[Instance] = field(default_factory=list)
+    expected: int = 1
+    failed: bool = False
+    settled: bool = False
+
+
+class FlowExecutor:
+    def __init__(
+        self,
+        host: Host,
+        machine: Machine,
+        params: dict[str, Any] | None = None,
+        *,
+        clock: Any = time.monotonic,
+    ) -> None:
+        self.host = host
+        self.m = machine
+        self.params = dict(params or {})
+        missing = [
+            p.name for p in machine.params.values() if not p.optional and p.name not in self.params
+        ]
+        if missing:
+            raise InvalidArgument(
+                f"flow inputs missing: {', '.join(missing)}; pass them as inputs={{name: value}}"
+            )
+        unknown = sorted(set(self.params) - set(machine.params))
+        if unknown:
+            raise InvalidArgument(
+                f"unknown flow inputs: {', '.join(unknown)} (the flow takes: "
+                f"{', '.join(machine.params) or 'none'})"
+            )
+        self.clock = clock
+        self.run: Any = None
+        self.status_value = "running"
+        self.reason: str | None = None
+        self.outputs: dict[str, dict[str, Any]] = {}  # state -> its latest settled outputs
+        self.entries: dict[str, int] = dict.fromkeys(machine.states, 0)
+        self.waiting: deque[Entry] = deque()  # entered, waiting for required inputs
+        self.queue: deque[Instance] = deque()  # ready, waiting for a max_parallel slot
+        self.running: set[asyncio.Task[None]] = set()
+        self.live: list[Instance] = []
+        self.fired = 0
+        self.held: deque[str] = deque()  # fires held by a max_transitions pause
+        self.milestones: list[str] = []
+        self.recent: deque[dict[str, Any]] = deque(maxlen=50)
+        self.done = asyncio.Event()
+        self.changed = asyncio.Event()  # set at every change of status_value
+        self.failed_entries: list[Entry] = []  # escalated, retried on resume
+        self._budget_timer: asyncio.TimerHandle | None = None
+        self.entries_by_key: dict[tuple[str, int], Entry] = {}
+
+    # ---- the ledger ------------------------------------------------------------------------
+    def ledger(self, kind: str, **data: Any) -> None:
+        data = {"kind": kind, **data}
+        self.recent.append(data | {"at": time.time()})
+        self.host.event(self.run, "flow", data)
+
+    def milestone(self, kind: str, **data: Any) -> None:
+        if kind in self.milestones:
+            return  # one notice per kind
+        self.milestones.append(kind)
+        self.ledger("milestone", milestone=kind, **data)
+
+    # ---- starting --------------------------------------------------------------------------
+    async def start(self, title: str) -> list[str]:
+        """Create the flow's run, enter its entry states; returns the states started."""
+        self.run = await self.host.create_controller(title)
+        self.ledger("flow_started", entry=list(self.m.entry), params=sorted(self.params))
+        if self.m.run.budget is not None:
+            self._budget_timer = asyncio.get_running_loop().call_later(
+                self.m.run.budget, self._budget_expired
+            )
+        for state in self.m.entry:
+            self.enter(state, cause=None)
+        self.pump()
+        started = sorted({i.state for i in self.live} | {i.state for i in self.queue})
+        self.check_quiescence()
+        return started
+
+    def enter(self, state: str, cause: str | None) -> None:
+        st = self.m.states[state]
+        if self.entries[state] >= st.max_entries:
+            self.ledger(
+                "transition_blocked",
+                state=state,
+                cause=cause,
+                reason=f"max_entries {st.max_entries} reached",
+            )
+            return
+        self.entries[state] += 1
+        entry = Entry(state, self.entries[state])
+        self.ledger("state_entry", state=state, entry=entry.number, cause=cause)
+        self.waiting.append(entry)
+        self.try_waiting()
+
+    def inputs_of(self, st: MachineState) -> dict[str, Any] | None:
+        """The state's input values, or None while a required one has not settled."""
+        values: dict[str, Any] = {}
+        for inp in st.inputs:
+            if inp.source is None:  # a flow input
+                values[inp.name] = self.params.get(inp.name)
+                continue
+            produced = self.outputs.get(inp.source, {})
+            if inp.output in produced:
+                values[inp.name] = produced[inp.output]
+            elif inp.optional:
+                values[inp.name] = None
+            else:
+                return None
+        return values
+
+    def try_waiting(self) -> None:
+        """Start every waiting entry whose required inputs have settled."""
+        if self.status_value != "running":
+            return
+        for entry in list(self.waiting):
+            st = self.m.states[entry.state]
+            values = self.inputs_of(st)
+            if values is None:
+                continue
+            self.waiting.remove(entry)
+            self.expand(entry, st, values)
+        self.pump()
+
+    def expand(self, entry: Entry, st: MachineState, values: dict[str, Any]) -> None:
+        """The entry's instances: one, or one per item of its foreach input (clamped)."""
+        if st.foreach is None:
+            items: list[tuple[int | None, dict[str, Any]]] = [(None, values)]
+        else:
+            over = values.get(st.foreach.over)
+            seq = over if isinstance(over, list) else []
+            seq = seq[: st.foreach.max]
+            items = [(i, values | {st.foreach.over: v}) for i, v in enumerate(seq)]
+        entry.expected = len(items)
+        self.entries_by_key[(entry.state, entry.number)] = entry
+        for item, vals in items:
+            self.queue.append(Instance(entry.state, entry.number, item, 0, vals))
+        if not items:  # an empty foreach settles at once with no outputs
+            self.settle(entry)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self.running.add(task)
+        task.add_done_callback(self.running.discard)
+
+    def pump(self) -> None:
+        """Start queued instances while max_parallel allows."""
+        limit = self.m.run.max_parallel
+        while (
+            self.queue
+            and self.status_value == "running"
+            and (limit is None or self._active() < limit)
+        ):
+            inst = self.queue.popleft()
+            self.live.append(inst)
+            self._spawn(self.run_instance(inst))
+
+    def _active(self) -> int:
+        return sum(1 for i in self.live if i.outcome is None)
+
+    async def run_instance(self, inst: Instance) -> None:
+        st = self.m.states[inst.state]
+        prompt = render_prompt(st.prompt, inst.inputs)
+        key = f"{inst.state}#{inst.entry}" + (f"[{inst.item}]" if inst.item is not None else "")
+        key += f"~{inst.attempt}" if inst.attempt else ""
+        try:
+            child = await self.host.start_child(
+                self.run, prompt, key=key, model_name=st.settings.model, timeout=st.budget
+            )
+        except BroodError as exc:
+            inst.outcome = "failed"
+            self.instance_failed(inst, f"could not start: {exc}")
+            return
+        inst.run = child
+        self.ledger(
+            "spawned",
+            state=inst.state,
+            entry=inst.entry,
+            item=inst.item,
+            attempt=inst.attempt,
+            run_id=child.id,
+        )
+        if self.status_value in ("stopping", "stopped"):  # the start landed after stop
+            await self.host.finish(child, RunState.CANCELLED, "flow stopped")
+        await child.done.wait()
+        rec = child.rec
+        if rec.state is RunState.COMPLETED:
+            try:
+                outputs = {
+                    o.name: read_output(rec.answer or "", o.name, o.type) for o in st.outputs
+                }
+            except OutputError as exc:
+                inst.outcome = "failed"
+                self.instance_failed(inst, str(exc))
+                return
+            inst.outcome = "completed"
+            inst.outputs = outputs
+            self.ledger(
+                "settled",
+                state=inst.state,
+                entry=inst.entry,
+                item=inst.item,
+                run_id=child.id,
+                outcome="completed",
+            )
+            self.instance_done(inst)
+        elif rec.state is RunState.CANCELLED and self.status_value != "running":
+            inst.outcome = "cancelled"
+            self.ledger(
+                "settled",
+                state=inst.state,
+                entry=inst.entry,
+                item=inst.item,
+                run_id=child.id,
+                outcome="cancelled",
+            )
+            self.check_quiescence()
+        else:
+            inst.outcome = "failed"
+            self.ledger(
+                "settled",
+                state=inst.state,
+                entry=inst.entry,
+                item=inst.item,
+                run_id=child.id,
+                outcome=rec.state.value,
+                reason=rec.reason,
+            )
+            self.instance_failed(inst, f"{rec.state.value}: {rec.reason}")
+
+    # ---- settling -------------------------------------------------------------------------
+    def instance_done(self, inst: Instance) -> None:
+        entry = self.entries_by_key[(inst.state, inst.entry)]
+        entry.instances.append(inst)
+        ok = [i for i in entry.instances if i.outcome == "completed"]
+        if not entry.failed and len(ok) == entry.expected:
+            self.settle(entry)
+        self.pump()
+        self.check_quiescence()
+
+    def settle(self, entry: Entry) -> None:
+        st = self.m.states[entry.state]
+        done = sorted(
+            (i for i in entry.instances if i.outcome == "completed"), key=lambda i: i.item or 0
+        )
+        if st.foreach is None:
+            outputs = done[0].outputs if done else {}
+        else:  # each output becomes a list, in item order
+            outputs = {o.name: [i.outputs.get(o.name) for i in done] for o in st.outputs}
+        entry.settled = True
+        self.outputs[entry.state] = outputs
+        for t in self.m.transitions_from(entry.state):
+            if t.guard is not None and not evaluate(t.guard, outputs):
+                continue
+            self.fire(entry.state, t.target)
+        self.try_waiting()
+
+    def fire(self, source: str, target: str) -> None:
+        if self.fired >= self.m.run.max_transitions:
+            self.held.append(target)
+            if self.status_value == "running":
+                self.pause(
+                    "max_transitions_exceeded",
+                    f"max_transitions {self.m.run.max_transitions} reached",
+                )
+            return
+        self.fired += 1
+        self.ledger("transition_fired", source=source, target=target, fired=self.fired)
+        self.enter(target, cause=source)
+
+    def instance_failed(self, inst: Instance, why: str) -> None:
+        st = self.m.states[inst.state]
+        if inst.attempt < st.retries and self.status_value == "running":
+            self.ledger(
+                "retry",
+                state=inst.state,
+                entry=inst.entry,
+                item=inst.item,
+                attempt=inst.attempt + 1,
+                reason=why,
+            )
+            self.live.remove(inst)
+            self.queue.appendleft(
+                Instance(inst.state, inst.entry, inst.item, inst.attempt + 1, inst.inputs)
+            )
+            self.pump()
+            return
+        entry = self.entries_by_key[(inst.state, inst.entry)]
+        entry.instances.append(inst)
+        first = not entry.failed
+        entry.failed = True
+        if first:
+            self.ledger(
+                "state_failed", state=inst.state, entry=inst.entry, item=inst.item, reason=why
+            )
+            policy = st.failure_policy
+            if policy == "fail_fast":
+                self._spawn(self.fail(f"state {inst.state} failed: {why}"))
+                return
+            if policy == "escalate":
+                self.failed_entries.append(entry)
+                self.pause("paused", f"state {inst.state} failed: {why}; resume to retry it")
+                return
+        self.pump()
+        self.check_quiescence()
+
+    # ---- quiescence, pause, stop ------------------------------------------------------------
+    def check_quiescence(self) -> None:
+        if self.status_value != "running" or self.done.is_set():
+            return
+        if self.queue or any(i.outcome is None and not self._resident(i) for i in self.live):
+            return
+        if any(i.outcome is None for i in self.live):
+            return  # only residents left: they stay until the flow is stopped
+        if self.waiting:
+            entry = self.waiting[0]
+            st = self.m.states[entry.state]
+            missing = [
+                f"{i.name} (from {i.source}.{i.output})"
+                for i in st.inputs
+                if i.source and not i.optional and i.output not in self.outputs.get(i.source, {})
+            ]
+            self._spawn(
+                self.fail(
+                    f"stalled: state {entry.state} waits for input {', '.join(missing)}, "
+                    "which never settled"
+                )
+            )
+            return
+        self._spawn(self.finish_flow())
+
+    def _resident(self, inst: Instance) -> bool:
+        return self.m.states[inst.state].lifecycle == "resident"
+
+    def set_status(self, value: str) -> None:
+        self.status_value = value
+        self.changed.set()
+
+    def pause(self, milestone: str, why: str) -> None:
+        self.set_status("paused")
+        self.reason = why
+        self.milestone(milestone, reason=why)
+        if milestone != "paused":
+            self.milestone("paused", reason=why)
+
+    async def resume(self) -> None:
+        """Go on after a pause: held fires fire (a max_transitions pause allows as many
+        again), failed escalated entries run again."""
+        if self.status_value != "paused":
+            raise BroodError(
+                f"flow {self.run.id} is {self.status_value}; only a paused flow resumes"
+            )
+        self.set_status("running")
+        self.reason = None
+        self.milestones = [
+            m for m in self.milestones if m not in ("paused", "max_transitions_exceeded")
+        ]
+        self.ledger("resumed")
+        if self.held:
+            self.fired = 0
+        while self.held and self.fired < self.m.run.max_transitions:
+            self.fired += 1
+            target = self.held.popleft()
+            self.ledger("transition_fired", source=None, target=target, fired=self.fired)
+            self.enter(target, cause="resume")
+        for entry in self.failed_entries:
+            entry.failed, entry.instances = False, []
+            st = self.m.states[entry.state]
+            values = self.inputs_of(st) or {}
+            self.expand(entry, st, values)
+        self.failed_entries.clear()
+        self.try_waiting()
+        self.check_quiescence()
+
+    async def stop(self, reason: str = "stopped") -> str:
+        """Stop admitting, cancel every running instance (exit confirmed), end `stopped`.
+        Idempotent: a second stop waits for the first."""
+        if self.status_value in ("stopping", "stopped", "finished", "failed"):
+            await self.done.wait()
+            return self.status_value
+        self.set_status("stopping")
+        self.ledger("stopping", reason=reason)
+        self.queue.clear()
+        await self._cancel_all("flow stopped")
+        self.set_status("stopped")
+        await self._end(RunState.CANCELLED, reason)
+        return self.status_value
+
+    async def _cancel_all(self, why: str) -> None:
+        runs = [i.run for i in self.live if i.outcome is None and i.run is not None]
+        await asyncio.gather(*(self.host.finish(r, RunState.CANCELLED, why) for r in runs))
+
+    async def fail(self, why: str) -> None:
+        if self.status_value in ("stopping", "stopped", "finished", "failed"):
+            return
+        self.set_status("stopping")
+        self.queue.clear()
+        await self._cancel_all(f"flow failed: {why}")
+        self.set_status("failed")
+        self.reason = why
+        self.milestone("failed", reason=why)
+        await self._end(RunState.FAILED, why)
+
+    async def finish_flow(self) -> None:
+        if self.status_value != "running":
+            return
+        self.set_status("finished")
+        self.milestone("finished")
+        await self._end(
+            RunState.COMPLETED, "flow finished", answer=json.dumps(self.outputs, default=str)
+        )
+
+    def _budget_expired(self) -> None:
+        if self.status_value in ("running", "paused"):
+            self.milestone("budget_exceeded", budget=self.m.run.budget)
+            self._spawn(self.fail(f"budget: {self.m.run.budget:g} s of wall clock"))
+
+    async def _end(self, state: RunState, reason: str, answer: str | None = None) -> None:
+        if self._budget_timer is not None:
+            self._budget_timer.cancel()
+        self.ledger("flow_ended", status=self.status_value, reason=reason)
+        await self.host.finish(self.run, state, reason, answer=answer)
+        self.done.set()
+
+    # ---- status ---------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        states = {}
+        for sid, st in self.m.states.items():
+            insts = [i for i in self.live if i.state == sid]
+            states[sid] = {
+                "entries": self.entries[sid],
+                "max_entries": st.max_entries,
+                "instances": [
+                    {
+                        "entry": i.entry,
+                        "item": i.item,
+                        "attempt": i.attempt,
+                        "run_id": getattr(i.run, "id", None),
+                        "state": i.outcome or "running",
+                    }
+                    for i in insts
+                ],
+            }
+        return {
+            "run_id": self.run.id,
+            "status": self.status_value,
+            "reason": self.reason,
+            "transitions_fired": self.fired,
+            "states": states,
+            "milestones": list(self.milestones),
+            "events": list(self.recent)[-20:],
+        }
