@@ -19,6 +19,7 @@ from brood.protocol import (
     CancelReq,
     ChildUpdate,
     CtlCancel,
+    CtlFlow,
     CtlSend,
     Deliver,
     ErrorInfo,
@@ -87,6 +88,7 @@ SAMPLES: list[Msg] = [
     Remember(value=b"\x80\x04K*."),
     CtlCancel(req_id=9, run_id="r-1"),
     CtlSend(req_id=10, run_id="r-1", message="hurry"),
+    CtlFlow(req_id=11, run_id="r-1", op="stop"),
 ]
 
 

@@ -1,6 +1,6 @@
 """brood: a runtime for recursive language models with a managed child-run lifecycle."""
 
-from brood.api import RunHandle, RunInfo, RunResult, Supervisor
+from brood.api import FlowHandle, RunHandle, RunInfo, RunResult, Supervisor
 from brood.errors import (
     BackendError,
     BroodError,
@@ -32,6 +32,7 @@ __all__ = [
     "ChildFailed",
     "ChildNotReady",
     "Completion",
+    "FlowHandle",
     "InvalidArgument",
     "InvalidSpec",
     "LimitExceeded",

@@ -201,6 +201,7 @@ class Supervisor:
             return started
 
         started = self._loop.call(start())
+        self._core.flows[executor.run.id] = executor
         return FlowHandle(self, executor, started)
 
     async def _create(
@@ -426,6 +427,19 @@ class FlowHandle:
             return ex.status_value
 
         return self._sup._loop.call(wait())
+
+    def wait_change(self) -> None:
+        """Block until the flow's status changes (e.g. a paused flow is resumed)."""
+        self._sup._check_live(f"flow {self.id}")
+        ex = self._ex
+
+        async def wait() -> None:
+            status = ex.status_value
+            while ex.status_value == status:  # check and clear in one step of the loop
+                ex.changed.clear()
+                await ex.changed.wait()
+
+        self._sup._loop.call(wait())
 
     def outputs(self) -> dict[str, dict[str, Any]]:
         """Each state's latest settled outputs."""

@@ -14,7 +14,7 @@ from typing import Any
 from brood.backends.local import owner_alive
 from brood.errors import BroodError
 from brood.lifecycle import TERMINAL
-from brood.protocol import CtlCancel, CtlSend
+from brood.protocol import CtlCancel, CtlFlow, CtlSend
 from brood.store.base import Store, open_store
 from brood.supervisor.control import control_request
 
@@ -188,6 +188,59 @@ class Journal:
                 path, CtlCancel(1, run_id, "cancelled by user (brood cancel)"), CONTROL_TIMEOUT_S
             )
         )
+
+    def flow(self, run_id: str, op: str) -> Any:
+        """stop / resume / status of a flow another process runs (status of an ended or
+        stale flow is read from its ledger instead)."""
+        if op == "status":
+            run = self._decorate(self.store.get_run(run_id))
+            if run["state"] in TERMINAL_VALUES or run["stale"]:
+                return self.flow_status(run_id)
+        path = self._control(run_id)
+        return control_request(path, CtlFlow(1, run_id, op), CONTROL_TIMEOUT_S)
+
+    def flow_status(self, run_id: str) -> dict[str, Any]:
+        """A flow's status rebuilt from its ledger: per-state entries and instances,
+        milestones, the last events."""
+        run = self._decorate(self.store.get_run(run_id))
+        ledger = [e["data"] for e in self.store.events(run_id, "flow")]
+        if not ledger:
+            raise BroodError(f"run {run_id} is not a flow (it has no flow ledger)")
+        spec: dict[str, Any] = next((e["spec"] for e in ledger if e["kind"] == "spec"), {})
+        maxes = {s["id"]: s.get("max_entries", 1) for s in spec.get("states", [])}
+        states: dict[str, dict[str, Any]] = {
+            sid: {"entries": 0, "max_entries": m, "instances": []} for sid, m in maxes.items()
+        }
+        for e in ledger:
+            st = states.setdefault(str(e.get("state")), {"entries": 0, "instances": []})
+            if e["kind"] == "state_entry":
+                st["entries"] += 1
+            elif e["kind"] == "spawned":
+                st["instances"].append(
+                    {
+                        "entry": e["entry"],
+                        "item": e["item"],
+                        "attempt": e["attempt"],
+                        "run_id": e["run_id"],
+                        "state": "running",
+                    }
+                )
+            elif e["kind"] == "settled":
+                for inst in st["instances"]:
+                    if inst["run_id"] == e["run_id"]:
+                        inst["state"] = e["outcome"]
+        states.pop("None", None)
+        ended = next((e for e in reversed(ledger) if e["kind"] == "flow_ended"), None)
+        status = ended["status"] if ended else ("stale" if run["stale"] else "running")
+        return {
+            "run_id": run_id,
+            "status": status,
+            "reason": ended and ended["reason"],
+            "transitions_fired": sum(1 for e in ledger if e["kind"] == "transition_fired"),
+            "states": states,
+            "milestones": [e["milestone"] for e in ledger if e["kind"] == "milestone"],
+            "events": ledger[-20:],
+        }
 
     def send(self, run_id: str, message: str) -> None:
         """A follow-up message to a running run of another process's tree."""

@@ -211,6 +211,14 @@ class CtlSend(Msg):
     message: str
 
 
+class CtlFlow(Msg):
+    """stop, resume or status of a flow this supervisor runs."""
+
+    req_id: int
+    run_id: str
+    op: str
+
+
 AnyMsg = (
     Fork
     | Forked
@@ -236,6 +244,7 @@ AnyMsg = (
     | Stop
     | CtlCancel
     | CtlSend
+    | CtlFlow
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -455,6 +455,150 @@ def send(
     print(f"sent to {run_id}")
 
 
+# ---- flows ----------------------------------------------------------------------------------
+flow_app = typer.Typer(help="Flows: state-machine workflows of sub-agents.", no_args_is_help=True)
+app.add_typer(flow_app, name="flow")
+SpecArg = Annotated[Path, typer.Argument(help="a flow spec file (YAML or JSON)")]
+
+
+def _inputs(pairs: list[str], json_pairs: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for raw, parse in [(p, False) for p in pairs] + [(p, True) for p in json_pairs]:
+        name, sep, value = raw.partition("=")
+        if not sep or not name:
+            _fail(f"--input {raw!r}: write NAME=VALUE")
+        try:
+            out[name] = json.loads(value) if parse else value
+        except ValueError as exc:
+            _fail(f"--input-json {raw!r}: the value is not JSON ({exc})")
+    return out
+
+
+@flow_app.command("validate")
+def flow_validate(spec: SpecArg, as_json: JsonOpt = False) -> None:
+    """Check a spec and report every problem with its path; starts nothing."""
+    from brood.flow import compile_spec, load_spec
+
+    try:
+        machine = compile_spec(load_spec(spec))
+    except brood.InvalidSpec as exc:
+        if as_json:
+            _print_json(
+                {"valid": False, "problems": [p.strip() for p in str(exc).splitlines()[1:]]}
+            )
+            raise typer.Exit(2) from None
+        _fail(str(exc))
+        return
+    summary = {
+        "valid": True,
+        "name": machine.name,
+        "states": list(machine.states),
+        "entry": list(machine.entry),
+        "transitions": len(machine.transitions),
+        "inputs": sorted(machine.params),
+    }
+    if as_json:
+        _print_json(summary)
+    else:
+        print(
+            f"valid: {len(machine.states)} states ({', '.join(machine.states)}), "
+            f"{len(machine.transitions)} transitions, entry {', '.join(machine.entry)}"
+        )
+
+
+@flow_app.command("run")
+def flow_run(
+    spec: SpecArg,
+    inputs: Annotated[list[str] | None, typer.Option("--input", help="NAME=TEXT")] = None,
+    json_inputs: Annotated[list[str] | None, typer.Option("--input-json", help="NAME=JSON")] = None,
+    model: Annotated[str | None, typer.Option(help="model spec (or BROOD_MODEL)")] = None,
+    store: StoreOpt = None,
+    max_concurrency: Annotated[int | None, typer.Option(help="runs computing at once")] = None,
+    live: Annotated[bool, typer.Option(help="show the live tree on stderr")] = True,
+    as_json: JsonOpt = False,
+) -> None:
+    """Run a flow until it ends; while it is paused, `brood flow resume RUN` (from another
+    terminal) lets it go on, and `brood flow stop RUN` stops it."""
+    params = _inputs(inputs or [], json_inputs or [])
+    url = store or default_store_url()
+    limits = brood.Limits(**({"max_concurrency": max_concurrency} if max_concurrency else {}))
+    try:
+        with brood.Supervisor(
+            model or os.environ.get("BROOD_MODEL"), limits=limits, store=url
+        ) as sup:
+            flow = sup.flow_run(spec, inputs=params)
+            if not as_json:
+                Console(stderr=True).print(f"flow {flow.id} started: {', '.join(flow.started)}")
+            if live and sys.stderr.isatty():
+                with Journal(url) as journal:
+                    _live_tree(
+                        journal,
+                        flow.id,
+                        lambda: flow.status()["status"] in ("finished", "failed", "stopped"),
+                    )
+            while (status := flow.wait()) == "paused":
+                Console(stderr=True).print(
+                    f"paused: {flow.status()['reason']}; `brood flow resume {flow.id}` goes on"
+                )
+                flow.wait_change()
+            report = flow.status() | {"outputs": flow.outputs()}
+    except brood.BroodError as exc:
+        _fail(str(exc))
+        return
+    if as_json:
+        _print_json(report)
+    else:
+        print(
+            f"flow {report['run_id']} {status}"
+            + (f": {report['reason']}" if report["reason"] else "")
+        )
+        print(json.dumps(report["outputs"], indent=2, default=str))
+    if status != "finished":
+        raise typer.Exit(1)
+
+
+@flow_app.command("status")
+def flow_status(run_id: RunArg, store: StoreOpt = None, as_json: JsonOpt = False) -> None:
+    """Per-state entries used / max, each entry's instances, milestones, recent events."""
+    with _journal(store) as journal:
+        status = journal.flow(run_id, "status")
+    if as_json:
+        _print_json(status)
+        return
+    console = Console()
+    console.print(
+        f"[bold]{status['run_id']}[/bold] {status['status']}"
+        + (f" ({status['reason']})" if status.get("reason") else "")
+        + f", {status['transitions_fired']} transitions fired"
+    )
+    table = Table("STATE", "ENTRIES", "INSTANCES", box=None)
+    for sid, st in status["states"].items():
+        insts = ", ".join(f"{i['run_id']} {i['state']}" for i in st["instances"][-4:])
+        more = len(st["instances"]) - 4
+        table.add_row(
+            sid,
+            f"{st['entries']}/{st.get('max_entries', '?')}",
+            insts + (f" (+{more})" if more > 0 else ""),
+        )
+    console.print(table)
+    if status["milestones"]:
+        console.print("milestones: " + ", ".join(status["milestones"]))
+
+
+@flow_app.command("stop")
+def flow_stop(run_id: RunArg, store: StoreOpt = None) -> None:
+    """Stop a flow another process runs: admit nothing, cancel its running children."""
+    with _journal(store) as journal:
+        print(f"{run_id} {journal.flow(run_id, 'stop')}")
+
+
+@flow_app.command("resume")
+def flow_resume(run_id: RunArg, store: StoreOpt = None) -> None:
+    """Let a paused flow (escalate, max_transitions) go on."""
+    with _journal(store) as journal:
+        print(f"{run_id} {journal.flow(run_id, 'resume')}")
+
+
 def main() -> None:  # pragma: no cover - console entry
     app()
 

@@ -14,6 +14,7 @@ from brood.errors import BroodError, InvalidArgument
 from brood.lifecycle import RunState
 from brood.protocol import (
     CtlCancel,
+    CtlFlow,
     CtlSend,
     Msg,
     Reply,
@@ -50,9 +51,21 @@ class ControlServer:
             writer.close()
 
     async def _handle(self, msg: Msg) -> Any:
+        if isinstance(msg, CtlFlow):
+            flow = self.core.flows.get(msg.run_id)
+            if flow is None:
+                raise BroodError(f"run {msg.run_id} is not a flow this supervisor runs")
+            if msg.op == "stop":
+                return await flow.stop()
+            if msg.op == "resume":
+                await flow.resume()
+                return flow.status_value
+            if msg.op == "status":
+                return flow.status()
+            raise InvalidArgument(f"flow op must be stop, resume or status, not {msg.op!r}")
         if not isinstance(msg, CtlCancel | CtlSend):
             raise InvalidArgument(
-                f"the control socket takes CtlCancel or CtlSend, not {type(msg).__name__}"
+                f"the control socket takes CtlCancel, CtlSend or CtlFlow, not {type(msg).__name__}"
             )
         run = self.core.runs.get(msg.run_id)
         if run is None:
@@ -68,7 +81,9 @@ class ControlServer:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def control_request(path: str, msg: CtlCancel | CtlSend, timeout: float | None = None) -> Any:
+def control_request(
+    path: str, msg: CtlCancel | CtlSend | CtlFlow, timeout: float | None = None
+) -> Any:
     """Send one request to a supervisor's control socket and return its reply's value."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)

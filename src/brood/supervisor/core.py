@@ -168,6 +168,7 @@ class Core:
         self.closing = False
         self.broken: ChildCleanupError | None = None
         self.diverged: dict[str, str] = {}  # root id -> why its resume stopped
+        self.flows: dict[str, Any] = {}  # flow run id -> its executor (brood.flow)
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # ---- bookkeeping -------------------------------------------------------------------
