@@ -6,7 +6,7 @@ import io
 from typing import Any
 
 from brood.models import ScriptedModel
-from brood.protocol import Final, Msg, StepDone, SyncChannel
+from brood.protocol import Deliver, Final, Msg, StepDone, SyncChannel
 from brood.worker.agent import ANSWER_NOW, NO_CODE, Agent, Blocks, extract_blocks
 from brood.worker.helpers import Runtime, make_helpers
 from brood.worker.link import Link
@@ -210,7 +210,7 @@ def test_a_message_from_the_parent_arrives_before_the_next_turn() -> None:
         return reply("```repl", "FINAL('ok')", "```")
 
     agent, _ = make_agent([first])
-    agent.rt.link.inbox.append("focus on section 2")
+    agent.rt.link._dispatch(Deliver(message="focus on section 2"))
     agent.loop("task", "system prompt")
     assert seen == ["[message from your parent] focus on section 2\n\ntask"]
 

@@ -301,3 +301,41 @@ def test_an_invalid_spec_starts_nothing():
                 }
             )
         assert sup.store.runs() == []
+
+
+def test_a_model_runs_a_flow_as_a_child_workflow_and_hears_its_milestones():
+    spec = {
+        "name": "pair",
+        "states": [
+            {"id": "one", "entry": True, "prompt": "First", "outputs": ["text"]},
+            {
+                "id": "two",
+                "prompt": "Second {t}",
+                "inputs": [{"name": "t", "from": "one.text"}],
+                "outputs": ["text"],
+            },
+        ],
+        "transitions": [{"from": "one", "to": "two"}],
+    }
+    root = [
+        f"{FENCE}repl\nfid = flow_run({spec!r})\nprint(fid)\n{FENCE}",
+        # The flow runs while the root works; its milestone arrives as a notice.
+        f"{FENCE}repl\nimport time\nwhile flow_status(fid)['status'] == 'running':\n"
+        f"    time.sleep(0.01)\nst = flow_status(fid)\n"
+        f"print(st['status'], st['states']['two']['entries'])\n{FENCE}",
+        lambda msgs: final(msgs[-1]["content"]),
+    ]
+    model = brood.ScriptedModel({"root": root, "First": [final("a")], "Second": [final("b")]})
+    with brood.Supervisor(model, limits=fast(max_depth=3)) as sup:
+        result = sup.run("root task")
+        runs = sup.store.runs(result.run_id)
+    assert result.state == "completed"
+    assert "finished 1" in result.answer
+    assert "[notice] flow r-" in result.answer and "finished" in result.answer
+    # The flow is a child of the root, and its states are the flow's children.
+    flow_run = next(r for r in runs if r["model"] == "flow")
+    assert flow_run["parent_id"] == result.run_id and flow_run["state"] == "completed"
+    assert sorted(r["prompt"].split()[0] for r in runs if r["parent_id"] == flow_run["id"]) == [
+        "First",
+        "Second",
+    ]

@@ -1079,7 +1079,9 @@ def test_read_output_refuses_an_unknown_type() -> None:
 # ---- layering ------------------------------------------------------------------------------
 
 
-def test_the_flow_package_imports_only_errors_limits_pydantic_yaml_and_the_stdlib() -> None:
+def test_the_flow_package_imports_nothing_above_it() -> None:
+    # DESIGN's layering: flows sit beside the supervisor; they may use the lifecycle, never
+    # the supervisor, stores, backends, the API or a front end (the executor gets its host).
     for path in FLOW_SRC.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module:
@@ -1091,7 +1093,11 @@ def test_the_flow_package_imports_only_errors_limits_pydantic_yaml_and_the_stdli
             for name in names:
                 top = name.split(".")[0]
                 if top == "brood":
-                    ok = name.startswith("brood.flow") or name in ("brood.errors", "brood.limits")
+                    ok = name.startswith("brood.flow") or name in (
+                        "brood.errors",
+                        "brood.limits",
+                        "brood.lifecycle",
+                    )
                 else:
                     ok = top in ("pydantic", "yaml") or top in sys.stdlib_module_names
                 assert ok, f"{path.name} imports {name}"

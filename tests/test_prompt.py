@@ -78,8 +78,10 @@ def test_the_helper_names_match_the_design_table() -> None:
         "rlm_send", "rlm_children", "spawn", "rlm_await", "rlm_await_all", "FINAL",
         "FINAL_VAR", "SHOW_VARS",
     }  # fmt: skip
-    # Beyond the table: remember() is the replay-safe pattern of DESIGN section 7's resume.
-    assert design_section_3 | {"remember"} == HELPER_NAMES
+    # Beyond the table: remember() is the replay-safe pattern of DESIGN section 7's resume,
+    # and the flow_* helpers are issue 5's way for a model to run a flow.
+    flows = {"flow_run", "flow_status", "flow_stop", "flow_resume"}
+    assert design_section_3 | {"remember"} | flows == HELPER_NAMES
 
 
 def test_the_prompt_explains_fences_final_and_context(prompt: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import socket
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from brood.flow.spec import compile_spec, load_spec
 from brood.lifecycle import RunState
 from brood.limits import Limits
 from brood.models.base import Model, resolve_model
+from brood.protocol import FlowReq, Notice
 from brood.store.base import Store, open_store
 from brood.supervisor.control import ControlServer
 from brood.supervisor.core import Core, Run, RunInfo
@@ -112,6 +114,7 @@ class Supervisor:
                 owner=owner,
             )
             self._control = ControlServer(self._core)
+            self._core.flow_handler = self._flow_request
             self._loop.call(self._start(preload))
         except BaseException:
             with contextlib.suppress(Exception):
@@ -203,6 +206,34 @@ class Supervisor:
         started = self._loop.call(start())
         self._core.flows[executor.run.id] = executor
         return FlowHandle(self, executor, started)
+
+    async def _flow_request(self, run: Run, msg: FlowReq) -> Any:
+        """A run's code starts or steers a flow (the REPL's flow_* helpers)."""
+        if msg.op == "run":
+            loaded = load_spec(msg.spec or "")
+            machine = compile_spec(loaded)
+            executor = FlowExecutor(self._core, machine, json.loads(msg.inputs or "{}"))
+
+            def notify(line: str) -> None:
+                if run.conn is not None and not run.rec.state.terminal:
+                    run.conn.send(Notice(line))
+
+            executor.on_milestone = notify
+            started = await executor.start(f"flow {machine.name or '(unnamed)'}", parent=run)
+            executor.ledger("spec", spec=loaded.model_dump(mode="json", exclude_none=True))
+            self._core.flows[executor.run.id] = executor
+            return {"id": executor.run.id, "started": started}
+        found: FlowExecutor | None = self._core.flows.get(msg.ref or "")
+        if found is None or found.run.parent is not run:
+            raise InvalidArgument(f"{msg.ref!r} is not a flow this run started")
+        if msg.op == "status":
+            return found.status()
+        if msg.op == "stop":
+            return await found.stop()
+        if msg.op == "resume":
+            await found.resume()
+            return found.status_value
+        raise InvalidArgument(f"flow op must be run, status, stop or resume, not {msg.op!r}")
 
     async def _create(
         self, prompt: str, context: Any, timeout: float | None, model: Any, driven: bool

@@ -109,6 +109,17 @@ class Remember(Msg):
     value: bytes  # cloudpickled
 
 
+class FlowReq(Msg):
+    """A run's code starts or steers a flow: op is run (with spec and inputs as JSON or
+    YAML text), status, stop or resume (with ref, the flow's run id)."""
+
+    req_id: int
+    op: str
+    ref: str | None = None
+    spec: str | None = None
+    inputs: str | None = None
+
+
 class StepDone(Msg):
     step: int
     code: str
@@ -189,6 +200,12 @@ class Deliver(Msg):
     message: str
 
 
+class Notice(Msg):
+    """A line for the run's next model turn (e.g. a milestone of a flow it started)."""
+
+    text: str
+
+
 class Exec(Msg):
     req_id: int
     code: str
@@ -232,6 +249,8 @@ AnyMsg = (
     | Blocked
     | ModelCall
     | StepDone
+    | FlowReq
+    | Notice
     | Remember
     | Final
     | Failed

@@ -38,7 +38,7 @@ class RunLike(Protocol):
 class Host(Protocol):
     """The supervisor, as the executor uses it (so this module needs no supervisor import)."""
 
-    async def create_controller(self, prompt: str) -> Any: ...
+    async def create_controller(self, prompt: str, parent: Any = None) -> Any: ...
 
     async def start_child(
         self,
@@ -128,6 +128,7 @@ class FlowExecutor:
         self.recent: deque[dict[str, Any]] = deque(maxlen=50)
         self.done = asyncio.Event()
         self.changed = asyncio.Event()  # set at every change of status_value
+        self.on_milestone: Any = None  # called with one line per milestone (a parent's notice)
         self.failed_entries: list[Entry] = []  # escalated, retried on resume
         self._budget_timer: asyncio.TimerHandle | None = None
         self.entries_by_key: dict[tuple[str, int], Entry] = {}
@@ -143,11 +144,15 @@ class FlowExecutor:
             return  # one notice per kind
         self.milestones.append(kind)
         self.ledger("milestone", milestone=kind, **data)
+        if self.on_milestone is not None:
+            why = data.get("reason")
+            self.on_milestone(f"flow {self.run.id} {kind}" + (f": {why}" if why else ""))
 
     # ---- starting --------------------------------------------------------------------------
-    async def start(self, title: str) -> list[str]:
-        """Create the flow's run, enter its entry states; returns the states started."""
-        self.run = await self.host.create_controller(title)
+    async def start(self, title: str, parent: Any = None) -> list[str]:
+        """Create the flow's run (a child of `parent`, a run whose code started the flow),
+        enter its entry states; returns the states started."""
+        self.run = await self.host.create_controller(title, parent)
         self.ledger("flow_started", entry=list(self.m.entry), params=sorted(self.params))
         if self.m.run.budget is not None:
             self._budget_timer = asyncio.get_running_loop().call_later(
@@ -313,6 +318,8 @@ class FlowExecutor:
 
     # ---- settling -------------------------------------------------------------------------
     def instance_done(self, inst: Instance) -> None:
+        if self._controller_ended():
+            return
         entry = self.entries_by_key[(inst.state, inst.entry)]
         entry.instances.append(inst)
         ok = [i for i in entry.instances if i.outcome == "completed"]
@@ -351,7 +358,20 @@ class FlowExecutor:
         self.ledger("transition_fired", source=source, target=target, fired=self.fired)
         self.enter(target, cause=source)
 
+    def _controller_ended(self) -> bool:
+        """The flow's own run was ended from outside (its parent ended, a cancel): the flow
+        is over, and what its instances do now changes nothing."""
+        if self.run.ending is None and not self.run.rec.state.terminal:
+            return False
+        if self.status_value not in ("stopped", "finished", "failed"):
+            self.set_status("stopped")
+            self.reason = self.run.rec.reason or "the flow's run ended"
+            self.done.set()
+        return True
+
     def instance_failed(self, inst: Instance, why: str) -> None:
+        if self._controller_ended():
+            return
         st = self.m.states[inst.state]
         if inst.attempt < st.retries and self.status_value == "running":
             self.ledger(

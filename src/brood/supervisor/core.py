@@ -12,6 +12,7 @@ import base64
 import secrets
 import signal
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,7 @@ from brood.protocol import (
     Exec,
     Failed,
     Final,
+    FlowReq,
     ModelCall,
     Msg,
     Remember,
@@ -169,6 +171,8 @@ class Core:
         self.broken: ChildCleanupError | None = None
         self.diverged: dict[str, str] = {}  # root id -> why its resume stopped
         self.flows: dict[str, Any] = {}  # flow run id -> its executor (brood.flow)
+        # Set by the API (which knows brood.flow): answers a run's FlowReq.
+        self.flow_handler: Callable[[Run, FlowReq], Awaitable[Any]] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # ---- bookkeeping -------------------------------------------------------------------
@@ -446,6 +450,8 @@ class Core:
     def _on_msg(self, run: Run, msg: Msg) -> None:
         if isinstance(msg, SpawnReq | CancelReq | SendReq):
             self._task(self._answer(run, msg.req_id, self._request(run, msg)))
+        elif isinstance(msg, FlowReq):
+            self._task(self._answer(run, msg.req_id, self._flow_request(run, msg)))
         elif isinstance(msg, Blocked):
             if msg.blocked:
                 self._release(run)
@@ -505,6 +511,11 @@ class Core:
             return None  # delivered (and journaled) before the crash
         await self.send_message(child, msg.message)
         return None
+
+    async def _flow_request(self, run: Run, msg: FlowReq) -> Any:
+        if self.flow_handler is None:
+            raise BroodError("this supervisor runs no flows")
+        return await self.flow_handler(run, msg)
 
     async def _unblock(self, run: Run) -> None:
         if run.holds_slot or run.driven or run.rec.state is not RUN:
@@ -659,15 +670,27 @@ class Core:
         return await fut
 
     # ---- runs the supervisor's own code drives (flows) ----------------------------------
-    async def create_controller(self, prompt: str) -> Run:
-        """A root run with no worker of its own, driven by code in the supervisor (a flow's
-        control loop). It is `running` at once; its children come from `start_child`."""
+    async def create_controller(self, prompt: str, parent: Run | None = None) -> Run:
+        """A run with no worker of its own, driven by code in the supervisor (a flow's
+        control loop): a root, or a child of `parent` (a flow a run's code started). It is
+        `running` at once; its children come from `start_child`."""
         self.check_open()
-        rid = self._new_id()
-        rec = RunRecord(
-            id=rid, root_id=rid, parent_id=None, depth=0, key=None, prompt=prompt, model="flow"
-        )
-        run = Run(rec, self.model_blob, None, None, None, None)
+        if parent is None:
+            rid = self._new_id()
+            rec = RunRecord(
+                id=rid,
+                root_id=rid,
+                parent_id=None,
+                depth=0,
+                key=None,
+                prompt=prompt,
+                model="flow",
+            )
+        else:
+            rec = self._child_record(parent, f"flow:{len(parent.children)}", prompt, "flow")
+        run = Run(rec, self.model_blob, None, None, None, parent)
+        if parent is not None:
+            parent.children.append(run)
         await self._journal_new([run])
         await self._move(run, RUN)
         run.started.set()

@@ -109,7 +109,7 @@ class Agent:
                 for cid, u in link.children.items()
                 if u.state in TERMINAL_STATES and cid not in self.rt.seen
             ]
-        lines = [f"[message from your parent] {m}" for m in inbox]
+        lines = list(inbox)
         for u in settled:
             self.rt.seen.add(u.child_id)
             h = self.rt.handles.get(u.child_id)

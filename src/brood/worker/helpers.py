@@ -6,7 +6,9 @@ prompt from them, so keep each one short and exact.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -31,6 +33,7 @@ from brood.protocol import (
     Blocked,
     CancelReq,
     ChildUpdate,
+    FlowReq,
     ModelCall,
     Remember,
     Replay,
@@ -604,6 +607,37 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
             raise NameError(f"FINAL_VAR: no variable {name!r}; variables: {sorted(SHOW_VARS())}")
         FINAL(rt.namespace[name])
 
+    def _flow(op: str, **fields: Any) -> Any:
+        rt.check_open()
+        with rt.blocked() if op == "stop" else contextlib.nullcontext():
+            return rt.link.request(FlowReq(req_id=rt.link.next_id(), op=op, **fields))
+
+    def flow_run(spec: Any, inputs: dict[str, Any] | None = None) -> str:
+        """Start a flow (a state-machine workflow of sub-agents) from a spec: a dict, or
+        YAML/JSON text, or a path to a spec file. Returns its id at once; its milestones
+        (finished, failed, paused, ...) are announced in your next turns."""
+        if isinstance(spec, dict):
+            text = json.dumps(spec)
+        elif isinstance(spec, str):
+            text = spec
+        else:
+            raise InvalidArgument("flow_run(spec): pass a dict, YAML/JSON text or a file path")
+        result: dict[str, Any] = _flow("run", spec=text, inputs=json.dumps(inputs or {}))
+        return str(result["id"])
+
+    def flow_status(flow_id: str) -> dict[str, Any]:
+        """A flow's status: per-state entries and instances, milestones, recent events."""
+        status: dict[str, Any] = _flow("status", ref=flow_id)
+        return status
+
+    def flow_stop(flow_id: str) -> str:
+        """Stop a flow: it admits nothing more and its running children are cancelled."""
+        return str(_flow("stop", ref=flow_id))
+
+    def flow_resume(flow_id: str) -> str:
+        """Let a paused flow go on."""
+        return str(_flow("resume", ref=flow_id))
+
     def remember(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
         """Call fn(*args, **kw) once and journal its result; when a crashed tree is resumed
         and this step replays, the journaled result comes back instead of a new call. Use it
@@ -652,6 +686,10 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
             spawn,
             rlm_await,
             rlm_await_all,
+            flow_run,
+            flow_status,
+            flow_stop,
+            flow_resume,
             remember,
             FINAL,
             FINAL_VAR,

@@ -19,6 +19,7 @@ from brood.protocol import (
     Deliver,
     Exec,
     Msg,
+    Notice,
     Reply,
     Start,
     Stop,
@@ -85,9 +86,14 @@ class Link:
             with self.cond:
                 self.children[msg.child_id] = msg
                 self.cond.notify_all()
-        elif isinstance(msg, Deliver):
+        elif isinstance(msg, Deliver | Notice):
+            line = (
+                f"[message from your parent] {msg.message}"
+                if isinstance(msg, Deliver)
+                else f"[notice] {msg.text}"
+            )
             with self.cond:
-                self.inbox.append(msg.message)
+                self.inbox.append(line)
                 self.cond.notify_all()
         elif isinstance(msg, Exec):
             self.execs.put(msg)
