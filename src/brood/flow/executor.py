@@ -112,6 +112,13 @@ class FlowExecutor:
                 f"unknown flow inputs: {', '.join(unknown)} (the flow takes: "
                 f"{', '.join(machine.params) or 'none'})"
             )
+        for name, value in self.params.items():
+            try:
+                json.dumps(value, allow_nan=False)
+            except (TypeError, ValueError) as exc:
+                raise InvalidArgument(
+                    f"flow input {name!r} is not JSON ({exc}); pass text or JSON values"
+                ) from None
         self.clock = clock
         self.run: Any = None
         self.status_value = "running"
@@ -167,6 +174,10 @@ class FlowExecutor:
 
     def enter(self, state: str, cause: str | None) -> None:
         st = self.m.states[state]
+        if any(e.state == state for e in self.waiting):
+            # An entry is already waiting for its inputs (a join): this fire joins it.
+            self.ledger("entry_joined", state=state, cause=cause)
+            return
         if self.entries[state] >= st.max_entries:
             self.ledger(
                 "transition_blocked",
@@ -248,7 +259,12 @@ class FlowExecutor:
 
     async def run_instance(self, inst: Instance) -> None:
         st = self.m.states[inst.state]
-        prompt = render_prompt(st.prompt, inst.inputs)
+        try:
+            prompt = render_prompt(st.prompt, inst.inputs)
+        except BroodError as exc:
+            inst.outcome = "failed"
+            self.instance_failed(inst, f"could not render its prompt: {exc}")
+            return
         key = f"{inst.state}#{inst.entry}" + (f"[{inst.item}]" if inst.item is not None else "")
         key += f"~{inst.attempt}" if inst.attempt else ""
         try:
@@ -467,11 +483,17 @@ class FlowExecutor:
             self.ledger("transition_fired", source=None, target=target, fired=self.fired)
             self.enter(target, cause="resume")
         for entry in self.failed_entries:
-            entry.failed, entry.instances = False, []
-            st = self.m.states[entry.state]
-            values = self.inputs_of(st) or {}
-            self.expand(entry, st, values)
+            # Items that completed keep their outputs; each failed one runs again, under a
+            # new attempt (one child per key and attempt).
+            failed = [i for i in entry.instances if i.outcome != "completed"]
+            entry.instances = [i for i in entry.instances if i.outcome == "completed"]
+            entry.failed = False
+            for i in failed:
+                if i in self.live:
+                    self.live.remove(i)
+                self.queue.append(Instance(i.state, i.entry, i.item, i.attempt + 1, i.inputs))
         self.failed_entries.clear()
+        self.pump()
         self.try_waiting()
         self.check_quiescence()
 
