@@ -339,3 +339,35 @@ def test_a_model_runs_a_flow_as_a_child_workflow_and_hears_its_milestones():
         "First",
         "Second",
     ]
+
+
+@pytest.mark.parametrize("refusals", [2, 5])
+def test_starts_refused_for_capacity_are_retried_with_backoff(monkeypatch, refusals):
+    from brood.flow import executor as flow_executor
+    from brood.supervisor.core import Core
+
+    monkeypatch.setattr(flow_executor, "START_BACKOFF_FIRST_S", 0.01)
+    real = Core.start_child
+    left = {"n": refusals}
+
+    async def start_child(self, parent, prompt, **kw):
+        if left["n"]:
+            left["n"] -= 1
+            raise brood.LimitExceeded("max_concurrency", 9, 8)
+        return await real(self, parent, prompt, **kw)
+
+    monkeypatch.setattr(Core, "start_child", start_child)
+    spec = {
+        "states": [{"id": "s", "entry": True, "prompt": "Go", "outputs": ["text"]}],
+        "transitions": [],
+    }
+    with brood.Supervisor(brood.ScriptedModel({"Go": [final("ok")]}), limits=LIMITS) as sup:
+        flow = sup.flow_run(spec)
+        result = flow.wait(timeout=60)
+        events = ledger(sup, flow.id)
+    waits = [e["wait"] for e in kinds(events, "start_retry")]
+    if refusals == 2:
+        assert result == "finished" and waits == [0.01, 0.02]
+    else:  # 5 tries in all, then the instance fails
+        assert result == "failed" and waits == [0.01, 0.02, 0.04, 0.08]
+        assert "could not start after 5 tries" in kinds(events, "state_failed")[0]["reason"]

@@ -16,12 +16,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from brood.errors import BroodError, InvalidArgument
+from brood.errors import BackendError, BroodError, InvalidArgument, LimitExceeded
 from brood.flow.guards import evaluate
 from brood.flow.render import read_output, render_prompt
 from brood.flow.spec import Machine, MachineState, OutputError
 from brood.lifecycle import RunState
 
+START_TRIES = 5  # a start refused for capacity is tried this many times in all
+START_BACKOFF_FIRST_S = 1.0  # first wait before trying again, doubled each time
+START_BACKOFF_MAX_S = 60.0
 MILESTONES = ("finished", "failed", "paused", "budget_exceeded", "max_transitions_exceeded")
 
 
@@ -94,7 +97,7 @@ class FlowExecutor:
         machine: Machine,
         params: dict[str, Any] | None = None,
         *,
-        clock: Any = time.monotonic,
+        sleep: Any = asyncio.sleep,
     ) -> None:
         self.host = host
         self.m = machine
@@ -119,7 +122,7 @@ class FlowExecutor:
                 raise InvalidArgument(
                     f"flow input {name!r} is not JSON ({exc}); pass text or JSON values"
                 ) from None
-        self.clock = clock
+        self.sleep = sleep  # how start retries wait (tests pass a fake clock)
         self.run: Any = None
         self.status_value = "running"
         self.reason: str | None = None
@@ -267,13 +270,8 @@ class FlowExecutor:
             return
         key = f"{inst.state}#{inst.entry}" + (f"[{inst.item}]" if inst.item is not None else "")
         key += f"~{inst.attempt}" if inst.attempt else ""
-        try:
-            child = await self.host.start_child(
-                self.run, prompt, key=key, model_name=st.settings.model, timeout=st.budget
-            )
-        except BroodError as exc:
-            inst.outcome = "failed"
-            self.instance_failed(inst, f"could not start: {exc}")
+        child = await self._start_with_backoff(inst, prompt, key, st)
+        if child is None:
             return
         inst.run = child
         self.ledger(
@@ -331,6 +329,41 @@ class FlowExecutor:
                 reason=rec.reason,
             )
             self.instance_failed(inst, f"{rec.state.value}: {rec.reason}")
+
+    async def _start_with_backoff(
+        self, inst: Instance, prompt: str, key: str, st: MachineState
+    ) -> Any:
+        """Start the instance's child. A start refused for capacity (LimitExceeded,
+        BackendError) is tried again after 1 s, doubling to 60 s, 5 tries in all; the wait
+        is this instance's own task, so the control loop goes on meanwhile."""
+        delay = START_BACKOFF_FIRST_S
+        for tries in range(1, START_TRIES + 1):
+            try:
+                return await self.host.start_child(
+                    self.run, prompt, key=key, model_name=st.settings.model, timeout=st.budget
+                )
+            except (LimitExceeded, BackendError) as exc:
+                if tries == START_TRIES or self.status_value != "running":
+                    why = f"could not start after {tries} tries: {exc}"
+                else:
+                    self.ledger(
+                        "start_retry",
+                        state=inst.state,
+                        entry=inst.entry,
+                        item=inst.item,
+                        tries=tries,
+                        wait=delay,
+                        reason=str(exc),
+                    )
+                    await self.sleep(delay)
+                    delay = min(delay * 2, START_BACKOFF_MAX_S)
+                    continue
+            except BroodError as exc:
+                why = f"could not start: {exc}"
+            inst.outcome = "failed"
+            self.instance_failed(inst, why)
+            return None
+        return None
 
     # ---- settling -------------------------------------------------------------------------
     def instance_done(self, inst: Instance) -> None:
