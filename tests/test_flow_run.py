@@ -91,6 +91,7 @@ def test_a_three_round_review_loop_ends_when_approved():
         outputs = flow.outputs()
     assert status["states"]["draft"]["entries"] == 3
     assert status["states"]["review"]["entries"] == 3
+    assert status["usage"]["model_calls"] == 6  # three drafts, three reviews
     assert outputs["draft"]["text"] == "draft 3"
     assert outputs["review"]["verdict"] == {"approved": True}
     assert [m["milestone"] for m in kinds(events, "milestone")] == ["finished"]

@@ -599,8 +599,15 @@ class FlowExecutor:
                     for i in insts
                 ],
             }
+        usage: dict[str, float] = {}
+        for inst in self.live:  # the model calls and tokens of every instance so far
+            if inst.run is None:
+                continue
+            for k, v in inst.run.rec.usage.items():
+                usage[k] = usage.get(k, 0) + v
         return {
             "run_id": self.run.id,
+            "usage": usage,
             "status": self.status_value,
             "reason": self.reason,
             "transitions_fired": self.fired,
