@@ -86,6 +86,7 @@ class Entry:
     number: int
     instances: list[Instance] = field(default_factory=list)
     expected: int = 1
+    completed: int = 0
     failed: bool = False
     settled: bool = False
 
@@ -131,7 +132,8 @@ class FlowExecutor:
         self.waiting: deque[Entry] = deque()  # entered, waiting for required inputs
         self.queue: deque[Instance] = deque()  # ready, waiting for a max_parallel slot
         self.running: set[asyncio.Task[None]] = set()
-        self.live: list[Instance] = []
+        self.live: list[Instance] = []  # every instance started, in start order
+        self.active = 0  # started and not yet ended
         self.fired = 0
         self.held: deque[str] = deque()  # fires held by a max_transitions pause
         self.milestones: list[str] = []
@@ -255,17 +257,24 @@ class FlowExecutor:
         ):
             inst = self.queue.popleft()
             self.live.append(inst)
+            self.active += 1
             self._spawn(self.run_instance(inst))
 
     def _active(self) -> int:
-        return sum(1 for i in self.live if i.outcome is None)
+        return self.active
+
+    def _ended(self, inst: Instance, outcome: str) -> None:
+        """Record an instance's outcome; the counters keep pump and quiescence O(1)."""
+        if inst.outcome is None:
+            self.active -= 1
+        inst.outcome = outcome
 
     async def run_instance(self, inst: Instance) -> None:
         st = self.m.states[inst.state]
         try:
             prompt = render_prompt(st.prompt, inst.inputs)
         except BroodError as exc:
-            inst.outcome = "failed"
+            self._ended(inst, "failed")
             self.instance_failed(inst, f"could not render its prompt: {exc}")
             return
         key = f"{inst.state}#{inst.entry}" + (f"[{inst.item}]" if inst.item is not None else "")
@@ -292,10 +301,10 @@ class FlowExecutor:
                     o.name: read_output(rec.answer or "", o.name, o.type) for o in st.outputs
                 }
             except OutputError as exc:
-                inst.outcome = "failed"
+                self._ended(inst, "failed")
                 self.instance_failed(inst, str(exc))
                 return
-            inst.outcome = "completed"
+            self._ended(inst, "completed")
             inst.outputs = outputs
             self.ledger(
                 "settled",
@@ -307,7 +316,7 @@ class FlowExecutor:
             )
             self.instance_done(inst)
         elif rec.state is RunState.CANCELLED and self.status_value != "running":
-            inst.outcome = "cancelled"
+            self._ended(inst, "cancelled")
             self.ledger(
                 "settled",
                 state=inst.state,
@@ -318,7 +327,7 @@ class FlowExecutor:
             )
             self.check_quiescence()
         else:
-            inst.outcome = "failed"
+            self._ended(inst, "failed")
             self.ledger(
                 "settled",
                 state=inst.state,
@@ -360,7 +369,7 @@ class FlowExecutor:
                     continue
             except BroodError as exc:
                 why = f"could not start: {exc}"
-            inst.outcome = "failed"
+            self._ended(inst, "failed")
             self.instance_failed(inst, why)
             return None
         return None
@@ -371,8 +380,8 @@ class FlowExecutor:
             return
         entry = self.entries_by_key[(inst.state, inst.entry)]
         entry.instances.append(inst)
-        ok = [i for i in entry.instances if i.outcome == "completed"]
-        if not entry.failed and len(ok) == entry.expected:
+        entry.completed += 1
+        if not entry.failed and entry.completed == entry.expected:
             self.settle(entry)
         self.pump()
         self.check_quiescence()
@@ -460,10 +469,8 @@ class FlowExecutor:
     def check_quiescence(self) -> None:
         if self.status_value != "running" or self.done.is_set():
             return
-        if self.queue or any(i.outcome is None and not self._resident(i) for i in self.live):
-            return
-        if any(i.outcome is None for i in self.live):
-            return  # only residents left: they stay until the flow is stopped
+        if self.queue or self.active:
+            return  # work still going (or only residents, which stay until the flow stops)
         if self.waiting:
             entry = self.waiting[0]
             st = self.m.states[entry.state]
@@ -520,6 +527,7 @@ class FlowExecutor:
             # new attempt (one child per key and attempt).
             failed = [i for i in entry.instances if i.outcome != "completed"]
             entry.instances = [i for i in entry.instances if i.outcome == "completed"]
+            entry.completed = len(entry.instances)
             entry.failed = False
             for i in failed:
                 if i in self.live:
