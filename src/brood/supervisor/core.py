@@ -218,16 +218,7 @@ class Core:
         self.check_open()
         if not isinstance(prompt, str) or not prompt.strip():
             raise InvalidArgument("prompt must be a non-empty str")
-        rid = self._new_id()
-        rec = RunRecord(
-            id=rid,
-            root_id=rid,
-            parent_id=None,
-            depth=0,
-            key=None,
-            prompt=prompt,
-            model=model_name or self.model_name,
-        )
+        rec = self._root_record(prompt, model_name or self.model_name)
         # A root's model_name only labels the journal row; the model object is the choice.
         run = Run(
             rec, model_blob or self.model_blob, context_blob, None, timeout, None, driven=driven
@@ -318,6 +309,12 @@ class Core:
             asyncio.get_running_loop().call_soon(self._announce, parent, ended)
         by_key = {c.rec.key: c for c in children} | adopted
         return [by_key[k].id for k in keys]
+
+    def _root_record(self, prompt: str, model: str | None) -> RunRecord:
+        rid = self._new_id()
+        return RunRecord(
+            id=rid, root_id=rid, parent_id=None, depth=0, key=None, prompt=prompt, model=model
+        )
 
     def _child_record(self, parent: Run, key: str, prompt: str, model: str | None) -> RunRecord:
         return RunRecord(
@@ -676,16 +673,7 @@ class Core:
         `running` at once; its children come from `start_child`."""
         self.check_open()
         if parent is None:
-            rid = self._new_id()
-            rec = RunRecord(
-                id=rid,
-                root_id=rid,
-                parent_id=None,
-                depth=0,
-                key=None,
-                prompt=prompt,
-                model="flow",
-            )
+            rec = self._root_record(prompt, "flow")
         else:
             rec = self._child_record(parent, f"flow:{len(parent.children)}", prompt, "flow")
         run = Run(rec, self.model_blob, None, None, None, parent)
