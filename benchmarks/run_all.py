@@ -24,6 +24,7 @@ BENCHMARKS = (
     "bench_memory",
     "bench_journal",
     "bench_resume",
+    "bench_flow",
 )
 TIMEOUT_S = 300.0  # each is meant to take under a minute; this only stops a hung one
 

@@ -28,16 +28,6 @@ START_BACKOFF_MAX_S = 60.0
 MILESTONES = ("finished", "failed", "paused", "budget_exceeded", "max_transitions_exceeded")
 
 
-class RunLike(Protocol):
-    """What the executor needs of a supervisor run."""
-
-    @property
-    def id(self) -> str: ...
-
-    done: asyncio.Event
-    rec: Any
-
-
 class Host(Protocol):
     """The supervisor, as the executor uses it (so this module needs no supervisor import)."""
 
