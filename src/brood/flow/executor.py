@@ -22,6 +22,7 @@ from brood.flow.render import read_output, render_prompt
 from brood.flow.spec import Machine, MachineState, OutputError
 from brood.lifecycle import RunState
 
+STATUS_INSTANCES = 50  # instances per state that status() lists (counts cover them all)
 START_TRIES = 5  # a start refused for capacity is tried this many times in all
 START_BACKOFF_FIRST_S = 1.0  # first wait before trying again, doubled each time
 START_BACKOFF_MAX_S = 60.0
@@ -580,29 +581,36 @@ class FlowExecutor:
 
     # ---- status ---------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
-        states = {}
-        for sid, st in self.m.states.items():
-            insts = [i for i in self.live if i.state == sid]
-            states[sid] = {
+        """Per state: entries used / max, and per entry its instances (the last
+        STATUS_INSTANCES of each state, with counts of them all); usage; recent events."""
+        states: dict[str, dict[str, Any]] = {
+            sid: {
                 "entries": self.entries[sid],
                 "max_entries": st.max_entries,
-                "instances": [
-                    {
-                        "entry": i.entry,
-                        "item": i.item,
-                        "attempt": i.attempt,
-                        "run_id": getattr(i.run, "id", None),
-                        "state": i.outcome or "running",
-                    }
-                    for i in insts
-                ],
+                "instances": [],
+                "counts": {},
             }
+            for sid, st in self.m.states.items()
+        }
         usage: dict[str, float] = {}
-        for inst in self.live:  # the model calls and tokens of every instance so far
-            if inst.run is None:
-                continue
-            for k, v in inst.run.rec.usage.items():
-                usage[k] = usage.get(k, 0) + v
+        for i in self.live:  # one pass: instances by state, and their usage
+            row = states[i.state]
+            outcome = i.outcome or "running"
+            row["counts"][outcome] = row["counts"].get(outcome, 0) + 1
+            row["instances"].append(
+                {
+                    "entry": i.entry,
+                    "item": i.item,
+                    "attempt": i.attempt,
+                    "run_id": getattr(i.run, "id", None),
+                    "state": outcome,
+                }
+            )
+            if i.run is not None:
+                for k, v in i.run.rec.usage.items():
+                    usage[k] = usage.get(k, 0) + v
+        for row in states.values():
+            row["instances"] = row["instances"][-STATUS_INSTANCES:]
         return {
             "run_id": self.run.id,
             "usage": usage,
