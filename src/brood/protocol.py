@@ -198,6 +198,7 @@ class ChildUpdate(Msg):
 
 class Deliver(Msg):
     message: str
+    req_id: int = 0  # when set, the worker answers Reply(req_id) once the message is queued
 
 
 class Notice(Msg):

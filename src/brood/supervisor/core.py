@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import itertools
 import secrets
 import signal
 from collections import deque
@@ -52,6 +53,7 @@ from brood.protocol import (
 from brood.store.base import Store
 from brood.supervisor.observers import Observers
 
+DELIVER_ACK_S = 5.0  # how long a follow-up waits for the worker to confirm it is queued
 ID_DRAWS = 8  # fresh ids tried for a run whose id the journal already holds
 KILL_CONFIRM_S = 5.0  # after SIGKILL, a group still present this long is reported, not awaited
 DRAIN_ON_EXIT_S = 1.0  # read what a dead worker sent last before calling its exit a crash
@@ -169,6 +171,7 @@ class Core:
         self.resume_queue: deque[tuple[Run, asyncio.Future[None]]] = deque()
         self.closing = False
         self.broken: ChildCleanupError | None = None
+        self._deliveries = itertools.count(1 << 30)  # Deliver ids, apart from Exec ids
         self.diverged: dict[str, str] = {}  # root id -> why its resume stopped
         self.flows: dict[str, Any] = {}  # flow run id -> its executor (brood.flow)
         # Set by the API (which knows brood.flow): answers a run's FlowReq.
@@ -481,6 +484,10 @@ class Core:
             self._task(self.finish(run, RunState.FAILED, msg.reason, error=msg.error))
             if msg.reason.startswith("replay diverged"):
                 self._stop_resume(run, msg.reason)
+        elif isinstance(msg, Reply):  # a worker confirms a delivery
+            fut = run.pending.pop(msg.req_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
         elif isinstance(msg, StepResult):
             fut = run.pending.pop(msg.req_id, None)
             if fut is not None and not fut.done():
@@ -529,10 +536,19 @@ class Core:
                 f"run {run.id} is {how}; a follow-up cannot reach a run that has ended"
             )
         self._event(run, "message", {"message": message, "delivered": run.conn is not None})
-        if run.conn is not None and run.rec.state is RUN:
-            run.conn.send(Deliver(message))
-        else:
-            run.messages.append(message)
+        if run.conn is None or run.rec.state is not RUN:
+            run.messages.append(message)  # given to the run with its Start
+            return
+        req_id = next(self._deliveries)
+        ack: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        run.pending[req_id] = ack
+        run.conn.send(Deliver(message, req_id))
+        try:  # the worker confirms once the message is queued for its next turn
+            await asyncio.wait_for(asyncio.shield(ack), DELIVER_ACK_S)
+        except (TimeoutError, BroodError):
+            pass  # the run ended meanwhile, or is stuck: the message is journaled either way
+        finally:
+            run.pending.pop(req_id, None)
 
     def _account(self, run: Run, msg: ModelCall) -> None:
         u = run.rec.usage

@@ -95,6 +95,10 @@ class Link:
             with self.cond:
                 self.inbox.append(line)
                 self.cond.notify_all()
+            if isinstance(msg, Deliver) and msg.req_id:
+                # The sender's rlm_send returns only now: the message is sure to be in the
+                # next model turn, whatever the main thread does meanwhile.
+                self.send(Reply(msg.req_id))
         elif isinstance(msg, Exec):
             self.execs.put(msg)
         elif isinstance(msg, Start):
