@@ -200,7 +200,7 @@ class Supervisor:
 
         async def start() -> list[str]:
             started = await executor.start(f"flow {machine.name or '(unnamed)'}")
-            executor.ledger("spec", spec=loaded.model_dump(mode="json", exclude_none=True))
+            executor.journal_spec(loaded.model_dump(mode="json", exclude_none=True))
             return started
 
         started = self._loop.call(start())
@@ -220,7 +220,7 @@ class Supervisor:
 
             executor.on_milestone = notify
             started = await executor.start(f"flow {machine.name or '(unnamed)'}", parent=run)
-            executor.ledger("spec", spec=loaded.model_dump(mode="json", exclude_none=True))
+            executor.journal_spec(loaded.model_dump(mode="json", exclude_none=True))
             self._core.flows[executor.run.id] = executor
             return {"id": executor.run.id, "started": started}
         found: FlowExecutor | None = self._core.flows.get(msg.ref or "")

@@ -142,6 +142,10 @@ class FlowExecutor:
         self.recent.append(data | {"at": time.time()})
         self.host.event(self.run, "flow", data)
 
+    def journal_spec(self, spec: dict[str, Any]) -> None:
+        """Journal the spec and the flow's inputs with its ledger (what a resume reads)."""
+        self.ledger("spec", spec=spec, params=self.params)
+
     def milestone(self, kind: str, **data: Any) -> None:
         if kind in self.milestones:
             return  # one notice per kind
