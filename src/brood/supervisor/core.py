@@ -185,9 +185,21 @@ class Core:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _move(self, run: Run, to: RunState, reason: str | None = None) -> None:
+    async def _move(
+        self,
+        run: Run,
+        to: RunState,
+        reason: str | None = None,
+        meanwhile: Callable[[], object] | None = None,
+    ) -> None:
+        """Move `run` (lifecycle.move), journal it, and only once that is committed tell its
+        parent. `meanwhile` runs after the write is queued and before the commit: work that
+        tells nobody of the move (a worker's Start) need not wait for the disk."""
         frm, _ = move(run.rec, to, reason)
-        await asyncio.wrap_future(self.store.transition(run.rec, frm.value, to.value))
+        committed = asyncio.wrap_future(self.store.transition(run.rec, frm.value, to.value))
+        if meanwhile is not None:
+            meanwhile()
+        await committed
         parent = run.parent
         if parent is not None and parent.conn is not None and not parent.rec.state.terminal:
             r = run.rec
@@ -406,6 +418,26 @@ class Core:
         conn.handler = lambda msg: self._on_msg(run, msg)
         conn.on_exit = lambda status: self._task(self._on_exit(run, status))
         run.rec.pid = conn.pid
+
+        def send_start() -> None:
+            r = run.rec
+            conn.send(
+                Start(
+                    run_id=r.id,
+                    depth=r.depth,
+                    prompt=r.prompt,
+                    context=run.context_blob,
+                    model=run.model_blob,
+                    limits=self.limits.to_dict(),
+                    driven=run.driven,
+                    messages=run.messages,
+                    model_name=run.model_name,
+                    replay=run.replay,
+                )
+            )
+            run.messages = []
+            run.replay = None
+
         if resumed:
             # Still `running` in the journal: a new worker picks it up by replaying it.
             self._event(
@@ -413,31 +445,16 @@ class Core:
                 "resumed",
                 {"pid": conn.pid, "turns": len(run.replay.turns) if run.replay else 0},
             )
+            send_start()
         else:
-            await self._move(run, RUN)
+            # The worker may start while `running` is committed; the parent hears of it after.
+            await self._move(run, RUN, meanwhile=send_start)
         # The run has started (journaled, with a worker) even if a cancel landed while the
         # start was being journaled: observers and waiters hear of it either way.
         run.started.set()
         self.observers.emit("on_start", run.info())
         if run.rec.state is not RUN or run.ending is not None:
-            return  # that cancel stops the worker, which never gets its Start
-        r = run.rec
-        conn.send(
-            Start(
-                run_id=r.id,
-                depth=r.depth,
-                prompt=r.prompt,
-                context=run.context_blob,
-                model=run.model_blob,
-                limits=self.limits.to_dict(),
-                driven=run.driven,
-                messages=run.messages,
-                model_name=run.model_name,
-                replay=run.replay,
-            )
-        )
-        run.messages = []
-        run.replay = None
+            return  # that cancel stops the worker
         if run.timeout is not None:
             run.timer = asyncio.get_running_loop().call_later(
                 run.timeout,
