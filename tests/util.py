@@ -68,8 +68,12 @@ class Signal:
         return answer
 
     def wait(self) -> None:
-        with open(self.path) as f:
-            f.read()
+        """Block until an announcement arrives. A read can end empty (the end of an earlier
+        writer's file), so read again until the announcement itself is read."""
+        while True:
+            with open(self.path) as f:
+                if f.read():
+                    return
 
 
 def pid_alive(pid: int) -> bool:
