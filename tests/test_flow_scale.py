@@ -1,0 +1,62 @@
+"""Flows at scale: a 1,000-node fan (DAG form) and a 10,000-item foreach complete.
+
+Replies are self-contained lambdas over the prompt: a reply that calls a function of this
+module would make every worker import the test module (and pytest with it).
+"""
+
+from __future__ import annotations
+
+import brood
+from tests.util import fast
+
+LIMITS = fast(max_depth=2, max_concurrency=16)
+FINAL_OK = "```repl\nFINAL('ok')\n```"
+
+
+def test_a_thousand_node_fan_completes():
+    nodes = [{"id": "root", "prompt": "Root", "outputs": ["text"]}] + [
+        {"id": f"n{i}", "prompt": f"Leaf {i} {{text}}", "depends_on": ["root"], "outputs": ["text"]}
+        for i in range(1000)
+    ]
+    model = brood.ScriptedModel({"Root": [FINAL_OK], "Leaf": [FINAL_OK]})
+    with brood.Supervisor(model, limits=LIMITS) as sup:
+        flow = sup.flow_run({"name": "fan", "nodes": nodes})
+        assert flow.wait(timeout=600) == "finished"
+        status = flow.status()
+        runs = sup.store.runs(flow.id)
+    assert all(status["states"][f"n{i}"]["entries"] == 1 for i in range(1000))
+    assert len(runs) == 1 + 1 + 1000 and {r["state"] for r in runs} == {"completed"}
+
+
+def test_a_ten_thousand_item_foreach_completes():
+    spec = {
+        "states": [
+            {
+                "id": "split",
+                "entry": True,
+                "prompt": "Split",
+                "outputs": [{"name": "items", "type": "json"}],
+            },
+            {
+                "id": "each",
+                "prompt": "Item {item}",
+                "inputs": [{"name": "item", "from": "split.items", "type": "json"}],
+                "foreach": {"over": "item", "max": 10000},
+                "outputs": ["text"],
+            },
+        ],
+        "transitions": [{"from": "split", "to": "each"}],
+    }
+    model = brood.ScriptedModel(
+        {
+            "Split": ["```repl\nFINAL(str(list(range(10000))))\n```"],
+            "Item": [lambda m: "```repl\nFINAL(" + repr(m[1]["content"].split()[1]) + ")\n```"],
+        }
+    )
+    with brood.Supervisor(model, limits=LIMITS) as sup:
+        flow = sup.flow_run(spec)
+        assert flow.wait(timeout=900) == "finished"
+        out = flow.outputs()["each"]["text"]
+        counts = flow.status()["states"]["each"]["counts"]
+    assert out == [str(i) for i in range(10000)]
+    assert counts == {"completed": 10000}
