@@ -240,21 +240,27 @@ class Runtime:
                 "rlm_query answers with a plain model call (llm_query) instead of a child run"
             )
 
+    def wait_handles(
+        self, handles: Sequence[Handle], quantifier: Callable[[Any], bool], timeout: float | None
+    ) -> bool:
+        """Wait (one release of the compute slot) until `quantifier` (all / any) of the
+        handles have ended; False on timeout."""
+        for h in handles:
+            if isinstance(h, Task):  # wake the waiter when a task finishes
+                h._future.add_done_callback(lambda _f: _notify(self.link))
+
+        def ended(h: Handle) -> bool:
+            if isinstance(h, Task):
+                return h._future.done()
+            return self.link.children[h.id].state in TERMINAL_STATES
+
+        return self.wait_for(lambda: quantifier(ended(h) for h in handles), timeout)
+
     def collect(self, handles: Sequence[Handle], timeout: float | None) -> list[Any]:
         """Wait for every handle, in one wait (one release of the compute slot); results in
         order, or ChildFailed naming the failed indices once all have settled."""
         self.check_open()
-        children = [h for h in handles if isinstance(h, ChildHandle)]
-        tasks = [h for h in handles if isinstance(h, Task)]
-        for t in tasks:  # wake the waiter when a task finishes
-            t._future.add_done_callback(lambda _f: _notify(self.link))
-
-        def settled() -> bool:
-            return all(self.link.children[h.id].state in TERMINAL_STATES for h in children) and all(
-                t._future.done() for t in tasks
-            )
-
-        if not self.wait_for(settled, timeout):
+        if not self.wait_handles(handles, all, timeout):
             pending = [x.id for x in handles if not x.done]
             raise TimeoutError(
                 f"{len(pending)} of {len(handles)} still running after {timeout} s "
@@ -520,27 +526,11 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
         handles = [_check_handle(h, "rlm_wait_any") for h in hs]
         if not handles:
             raise InvalidArgument("rlm_wait_any needs at least one handle")
-        children = [h for h in handles if isinstance(h, ChildHandle)]
-        tasks = [h for h in handles if isinstance(h, Task)]
-
-        def first() -> Handle | None:
-            return next((h for h in handles if h.done), None)
-
-        def ready() -> bool:
-            return any(rt.link.children[h.id].state in TERMINAL_STATES for h in children) or any(
-                t.done for t in tasks
-            )
-
-        if tasks:
-            for t in tasks:  # wake the waiter when a task finishes
-                t._future.add_done_callback(lambda _f: _notify(rt.link))
-        if not rt.wait_for(ready, timeout):
+        if not rt.wait_handles(handles, any, timeout):
             raise TimeoutError(
                 f"none of {len(handles)} handles ended within {timeout} s; they keep running"
             )
-        done = first()
-        assert done is not None
-        return done
+        return next(h for h in handles if h.done)
 
     def rlm_cancel(h: Handle) -> str:
         """Cancel the child and its whole subtree; returns once their exit is confirmed,
