@@ -491,17 +491,7 @@ def _read_source(source: str | Path | Mapping[str, Any]) -> tuple[str, Any]:
     if isinstance(source, Mapping):
         return "(dict)", source
     if isinstance(source, str) and not _looks_like_path(source):
-        label = "(text)"
-        try:
-            return label, _parse_json(source)
-        except ValueError as json_error:
-            try:
-                return label, _parse_yaml(source)
-            except ValueError as yaml_error:
-                raise InvalidSpec(
-                    f"invalid flow spec {label}: neither JSON ({json_error}) "
-                    f"nor YAML ({yaml_error}); fix the syntax"
-                ) from None
+        return "(text)", _parse_json_or_yaml(source, "(text)", "fix the syntax")
     if not isinstance(source, str | Path):
         raise InvalidSpec(
             f"a flow spec is a path, YAML or JSON text, or a dict; got {type(source).__name__}"
@@ -532,15 +522,20 @@ def _read_source(source: str | Path | Mapping[str, Any]) -> tuple[str, Any]:
     except ValueError as exc:
         kind = "JSON" if suffix == ".json" else "YAML"
         raise InvalidSpec(f"invalid flow spec {label}: not valid {kind}: {exc}") from None
+    return label, _parse_json_or_yaml(text, label, "a spec is a .yaml, .yml or .json file")
+
+
+def _parse_json_or_yaml(text: str, label: str, fix: str) -> Any:
+    """JSON if it parses as JSON, else YAML; InvalidSpec naming both errors otherwise."""
     try:
-        return label, _parse_json(text)
+        return _parse_json(text)
     except ValueError as json_error:
         try:
-            return label, _parse_yaml(text)
+            return _parse_yaml(text)
         except ValueError as yaml_error:
             raise InvalidSpec(
                 f"invalid flow spec {label}: neither JSON ({json_error}) nor YAML "
-                f"({yaml_error}); a spec is a .yaml, .yml or .json file"
+                f"({yaml_error}); {fix}"
             ) from None
 
 
