@@ -25,7 +25,7 @@ from rich.text import Text
 from rich.tree import Tree
 
 import brood
-from brood.journal import Journal, default_store_url
+from brood.journal import TERMINAL_VALUES, Journal, default_store_url
 from brood.models.demo import ROOT_TASK
 
 app = typer.Typer(
@@ -397,22 +397,18 @@ def logs(
     with _journal(store) as journal:
         after = 0
         while True:
+            # Whether the run has ended is read before its events, so the last read after
+            # the end still prints what landed meanwhile.
+            ended = follow and (
+                (run := journal.run(run_id))["state"] in TERMINAL_VALUES or run["stale"]
+            )
             for ev in journal.events(run_id, after=after):
                 after = ev["seq"]
                 if as_json:
                     print(json.dumps(ev, default=str), flush=True)
                 else:
                     console.print(_event_lines(ev))
-            if not follow:
-                return
-            run = journal.run(run_id)
-            if run["state"] in ("completed", "failed", "cancelled", "timed_out") or run["stale"]:
-                for ev in journal.events(run_id, after=after):  # what landed meanwhile
-                    after = ev["seq"]
-                    if as_json:
-                        print(json.dumps(ev, default=str), flush=True)
-                    else:
-                        console.print(_event_lines(ev))
+            if not follow or ended:
                 return
             time.sleep(REFRESH_S)
 
