@@ -26,7 +26,6 @@ STATUS_INSTANCES = 50  # instances per state that status() lists (counts cover t
 START_TRIES = 5  # a start refused for capacity is tried this many times in all
 START_BACKOFF_FIRST_S = 1.0  # first wait before trying again, doubled each time
 START_BACKOFF_MAX_S = 60.0
-MILESTONES = ("finished", "failed", "paused", "budget_exceeded", "max_transitions_exceeded")
 
 
 class Host(Protocol):

@@ -364,13 +364,9 @@ class SQLStore:
                 ]
             finally:
                 cur.close()
-            self._end_read(conn)
         except self.errors as exc:
             raise StoreError(f"journal read from {self.where} failed: {exc}") from exc
         return rows
-
-    def _end_read(self, conn: Conn) -> None:
-        """Close the read transaction so the next read sees newer commits."""
 
     def get_run(self, run_id: str) -> dict[str, Any]:
         rows = self._rows(f"SELECT {RUN_COLUMNS} FROM runs WHERE id=?", (run_id,))
