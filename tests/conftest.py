@@ -24,4 +24,4 @@ def no_leftover_processes():
     assert not left, f"processes left behind: {left}"
 
 
-pytest_plugins = ["tests.pg"]
+pytest_plugins = ["tests.pg", "tests.flowcheck"]

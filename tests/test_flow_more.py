@@ -21,6 +21,8 @@ from tests.util import Gate, Signal, fast
 
 FENCE = "```"
 LIMITS = fast(max_depth=2, max_concurrency=8)
+# Every flow here is also rebuilt from its ledger before its supervisor closes.
+pytestmark = pytest.mark.usefixtures("replay_checked")
 FOREVER = f"{FENCE}repl\nimport time\nwhile True: time.sleep(1)\n{FENCE}"  # never settles
 CRASH = f"{FENCE}repl\nimport os\nos._exit(2)\n{FENCE}"  # fails the run: the worker dies
 

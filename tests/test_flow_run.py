@@ -12,6 +12,8 @@ from tests.util import fast
 
 FENCE = "```"
 LIMITS = fast(max_depth=2, max_concurrency=8)
+# Every flow here is also rebuilt from its ledger before its supervisor closes.
+pytestmark = pytest.mark.usefixtures("replay_checked")
 
 
 def final(text: str) -> str:

@@ -80,7 +80,7 @@ def test_the_helper_names_match_the_design_table() -> None:
     }  # fmt: skip
     # Beyond the table: remember() is the replay-safe pattern of DESIGN section 7's resume,
     # and the flow_* helpers are issue 5's way for a model to run a flow.
-    flows = {"flow_run", "flow_status", "flow_stop", "flow_resume"}
+    flows = {"flow_run", "flow_status", "flow_wait", "flow_stop", "flow_resume"}
     assert design_section_3 | {"remember"} | flows == HELPER_NAMES
 
 

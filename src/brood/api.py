@@ -37,6 +37,13 @@ from brood.supervisor.observers import Observers
 
 __all__ = ["FlowHandle", "RunHandle", "RunInfo", "RunResult", "Supervisor"]
 
+# A spec as journaled (and as a resumed run's replay compares it).
+SPEC_DUMP: dict[str, Any] = {"mode": "json", "exclude_unset": True, "by_alias": True}
+
+
+def _flow_title(executor: FlowExecutor) -> str:
+    return f"flow {executor.m.name or '(unnamed)'}"
+
 
 class RunResult(NamedTuple):
     """How a run ended: `error` is the reason when it did not complete."""
@@ -115,6 +122,7 @@ class Supervisor:
             )
             self._control = ControlServer(self._core)
             self._core.flow_handler = self._flow_request
+            self._core.flow_resumer = self._resume_flow
             self._loop.call(self._start(preload))
         except BaseException:
             with contextlib.suppress(Exception):
@@ -195,32 +203,64 @@ class Supervisor:
         if self._closed:
             raise SupervisorClosed("the supervisor is closed; make a new one")
         loaded = load_spec(spec)
-        machine = compile_spec(loaded)
-        executor = FlowExecutor(self._core, machine, inputs)
-
-        async def start() -> list[str]:
-            started = await executor.start(f"flow {machine.name or '(unnamed)'}")
-            executor.journal_spec(loaded.model_dump(mode="json", exclude_none=True))
-            return started
-
-        started = self._loop.call(start())
+        executor = FlowExecutor(self._core, compile_spec(loaded), inputs)
+        started = self._loop.call(
+            executor.start(_flow_title(executor), spec=loaded.model_dump(**SPEC_DUMP))
+        )
         self._core.flows[executor.run.id] = executor
         return FlowHandle(self, executor, started)
+
+    def flow(self, run_id: str) -> FlowHandle:
+        """A handle on a flow this supervisor runs: one it started, or one a `resume`
+        rebuilt from its ledger (a flow's run id is its tree's root id when it was started
+        by `flow_run` or `brood flow run`)."""
+        executor = self._core.flows.get(run_id)
+        if executor is None:
+            raise InvalidArgument(
+                f"{run_id!r} is not a flow this supervisor runs; start one with flow_run, "
+                "or resume its tree with resume(run_id) first"
+            )
+        return FlowHandle(self, executor, executor.started)
+
+    def _notifier(self, run: Run) -> Callable[[str], None]:
+        """Milestones of a flow `run`'s code started, as notices for its next turn."""
+
+        def notify(line: str) -> None:
+            if run.conn is not None and not run.rec.state.terminal:
+                run.conn.send(Notice(line))
+
+        return notify
+
+    def _resume_flow(self, run: Run) -> None:
+        """Rebuild a flow from its ledger while its tree is resumed, and let it go on."""
+        executor = FlowExecutor.from_ledger(self._core, run, self._store.events(run.id, "flow"))
+        if run.parent is not None:
+            executor.on_milestone = self._notifier(run.parent)
+        self._core.flows[run.id] = executor
+        executor.go_live()
 
     async def _flow_request(self, run: Run, msg: FlowReq) -> Any:
         """A run's code starts or steers a flow (the REPL's flow_* helpers)."""
         if msg.op == "run":
             loaded = load_spec(msg.spec or "")
-            machine = compile_spec(loaded)
-            executor = FlowExecutor(self._core, machine, json.loads(msg.inputs or "{}"))
-
-            def notify(line: str) -> None:
-                if run.conn is not None and not run.rec.state.terminal:
-                    run.conn.send(Notice(line))
-
-            executor.on_milestone = notify
-            started = await executor.start(f"flow {machine.name or '(unnamed)'}", parent=run)
-            executor.journal_spec(loaded.model_dump(mode="json", exclude_none=True))
+            spec = loaded.model_dump(**SPEC_DUMP)
+            inputs = json.loads(msg.inputs or "{}")
+            adopted = self._core.adopt_flow(run)
+            if adopted is not None:  # a resumed run's replay starts its flow again
+                executor = self._core.flows.get(adopted.id)
+                if executor is None or (executor.spec, executor.params) != (spec, inputs):
+                    raise ReplayDiverged(
+                        f"run {run.id}: the replay started a flow that differs from flow "
+                        f"{adopted.id} of the journal (another spec or other inputs)"
+                    )
+                return {"id": adopted.id, "started": executor.started}
+            if msg.replaying:
+                raise ReplayDiverged(
+                    f"run {run.id}: the replay started a flow, but the journal holds none there"
+                )
+            executor = FlowExecutor(self._core, compile_spec(loaded), inputs)
+            executor.on_milestone = self._notifier(run)
+            started = await executor.start(_flow_title(executor), parent=run, spec=spec)
             self._core.flows[executor.run.id] = executor
             return {"id": executor.run.id, "started": started}
         found: FlowExecutor | None = self._core.flows.get(msg.ref or "")
@@ -228,12 +268,16 @@ class Supervisor:
             raise InvalidArgument(f"{msg.ref!r} is not a flow this run started")
         if msg.op == "status":
             return found.status()
+        if msg.op == "wait":
+            return await found.wait(msg.timeout)
+        if msg.replaying and msg.op in ("stop", "resume"):
+            return found.status_value  # done (and journaled) before the crash
         if msg.op == "stop":
             return await found.stop()
         if msg.op == "resume":
             await found.resume()
             return found.status_value
-        raise InvalidArgument(f"flow op must be run, status, stop or resume, not {msg.op!r}")
+        raise InvalidArgument(f"flow op must be run, status, wait, stop or resume, not {msg.op!r}")
 
     async def _create(
         self, prompt: str, context: Any, timeout: float | None, model: Any, driven: bool
@@ -435,29 +479,7 @@ class FlowHandle:
         """Block until the flow ends (finished, failed, stopped) or pauses; returns that
         status. On timeout raises TimeoutError and the flow keeps going."""
         self._sup._check_live(f"flow {self.id}")
-        ex = self._ex
-
-        async def wait() -> str:
-            async def paused() -> None:
-                while ex.status_value != "paused":
-                    await ex.changed.wait()
-                    ex.changed.clear()
-
-            waits = [asyncio.ensure_future(ex.done.wait()), asyncio.ensure_future(paused())]
-            try:
-                finished, _ = await asyncio.wait(
-                    waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-                )
-            finally:
-                for w in waits:
-                    w.cancel()
-            if not finished:
-                raise TimeoutError(
-                    f"flow {self.id} is still {ex.status_value} after {timeout} s; it keeps going"
-                )
-            return ex.status_value
-
-        return self._sup._loop.call(wait())
+        return self._sup._loop.call(self._ex.wait(timeout))
 
     def wait_change(self) -> None:
         """Block until the flow's status changes (e.g. a paused flow is resumed)."""

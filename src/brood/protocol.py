@@ -111,13 +111,15 @@ class Remember(Msg):
 
 class FlowReq(Msg):
     """A run's code starts or steers a flow: op is run (with spec and inputs as JSON or
-    YAML text), status, stop or resume (with ref, the flow's run id)."""
+    YAML text), status, wait (with timeout), stop or resume (with ref, the flow's run id)."""
 
     req_id: int
     op: str
     ref: str | None = None
     spec: str | None = None
     inputs: str | None = None
+    timeout: float | None = None
+    replaying: bool = False  # asked by a journaled step a resumed run replays
 
 
 class StepDone(Msg):

@@ -5,6 +5,14 @@ Everything here runs on the supervisor's loop. A flow is a controller run (a roo
 worker) whose children are the state instances. Each settle fires every transition whose
 guard passes; re-entry is bounded by `max_entries`; the flow finishes at quiescence (nothing
 running, nothing waiting to start). Every step goes to the flow's ledger (journal events).
+
+A flow survives a crash by replay. The executor decides only from its inputs, and each
+input is a ledger event: an instance settling (`settled`, with its outcome), a pause lifted
+(`resumed`), a stop (`stopping`), the flow's budget running out (`budget_expired`).
+Everything else (entries, fires, retries, milestones) follows from the inputs, in the same
+order. `FlowExecutor.from_ledger` feeds a journaled ledger back through the same code with
+the ledger muted, which rebuilds the flow exactly; `go_live` then starts what the crash
+interrupted (a journaled child is adopted by its key, never started twice).
 """
 
 from __future__ import annotations
@@ -16,16 +24,42 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from brood.errors import BackendError, BroodError, InvalidArgument, LimitExceeded
+from brood.errors import (
+    BackendError,
+    BroodError,
+    InvalidArgument,
+    LimitExceeded,
+    ReplayDiverged,
+)
 from brood.flow.guards import evaluate
 from brood.flow.render import read_output, render_prompt
-from brood.flow.spec import Machine, MachineState, OutputError
+from brood.flow.spec import Machine, MachineState, OutputError, compile_spec, load_spec
 from brood.lifecycle import RunState
 
 STATUS_INSTANCES = 50  # instances per state that status() lists (counts cover them all)
 START_TRIES = 5  # a start refused for capacity is tried this many times in all
 START_BACKOFF_FIRST_S = 1.0  # first wait before trying again, doubled each time
 START_BACKOFF_MAX_S = 60.0
+# Ledger kinds that follow from the inputs (a replay makes them again, in the same order).
+DERIVED = frozenset(
+    {
+        "state_entry",
+        "entry_joined",
+        "transition_blocked",
+        "transition_fired",
+        "retry",
+        "state_failed",
+        "milestone",
+    }
+)
+# Ledger kinds that are the executor's inputs (a replay feeds them back, in order).
+INPUTS = frozenset({"flow_started", "spawned", "settled", "resumed", "stopping", "budget_expired"})
+ENDS = {"finished": RunState.COMPLETED, "failed": RunState.FAILED, "stopped": RunState.CANCELLED}
+
+
+def _mark(d: dict[str, Any]) -> tuple[Any, ...]:
+    """What identifies a derived ledger event when a replay compares it."""
+    return (d["kind"], d.get("state"), d.get("target"), d.get("milestone"))
 
 
 class Host(Protocol):
@@ -55,6 +89,12 @@ class Host(Protocol):
 
     def event(self, run: Any, kind: str, data: dict[str, Any]) -> None: ...
 
+    def adopt_child(
+        self, parent: Any, key: str, timeout: float | None = None, *, launch: bool = True
+    ) -> Any: ...
+
+    def run_of(self, run_id: str) -> Any: ...
+
 
 @dataclass
 class Instance:
@@ -66,6 +106,16 @@ class Instance:
     run: Any = None
     outcome: str | None = None  # completed / failed / cancelled
     outputs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def key(self) -> tuple[str, int, int | None, int]:
+        return (self.state, self.entry, self.item, self.attempt)
+
+    @property
+    def child_key(self) -> str:
+        """The key of its child run: STATE#ENTRY[ITEM]~ATTEMPT (one child per key)."""
+        key = f"{self.state}#{self.entry}" + (f"[{self.item}]" if self.item is not None else "")
+        return key + (f"~{self.attempt}" if self.attempt else "")
 
 
 @dataclass
@@ -134,42 +184,63 @@ class FlowExecutor:
         self.failed_entries: list[Entry] = []  # escalated, retried on resume
         self._budget_timer: asyncio.TimerHandle | None = None
         self.entries_by_key: dict[tuple[str, int], Entry] = {}
+        self.spec: dict[str, Any] = {}  # as journaled (a resumed parent's replay compares it)
+        self.started: list[str] = []  # the states the flow started with
+        # Ending: (final status, reason, milestone) once the flow has begun to end.
+        self.ending: tuple[str, str, str | None] | None = None
+        self.ended_journaled = False  # flow_ended is in the ledger (a resume found it there)
+        # While a resume replays the ledger: what the replay made of the derived kinds, and
+        # the instances started and not yet settled, by key.
+        self.replaying = False
+        self.made: list[dict[str, Any]] = []
+        self.pending: dict[tuple[str, int, int | None, int], Instance] = {}
 
     # ---- the ledger ------------------------------------------------------------------------
     def ledger(self, kind: str, **data: Any) -> None:
         data = {"kind": kind, **data}
+        if self.replaying:  # already journaled (or about to be compared with the journal)
+            if kind in DERIVED:
+                self.made.append(data)
+            return
         self.recent.append(data | {"at": time.time()})
         self.host.event(self.run, "flow", data)
-
-    def journal_spec(self, spec: dict[str, Any]) -> None:
-        """Journal the spec and the flow's inputs with its ledger (what a resume reads)."""
-        self.ledger("spec", spec=spec, params=self.params)
 
     def milestone(self, kind: str, **data: Any) -> None:
         if kind in self.milestones:
             return  # one notice per kind
         self.milestones.append(kind)
         self.ledger("milestone", milestone=kind, **data)
-        if self.on_milestone is not None:
+        if self.on_milestone is not None and not self.replaying:
             why = data.get("reason")
             self.on_milestone(f"flow {self.run.id} {kind}" + (f": {why}" if why else ""))
 
     # ---- starting --------------------------------------------------------------------------
-    async def start(self, title: str, parent: Any = None) -> list[str]:
+    async def start(
+        self, title: str, parent: Any = None, spec: dict[str, Any] | None = None
+    ) -> list[str]:
         """Create the flow's run (a child of `parent`, a run whose code started the flow),
-        enter its entry states; returns the states started."""
+        journal the spec and inputs (what a resume rebuilds it from), enter its entry
+        states; returns the states started."""
         self.run = await self.host.create_controller(title, parent)
+        self.spec = dict(spec or {})
+        self.ledger("spec", spec=self.spec, params=self.params)
         self.ledger("flow_started", entry=list(self.m.entry), params=sorted(self.params))
-        if self.m.run.budget is not None:
-            self._budget_timer = asyncio.get_running_loop().call_later(
-                self.m.run.budget, self._budget_expired
-            )
+        self._arm_budget(self.m.run.budget)
+        return self._begin()
+
+    def _begin(self) -> list[str]:
         for state in self.m.entry:
             self.enter(state, cause=None)
         self.pump()
-        started = sorted({i.state for i in self.live} | {i.state for i in self.queue})
+        self.started = sorted({i.state for i in self.live} | {i.state for i in self.queue})
         self.check_quiescence()
-        return started
+        return self.started
+
+    def _arm_budget(self, seconds: float | None) -> None:
+        if seconds is not None:
+            self._budget_timer = asyncio.get_running_loop().call_later(
+                max(seconds, 0.0), self._budget_expired
+            )
 
     def enter(self, state: str, cause: str | None) -> None:
         st = self.m.states[state]
@@ -252,86 +323,90 @@ class FlowExecutor:
             inst = self.queue.popleft()
             self.live.append(inst)
             self.active += 1
-            self._spawn(self.run_instance(inst))
+            if self.replaying:  # its outcome is in the ledger further on (or go_live runs it)
+                self.pending[inst.key] = inst
+            else:
+                self._spawn(self.run_instance(inst))
 
     def _active(self) -> int:
         return self.active
 
-    def _ended(self, inst: Instance, outcome: str) -> None:
-        """Record an instance's outcome; the counters keep pump and quiescence O(1)."""
-        if inst.outcome is None:
-            self.active -= 1
-        inst.outcome = outcome
-
     async def run_instance(self, inst: Instance) -> None:
         st = self.m.states[inst.state]
-        try:
-            prompt = render_prompt(st.prompt, inst.inputs)
-        except BroodError as exc:
-            self._ended(inst, "failed")
-            self.instance_failed(inst, f"could not render its prompt: {exc}")
-            return
-        key = f"{inst.state}#{inst.entry}" + (f"[{inst.item}]" if inst.item is not None else "")
-        key += f"~{inst.attempt}" if inst.attempt else ""
-        child = await self._start_with_backoff(inst, prompt, key, st)
+        key = inst.child_key
+        # After a resume, the journal may hold this instance's child already: adopt it.
+        child = self.host.adopt_child(self.run, key, st.budget, launch=self.ending is None)
         if child is None:
-            return
-        inst.run = child
-        self.ledger(
-            "spawned",
-            state=inst.state,
-            entry=inst.entry,
-            item=inst.item,
-            attempt=inst.attempt,
-            run_id=child.id,
-        )
+            if self.ending is not None:  # the flow is ending: nothing more starts
+                self._settled(inst, "cancelled")
+                return
+            try:
+                prompt = render_prompt(st.prompt, inst.inputs)
+            except BroodError as exc:
+                self._settled(inst, "failed", f"could not render its prompt: {exc}")
+                return
+            child = await self._start_with_backoff(inst, prompt, key, st)
+            if child is None:
+                return
+        if inst.run is None:  # not in the ledger yet
+            inst.run = child
+            self.ledger(
+                "spawned",
+                state=inst.state,
+                entry=inst.entry,
+                item=inst.item,
+                attempt=inst.attempt,
+                run_id=child.id,
+            )
         if self.status_value in ("stopping", "stopped"):  # the start landed after stop
             await self.host.finish(child, RunState.CANCELLED, "flow stopped")
         await child.done.wait()
         rec = child.rec
         if rec.state is RunState.COMPLETED:
             try:
-                outputs = {
-                    o.name: read_output(rec.answer or "", o.name, o.type) for o in st.outputs
-                }
+                outputs = self._outputs(st, rec.answer)
             except OutputError as exc:
-                self._ended(inst, "failed")
-                self.instance_failed(inst, str(exc))
+                self._settled(inst, "failed", str(exc))
                 return
-            self._ended(inst, "completed")
-            inst.outputs = outputs
-            self.ledger(
-                "settled",
-                state=inst.state,
-                entry=inst.entry,
-                item=inst.item,
-                run_id=child.id,
-                outcome="completed",
-            )
-            self.instance_done(inst)
+            self._settled(inst, "completed", outputs=outputs)
         elif rec.state is RunState.CANCELLED and self.status_value != "running":
-            self._ended(inst, "cancelled")
-            self.ledger(
-                "settled",
-                state=inst.state,
-                entry=inst.entry,
-                item=inst.item,
-                run_id=child.id,
-                outcome="cancelled",
-            )
+            self._settled(inst, "cancelled")
+        else:
+            self._settled(inst, "failed", f"{rec.state.value}: {rec.reason}")
+
+    @staticmethod
+    def _outputs(st: MachineState, answer: str | None) -> dict[str, Any]:
+        return {o.name: read_output(answer or "", o.name, o.type) for o in st.outputs}
+
+    def _settled(
+        self,
+        inst: Instance,
+        outcome: str,
+        reason: str | None = None,
+        outputs: dict[str, Any] | None = None,
+    ) -> None:
+        """An instance ended (completed / failed / cancelled): the ledger's input event,
+        then every decision that follows from it."""
+        if inst.outcome is None:
+            self.active -= 1  # the counter keeps pump and quiescence O(1)
+        inst.outcome = outcome
+        inst.outputs = outputs or {}
+        self.ledger(
+            "settled",
+            state=inst.state,
+            entry=inst.entry,
+            item=inst.item,
+            attempt=inst.attempt,
+            run_id=getattr(inst.run, "id", None),
+            outcome=outcome,
+            **({"reason": reason} if reason else {}),
+        )
+        if outcome == "completed":
+            self.instance_done(inst)
+        elif outcome == "cancelled":
             self.check_quiescence()
         else:
-            self._ended(inst, "failed")
-            self.ledger(
-                "settled",
-                state=inst.state,
-                entry=inst.entry,
-                item=inst.item,
-                run_id=child.id,
-                outcome=rec.state.value,
-                reason=rec.reason,
-            )
-            self.instance_failed(inst, f"{rec.state.value}: {rec.reason}")
+            self.instance_failed(inst, reason or "failed")
 
     async def _start_with_backoff(
         self, inst: Instance, prompt: str, key: str, st: MachineState
@@ -363,8 +438,7 @@ class FlowExecutor:
                     continue
             except BroodError as exc:
                 why = f"could not start: {exc}"
-            self._ended(inst, "failed")
-            self.instance_failed(inst, why)
+            self._settled(inst, "failed", why)
             return None
         return None
 
@@ -375,6 +449,8 @@ class FlowExecutor:
         entry = self.entries_by_key[(inst.state, inst.entry)]
         entry.instances.append(inst)
         entry.completed += 1
+        if self.ending is not None:
+            return  # a flow that is ending admits nothing more
         if not entry.failed and entry.completed == entry.expected:
             self.settle(entry)
         self.pump()
@@ -412,8 +488,9 @@ class FlowExecutor:
 
     def _controller_ended(self) -> bool:
         """The flow's own run was ended from outside (its parent ended, a cancel): the flow
-        is over, and what its instances do now changes nothing."""
-        if self.run.ending is None and not self.run.rec.state.terminal:
+        is over, and what its instances do now changes nothing. (A replay decides as the
+        flow did before its run ended.)"""
+        if self.replaying or (self.run.ending is None and not self.run.rec.state.terminal):
             return False
         if self.status_value not in ("stopped", "finished", "failed"):
             self.set_status("stopped")
@@ -444,13 +521,13 @@ class FlowExecutor:
         entry.instances.append(inst)
         first = not entry.failed
         entry.failed = True
-        if first:
+        if first and self.ending is None:
             self.ledger(
                 "state_failed", state=inst.state, entry=inst.entry, item=inst.item, reason=why
             )
             policy = st.failure_policy
             if policy == "fail_fast":
-                self._spawn(self.fail(f"state {inst.state} failed: {why}"))
+                self.fail(f"state {inst.state} failed: {why}")
                 return
             if policy == "escalate":
                 self.failed_entries.append(entry)
@@ -473,14 +550,12 @@ class FlowExecutor:
                 for i in st.inputs
                 if i.source and not i.optional and i.output not in self.outputs.get(i.source, {})
             ]
-            self._spawn(
-                self.fail(
-                    f"stalled: state {entry.state} waits for input {', '.join(missing)}, "
-                    "which never settled"
-                )
+            self.fail(
+                f"stalled: state {entry.state} waits for input {', '.join(missing)}, "
+                "which never settled"
             )
             return
-        self._spawn(self.finish_flow())
+        self.end_with("finished", "flow finished")
 
     def _resident(self, inst: Instance) -> bool:
         return self.m.states[inst.state].lifecycle == "resident"
@@ -503,12 +578,15 @@ class FlowExecutor:
             raise BroodError(
                 f"flow {self.run.id} is {self.status_value}; only a paused flow resumes"
             )
+        self.ledger("resumed")
+        self._go_on()
+
+    def _go_on(self) -> None:
         self.set_status("running")
         self.reason = None
         self.milestones = [
             m for m in self.milestones if m not in ("paused", "max_transitions_exceeded")
         ]
-        self.ledger("resumed")
         if self.held:
             self.fired = 0
         while self.held and self.fired < self.m.run.max_transitions:
@@ -532,55 +610,187 @@ class FlowExecutor:
         self.try_waiting()
         self.check_quiescence()
 
+    async def wait(self, timeout: float | None = None) -> str:
+        """Until the flow ends (finished, failed, stopped) or pauses; returns that status.
+        On timeout raises TimeoutError and the flow keeps going."""
+
+        async def paused() -> None:
+            while self.status_value != "paused":
+                await self.changed.wait()
+                self.changed.clear()
+
+        waits = [asyncio.ensure_future(self.done.wait()), asyncio.ensure_future(paused())]
+        try:
+            finished, _ = await asyncio.wait(
+                waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            for w in waits:
+                w.cancel()
+        if not finished:
+            raise TimeoutError(
+                f"flow {self.run.id} is still {self.status_value} after {timeout} s; it keeps going"
+            )
+        return self.status_value
+
     async def stop(self, reason: str = "stopped") -> str:
         """Stop admitting, cancel every running instance (exit confirmed), end `stopped`.
         Idempotent: a second stop waits for the first."""
-        if self.status_value in ("stopping", "stopped", "finished", "failed"):
-            await self.done.wait()
-            return self.status_value
-        self.set_status("stopping")
-        self.ledger("stopping", reason=reason)
-        self.queue.clear()
-        await self._cancel_all("flow stopped")
-        self.set_status("stopped")
-        await self._end(RunState.CANCELLED, reason)
+        if self.ending is None and not self.done.is_set():
+            self.ledger("stopping", reason=reason)
+            self.end_with("stopped", reason)
+        await self.done.wait()
         return self.status_value
 
+    def fail(self, why: str) -> None:
+        self.end_with("failed", why, milestone="failed")
+
+    def end_with(self, final: str, reason: str, milestone: str | None = None) -> None:
+        """Begin to end the flow as `final` (finished, failed or stopped). What is decided
+        is decided now: a failing or stopping flow is `stopping` at once (it admits and
+        finalizes nothing more); the cancelling and the journaling run as a task."""
+        if self.ending is not None or self.done.is_set():
+            return
+        self.ending = (final, reason, milestone)
+        self.queue.clear()
+        if final == "finished":
+            self.set_status("finished")
+            self.milestone("finished")
+        else:
+            self.set_status("stopping")
+            if milestone is not None:
+                self.reason = reason
+                self.milestone(milestone, reason=reason)
+        if not self.replaying:
+            self._spawn(self._complete_ending())
+
+    async def _complete_ending(self) -> None:
+        assert self.ending is not None
+        final, reason, _ = self.ending
+        if final != "finished":
+            why = "flow stopped" if final == "stopped" else f"flow failed: {reason}"
+            await self._cancel_all(why)
+        self.set_status(final)
+        answer = json.dumps(self.outputs, default=str) if final == "finished" else None
+        await self._end(ENDS[final], reason, answer)
+
     async def _cancel_all(self, why: str) -> None:
-        runs = [i.run for i in self.live if i.outcome is None and i.run is not None]
+        """Cancel every unfinished child of the flow's run (instances, and after a resume
+        journaled children not asked for again), exit confirmed."""
+        runs = [c for c in self.run.children if not c.rec.state.terminal]
         await asyncio.gather(*(self.host.finish(r, RunState.CANCELLED, why) for r in runs))
 
-    async def fail(self, why: str) -> None:
-        if self.status_value in ("stopping", "stopped", "finished", "failed"):
-            return
-        self.set_status("stopping")
-        self.queue.clear()
-        await self._cancel_all(f"flow failed: {why}")
-        self.set_status("failed")
-        self.reason = why
-        self.milestone("failed", reason=why)
-        await self._end(RunState.FAILED, why)
-
-    async def finish_flow(self) -> None:
-        if self.status_value != "running":
-            return
-        self.set_status("finished")
-        self.milestone("finished")
-        await self._end(
-            RunState.COMPLETED, "flow finished", answer=json.dumps(self.outputs, default=str)
-        )
-
     def _budget_expired(self) -> None:
-        if self.status_value in ("running", "paused"):
-            self.milestone("budget_exceeded", budget=self.m.run.budget)
-            self._spawn(self.fail(f"budget: {self.m.run.budget:g} s of wall clock"))
+        if self.status_value in ("running", "paused") and self.ending is None:
+            self.ledger("budget_expired", budget=self.m.run.budget)
+            self._over_budget()
+
+    def _over_budget(self) -> None:
+        self.milestone("budget_exceeded", budget=self.m.run.budget)
+        self.fail(f"budget: {self.m.run.budget:g} s of wall clock")
 
     async def _end(self, state: RunState, reason: str, answer: str | None = None) -> None:
         if self._budget_timer is not None:
             self._budget_timer.cancel()
-        self.ledger("flow_ended", status=self.status_value, reason=reason)
+        if not self.ended_journaled:
+            self.ended_journaled = True
+            self.ledger("flow_ended", status=self.status_value, reason=reason)
         await self.host.finish(self.run, state, reason, answer=answer)
         self.done.set()
+
+    # ---- after a crash -----------------------------------------------------------------------
+    @classmethod
+    def from_ledger(
+        cls, host: Host, run: Any, events: list[dict[str, Any]], *, sleep: Any = asyncio.sleep
+    ) -> FlowExecutor:
+        """Rebuild the flow whose run is `run` from its journaled ledger (`events`, in
+        order): the same code decides again from the same inputs, with the ledger muted.
+        Derived events the crash kept from the journal are written now."""
+        ledger = [e["data"] for e in events]
+        head = next((d for d in ledger if d["kind"] == "spec"), None)
+        if head is None or not head.get("spec"):
+            raise BroodError(f"flow {run.id}: its ledger holds no spec, so it cannot be rebuilt")
+        ex = cls(host, compile_spec(load_spec(head["spec"])), head.get("params"), sleep=sleep)
+        ex.run, ex.spec = run, head["spec"]
+        ex.replaying = True
+        journaled: list[dict[str, Any]] = []  # the derived events of the ledger
+        for d in ledger:
+            if d["kind"] in DERIVED:
+                journaled.append(d)
+            elif d["kind"] in INPUTS:
+                ex._replay(d)
+            ex.ended_journaled |= d["kind"] == "flow_ended"
+        ex.replaying = False
+        made, ex.made = ex.made, []
+        # The rebuilt flow must have decided what the ledger holds, in order; what it
+        # decided beyond is what the crash kept from the journal.
+        for n, (old, new) in enumerate(zip(journaled, made, strict=False)):
+            if _mark(old) != _mark(new):
+                raise ReplayDiverged(
+                    f"flow {run.id}: rebuilt from its ledger, it decided {_mark(new)} where "
+                    f"the ledger holds {_mark(old)} (derived event {n})"
+                )
+        if len(made) < len(journaled):
+            raise ReplayDiverged(
+                f"flow {run.id}: rebuilt from its ledger, it made {len(made)} of the "
+                f"{len(journaled)} decisions the ledger holds"
+            )
+        ex.recent.extend(e["data"] | {"at": e["at"]} for e in events[-(ex.recent.maxlen or 0) :])
+        for d in made[len(journaled) :]:
+            ex.ledger(d.pop("kind"), **d)
+        return ex
+
+    def _replay(self, d: dict[str, Any]) -> None:
+        """Feed one journaled input back to the executor."""
+        kind = d["kind"]
+        if kind == "flow_started":
+            self._begin()
+        elif kind == "resumed":
+            self._go_on()
+        elif kind == "stopping":
+            self.end_with("stopped", d.get("reason") or "stopped")
+        elif kind == "budget_expired":
+            self._over_budget()
+        else:  # spawned, settled
+            key = (d["state"], d["entry"], d["item"], d.get("attempt", 0))
+            inst = self.pending.get(key)
+            if inst is None:
+                raise ReplayDiverged(
+                    f"flow {self.run.id}: the ledger has {kind} {d['state']} entry "
+                    f"{d['entry']} item {d['item']}, which the replay never started"
+                )
+            if kind == "spawned":
+                inst.run = self.host.run_of(d["run_id"])
+                return
+            del self.pending[key]
+            outputs = None
+            if d["outcome"] == "completed":
+                rec = inst.run.rec if inst.run is not None else None
+                outputs = self._outputs(self.m.states[inst.state], rec and rec.answer)
+            self._settled(inst, d["outcome"], d.get("reason"), outputs)
+
+    def go_live(self) -> None:
+        """After `from_ledger`: start what the crash interrupted, and go on."""
+        if self.run.rec.state.terminal or self.run.ending is not None:
+            # The flow's run has ended: nothing more happens (a parent's replay may still
+            # ask for the flow's status).
+            final = self.ending[0] if self.ending else "stopped"
+            self.set_status(final)
+            self.reason = self.reason or self.run.rec.reason
+            self.done.set()
+            return
+        pending, self.pending = list(self.pending.values()), {}
+        for inst in pending:
+            self._spawn(self.run_instance(inst))
+        if self.ending is not None:
+            self._spawn(self._complete_ending())
+            return
+        if self.m.run.budget is not None:
+            began = self.run.rec.started_at or self.run.rec.created_at
+            self._arm_budget(self.m.run.budget - (time.time() - began))
+        self.pump()
+        self.try_waiting()
+        self.check_quiescence()
 
     # ---- status ---------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:

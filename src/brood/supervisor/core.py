@@ -57,8 +57,13 @@ DELIVER_ACK_S = 5.0  # how long a follow-up waits for the worker to confirm it i
 ID_DRAWS = 8  # fresh ids tried for a run whose id the journal already holds
 KILL_CONFIRM_S = 5.0  # after SIGKILL, a group still present this long is reported, not awaited
 DRAIN_ON_EXIT_S = 1.0  # read what a dead worker sent last before calling its exit a crash
+FLOW_MODEL = "flow"  # the model column of a flow's own run (it has no worker)
 
 Q, RUN, CANCELLING = RunState.QUEUED, RunState.RUNNING, RunState.CANCELLING
+
+
+def _flow_key(parent: Run) -> str:
+    return f"flow:{parent.flows_started}"
 
 
 def _clip(text: str, n: int = 80) -> str:
@@ -117,6 +122,7 @@ class Run:
     tree_usage: dict[str, float] = field(default_factory=dict)  # roots only
     replay: Replay | None = None  # a run resumed from the journal, until its worker starts
     by_key: dict[str, Run] = field(default_factory=dict)  # resumed: journaled children by key
+    flows_started: int = 0  # flows its code started (their runs' keys: flow:N)
 
     @property
     def launchable(self) -> bool:
@@ -174,8 +180,10 @@ class Core:
         self._deliveries = itertools.count(1 << 30)  # Deliver ids, apart from Exec ids
         self.diverged: dict[str, str] = {}  # root id -> why its resume stopped
         self.flows: dict[str, Any] = {}  # flow run id -> its executor (brood.flow)
-        # Set by the API (which knows brood.flow): answers a run's FlowReq.
+        # Set by the API (which knows brood.flow): answers a run's FlowReq, and rebuilds a
+        # flow from its ledger when its tree is resumed.
         self.flow_handler: Callable[[Run, FlowReq], Awaitable[Any]] | None = None
+        self.flow_resumer: Callable[[Run], None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # ---- bookkeeping -------------------------------------------------------------------
@@ -706,9 +714,10 @@ class Core:
         `running` at once; its children come from `start_child`."""
         self.check_open()
         if parent is None:
-            rec = self._root_record(prompt, "flow")
+            rec = self._root_record(prompt, FLOW_MODEL)
         else:
-            rec = self._child_record(parent, f"flow:{len(parent.children)}", prompt, "flow")
+            rec = self._child_record(parent, _flow_key(parent), prompt, FLOW_MODEL)
+            parent.flows_started += 1
         run = Run(rec, self.model_blob, None, None, None, parent)
         if parent is not None:
             parent.children.append(run)
@@ -751,6 +760,32 @@ class Core:
     def event(self, run: Run, kind: str, data: dict[str, Any]) -> None:
         """Journal an event of a run (a flow's ledger)."""
         self._event(run, kind, data)
+
+    def run_of(self, run_id: str) -> Run | None:
+        return self.runs.get(run_id)
+
+    def adopt_child(
+        self, parent: Run, key: str, timeout: float | None = None, *, launch: bool = True
+    ) -> Run | None:
+        """The journaled child of a resumed controller run under `key`, once (None when the
+        journal holds none). An unfinished one is queued to resume, unless `launch` is
+        False (its flow is ending and will cancel it)."""
+        child = parent.by_key.pop(key, None)
+        if child is None:
+            return None
+        if timeout is not None:
+            child.timeout = timeout
+        if launch and child.launchable:
+            self.start_queue.append(child)
+            self._grant()
+        return child
+
+    def adopt_flow(self, parent: Run) -> Run | None:
+        """The journaled flow a resumed run's replay starts again (the next flow:N key)."""
+        child = parent.by_key.pop(_flow_key(parent), None)
+        if child is not None:
+            parent.flows_started += 1
+        return child
 
     # ---- resuming a tree from the journal ----------------------------------------------
     async def resume_tree(self, root_id: str) -> Run:
@@ -818,18 +853,32 @@ class Core:
         await asyncio.wrap_future(self.store.claim_tree(root_id, self.owner))
         open_ids = [r.id for r in runs.values() if not r.rec.state.terminal]
         self._event(root, "resume", {"supervisor": self.owner, "open": open_ids})
+        ending: set[Run] = set()  # cancelled by this resume
         for run in runs.values():
             if run.rec.state.terminal or run.ending is not None:
                 continue
             parent = run.parent
             if run.rec.state is CANCELLING:  # journaled first, so it stays cancelled
+                ending.add(run)
                 self._task(self.finish(run, RunState.CANCELLED, run.rec.reason or "cancelled"))
-            elif parent is not None and (parent.rec.state.terminal or parent.ending):
+            elif parent is not None and (parent.rec.state.terminal or parent in ending):
+                ending.add(run)
                 self._task(self.finish(run, RunState.CANCELLED, "parent ended before the resume"))
+            elif run.rec.model == FLOW_MODEL:
+                pass  # a flow's run has no worker: its ledger rebuilds it, below
             elif run.rec.state is RUN:
                 run.replay = self._replay_of(run)
             else:  # queued: follow-ups held for its start were in memory only
                 run.messages = [e["data"]["message"] for e in self.store.events(run.id, "message")]
+        # Flows, before any worker starts (a resumed parent's replay asks for its flows):
+        # each flow whose run or parent goes on is rebuilt from its ledger.
+        for run in runs.values():
+            parent = run.parent
+            if run.rec.model != FLOW_MODEL or run in ending:
+                continue
+            if parent is not None and (parent.rec.state.terminal or parent in ending):
+                continue
+            self._resume_flow(run)
         if root.launchable:
             self.start_queue.append(root)
             self._grant()
@@ -855,6 +904,17 @@ class Core:
         replay.pending = [p for e in steps for p in e["data"].get("pending", [])]
         replay.steps = max((int(e["data"]["step"]) for e in steps), default=0)
         return replay
+
+    def _resume_flow(self, run: Run) -> None:
+        try:
+            if self.flow_resumer is None:
+                raise BroodError("this supervisor runs no flows")
+            self.flow_resumer(run)
+        except BroodError as exc:
+            why = f"could not resume flow {run.id}: {exc}"
+            self._stop_resume(run, why)
+            if not run.rec.state.terminal:
+                self._task(self.finish(run, RunState.FAILED, why))
 
     def _stop_resume(self, run: Run, reason: str) -> None:
         """A replay diverged: the resume of the whole tree stops."""

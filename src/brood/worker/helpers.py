@@ -599,8 +599,10 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
 
     def _flow(op: str, **fields: Any) -> Any:
         rt.check_open()
-        with rt.blocked() if op == "stop" else contextlib.nullcontext():
-            return rt.link.request(FlowReq(req_id=rt.link.next_id(), op=op, **fields))
+        with rt.blocked() if op in ("stop", "wait") else contextlib.nullcontext():
+            return rt.link.request(
+                FlowReq(req_id=rt.link.next_id(), op=op, replaying=rt.replaying, **fields)
+            )
 
     def flow_run(spec: Any, inputs: dict[str, Any] | None = None) -> str:
         """Start a flow (a state-machine workflow of sub-agents) from a spec: a dict, or
@@ -619,6 +621,11 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
         """A flow's status: per-state entries and instances, milestones, recent events."""
         status: dict[str, Any] = _flow("status", ref=flow_id)
         return status
+
+    def flow_wait(flow_id: str, timeout: float | None = None) -> str:
+        """Block until the flow ends or pauses and return its status (finished, failed,
+        stopped, paused). On timeout raises TimeoutError and the flow keeps going."""
+        return str(_flow("wait", ref=flow_id, timeout=timeout))
 
     def flow_stop(flow_id: str) -> str:
         """Stop a flow: it admits nothing more and its running children are cancelled."""
@@ -678,6 +685,7 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
             rlm_await_all,
             flow_run,
             flow_status,
+            flow_wait,
             flow_stop,
             flow_resume,
             remember,

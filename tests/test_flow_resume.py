@@ -1,0 +1,243 @@
+"""Flows survive a crash: a resume rebuilds each flow from its ledger and goes on, adopting
+the children the journal holds instead of starting them again.
+
+The crash tests run a flow in another process, SIGKILL it at a chosen point, and resume in
+this one. The cut tests rebuild a finished flow from every prefix of its ledger: each prefix
+is a point a crash can leave behind (the journal writes in order).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+
+import pytest
+
+import brood
+from brood.flow.executor import DERIVED
+from tests.flowcheck import rebuild
+from tests.test_resume import CRASH_TIMEOUT_S, wait_gone
+from tests.util import Signal, fast
+
+FENCE = "```"
+LIMITS = fast(max_depth=2, max_concurrency=8)
+
+# plan -> work (one child per item, item 2 failing its first attempt) -> review; the third
+# transition pauses the flow (max_transitions 2) until it is resumed.
+SPEC = {
+    "name": "crashable",
+    "run": {"max_parallel": 2, "max_transitions": 2},
+    "states": [
+        {"id": "plan", "entry": True, "prompt": "Plan",
+         "outputs": [{"name": "items", "type": "json"}]},
+        {
+            "id": "work",
+            "prompt": "Work on {item}",
+            "inputs": [{"name": "item", "from": "plan.items", "type": "json"}],
+            "foreach": {"over": "item"},
+            "outputs": ["result"],
+            "retries": 1,
+        },
+        {
+            "id": "review",
+            "prompt": "Review {results}",
+            "inputs": [{"name": "results", "from": "work.result"}],
+            "outputs": ["verdict"],
+        },
+        {"id": "publish", "prompt": "Publish {verdict}",
+         "inputs": [{"name": "verdict", "from": "review.verdict"}], "outputs": ["url"]},
+    ],
+    "transitions": [
+        {"from": "plan", "to": "work"},
+        {"from": "work", "to": "review"},
+        {"from": "review", "to": "publish"},
+    ],
+}  # fmt: skip
+
+
+def final(text: str) -> str:
+    return f"{FENCE}repl\nFINAL({text!r})\n{FENCE}"
+
+
+def replies(tmp_path) -> dict:
+    """The sub-agents' replies; the first attempt at item 2 fails (a marker file tells the
+    second attempt apart)."""
+    marker = str(tmp_path / "item-2-tried")
+    fail_once = (
+        f"{FENCE}repl\nimport os\nif not os.path.exists({marker!r}):\n"
+        f"    open({marker!r}, 'w').close()\n    os._exit(3)\nFINAL('r2')\n{FENCE}"
+    )
+    return {
+        "Plan": [final("[1, 2, 3]")],
+        "Work on 1": [final("r1")],
+        "Work on 2": [fail_once],
+        "Work on 3": [final("r3")],
+        "Review": [final("ok")],
+        "Publish": [final("https://example.org/post")],
+    }
+
+
+def derived(events: list[dict]) -> list[tuple]:
+    return [(e["kind"], e.get("state"), e.get("target")) for e in events if e["kind"] in DERIVED]
+
+
+def test_a_flow_rebuilt_from_any_prefix_of_its_ledger_decides_what_the_ledger_holds(tmp_path):
+    with brood.Supervisor(brood.ScriptedModel(replies(tmp_path)), limits=LIMITS) as sup:
+        flow = sup.flow_run(SPEC)
+        assert flow.wait(timeout=120) == "paused"
+        flow.resume()
+        assert flow.wait(timeout=120) == "finished"
+        sup.store.flush()
+        full = [e["data"] for e in sup.store.events(flow.id, "flow")]
+        kinds = Counter(e["kind"] for e in full)
+        assert kinds["retry"] == 1 and kinds["resumed"] == 1 and kinds["settled"] == 7
+        with pytest.raises(brood.BroodError, match="holds no spec"):
+            rebuild(sup.store, flow.id, 0)
+        for cut in range(1, len(full) + 1):
+            rebuilt, written = rebuild(sup.store, flow.id, cut)
+            # What the prefix holds, plus what the rebuild wrote, is how the flow went on.
+            so_far = derived(full[:cut]) + derived(written)
+            assert so_far == derived(full)[: len(so_far)], f"cut {cut}"
+            assert not [e for e in written if e["kind"] not in DERIVED], f"cut {cut}"
+        assert (rebuilt.outputs, rebuilt.ending) == (
+            flow.outputs(),
+            ("finished", "flow finished", None),
+        )
+
+
+# ---- crashes ---------------------------------------------------------------------------------
+def crash_after(tmp_path, body: str, url: str) -> str:
+    """Run `body` in another process: it prints an id, then "crash here" once the point to
+    crash at is reached, where it is SIGKILLed. Returns the id. The body has `final`,
+    `block` (a reply that announces itself on the in-call signal and never returns), SPEC
+    and `supervisor(model)`."""
+    script = textwrap.dedent(f"""
+        import json, os, signal, brood
+        FENCE = "```"
+        SPEC = json.loads({json.dumps(json.dumps(SPEC))})
+        def final(text):
+            return f"{{FENCE}}repl\\nFINAL({{text!r}})\\n{{FENCE}}"
+        def block(messages):  # the model call the crash interrupts
+            open({str(tmp_path / "in-call")!r}, "w").write("1")
+            open({str(tmp_path / "never")!r}).read()
+        def supervisor(model):
+            return brood.Supervisor(
+                model, store={url!r}, limits=brood.Limits(shutdown_grace=0.3, term_grace=0.3)
+            )
+    """)
+    os.mkfifo(tmp_path / "never")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script + textwrap.dedent(body)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        first = proc.stdout.readline().strip()
+        assert first, "the process ended before it started anything"
+        assert proc.stdout.readline().strip() == "crash here"
+    finally:
+        proc.kill()
+        proc.wait(CRASH_TIMEOUT_S)
+        proc.stdout.close()
+    wait_gone(proc.pid)
+    return first
+
+
+def model_calls(sup: brood.Supervisor, root_id: str) -> Counter:
+    """Journaled turns by run id."""
+    return Counter(
+        e["run_id"]
+        for e in sup.store.events(root_id=root_id, kind="model_call")
+        if e["data"]["response"] is not None
+    )
+
+
+def test_a_flow_killed_mid_foreach_resumes_and_adopts_its_children(tmp_path):
+    url = f"sqlite:///{tmp_path}/j.db"
+    in_call = Signal(tmp_path, "in-call")
+    body = f"""
+        sup = supervisor(brood.ScriptedModel({{**{replies(tmp_path)!r}, "Work on 3": [block]}}))
+        print(sup.flow_run(SPEC).id, flush=True)
+        open({in_call.path!r}).read()
+        print("crash here", flush=True)
+        signal.pause()
+    """
+    flow_id = crash_after(tmp_path, body, url)
+    with brood.Supervisor(brood.ScriptedModel(replies(tmp_path)), store=url, limits=LIMITS) as sup:
+        root = sup.resume(flow_id)
+        flow = sup.flow(flow_id)
+        assert flow.wait(timeout=120) == "paused"  # at max_transitions, as it would have
+        flow.resume()
+        assert flow.wait(timeout=120) == "finished"
+        outputs = json.loads(root.wait(timeout=120))  # a flow's answer: its outputs
+        assert outputs["publish"] == {"url": "https://example.org/post"}
+        sup.store.flush()
+        ledger = [e["data"] for e in sup.store.events(flow_id, "flow")]
+        runs = sup.store.runs(flow_id)
+        calls = model_calls(sup, flow_id)
+    children = [r for r in runs if r["parent_id"] == flow_id]
+    keys = sorted(r["key"] for r in children)
+    assert keys == ["plan#1", "publish#1", "review#1", "work#1[0]", "work#1[1]", "work#1[1]~1",
+                    "work#1[2]"]  # fmt: skip
+    spawned = Counter(e["run_id"] for e in ledger if e["kind"] == "spawned")
+    assert set(spawned.values()) == {1} and len(spawned) == len(children)
+    assert Counter(e["kind"] for e in ledger)["state_entry"] == 4
+    # One journaled turn per child: nothing recorded was asked again.
+    assert set(calls.values()) == {1} and len(calls) == len(children)
+    assert Counter(r["state"] for r in children) == {"completed": 6, "failed": 1}
+
+
+def test_a_paused_flow_is_still_paused_after_a_crash_and_resumes_on_request(tmp_path):
+    url = f"sqlite:///{tmp_path}/j.db"
+    body = f"""
+        sup = supervisor(brood.ScriptedModel({replies(tmp_path)!r}))
+        flow = sup.flow_run(SPEC)
+        print(flow.id, flush=True)
+        assert flow.wait() == "paused"
+        print("crash here", flush=True)
+        signal.pause()
+    """
+    flow_id = crash_after(tmp_path, body, url)
+    with brood.Supervisor(brood.ScriptedModel(replies(tmp_path)), store=url, limits=LIMITS) as sup:
+        sup.resume(flow_id)
+        flow = sup.flow(flow_id)
+        status = flow.status()
+        assert status["status"] == "paused"
+        assert "max_transitions 2 reached" in status["reason"]
+        flow.resume()
+        assert flow.wait(timeout=120) == "finished"
+        sup.store.flush()
+        calls = model_calls(sup, flow_id)
+    # plan, work x3 (+1 retry), review before the crash; publish after; none twice.
+    assert set(calls.values()) == {1} and len(calls) == 7
+
+
+def test_a_flow_started_by_a_run_is_adopted_by_the_runs_code_after_a_crash(tmp_path):
+    url = f"sqlite:///{tmp_path}/j.db"
+    in_call = Signal(tmp_path, "in-call")
+    spec = json.dumps(SPEC | {"run": {"max_parallel": 2}})  # no pause
+    code = f"fid = flow_run({spec!r})\nFINAL(flow_wait(fid) + ' ' + fid)"
+    model = replies(tmp_path) | {"root task": [f"{FENCE}repl\n{code}\n{FENCE}"]}
+    body = f"""
+        sup = supervisor(brood.ScriptedModel({{**{model!r}, "Work on 3": [block]}}))
+        print(sup.spawn("root task").id, flush=True)
+        open({in_call.path!r}).read()
+        print("crash here", flush=True)
+        signal.pause()
+    """
+    root_id = crash_after(tmp_path, body, url)
+    with brood.Supervisor(brood.ScriptedModel(model), store=url, limits=LIMITS) as sup:
+        root = sup.resume(root_id)
+        status, flow_id = root.wait(timeout=120).split()
+        sup.store.flush()
+        runs = sup.store.runs(root_id)
+        calls = model_calls(sup, root_id)
+    assert status == "finished"
+    flows = [r for r in runs if r["model"] == "flow"]
+    assert [(f["id"], f["key"], f["state"]) for f in flows] == [(flow_id, "flow:0", "completed")]
+    instances = [r for r in runs if r["parent_id"] == flow_id]
+    assert len({r["key"] for r in instances}) == len(instances) == 7
+    # The root's turn came from the journal; each instance was asked once.
+    assert set(calls.values()) == {1} and len(calls) == 8
