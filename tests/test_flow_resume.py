@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from collections import Counter
 
 import pytest
@@ -178,15 +179,22 @@ def test_a_flow_killed_mid_foreach_resumes_and_adopts_its_children(tmp_path):
         runs = sup.store.runs(flow_id)
         calls = model_calls(sup, flow_id)
     children = [r for r in runs if r["parent_id"] == flow_id]
-    keys = sorted(r["key"] for r in children)
-    assert keys == ["plan#1", "publish#1", "review#1", "work#1[0]", "work#1[1]", "work#1[1]~1",
-                    "work#1[2]"]  # fmt: skip
+    keys = Counter(r["key"] for r in children)
+    # Item 2's first attempt fails, unless the crash caught it mid-step: then the resumed
+    # run finishes that step (the marker exists by then) and no retry is needed.
+    retried = "work#1[1]~1" in keys
+    assert set(keys) - {"work#1[1]~1"} == {
+        "plan#1", "work#1[0]", "work#1[1]", "work#1[2]", "review#1", "publish#1"
+    }  # fmt: skip
+    assert set(keys.values()) == {1}
     spawned = Counter(e["run_id"] for e in ledger if e["kind"] == "spawned")
     assert set(spawned.values()) == {1} and len(spawned) == len(children)
     assert Counter(e["kind"] for e in ledger)["state_entry"] == 4
     # One journaled turn per child: nothing recorded was asked again.
     assert set(calls.values()) == {1} and len(calls) == len(children)
-    assert Counter(r["state"] for r in children) == {"completed": 6, "failed": 1}
+    assert Counter(r["state"] for r in children) == {"completed": 6} | (
+        {"failed": 1} if retried else {}
+    )
 
 
 def test_a_paused_flow_is_still_paused_after_a_crash_and_resumes_on_request(tmp_path):
@@ -238,6 +246,135 @@ def test_a_flow_started_by_a_run_is_adopted_by_the_runs_code_after_a_crash(tmp_p
     flows = [r for r in runs if r["model"] == "flow"]
     assert [(f["id"], f["key"], f["state"]) for f in flows] == [(flow_id, "flow:0", "completed")]
     instances = [r for r in runs if r["parent_id"] == flow_id]
-    assert len({r["key"] for r in instances}) == len(instances) == 7
+    # Six, or seven with item 2's retry (see the test above); no key twice.
+    assert len({r["key"] for r in instances}) == len(instances) in (6, 7)
     # The root's turn came from the journal; each instance was asked once.
-    assert set(calls.values()) == {1} and len(calls) == 8
+    assert set(calls.values()) == {1} and len(calls) == len(instances) + 1
+
+
+def test_a_stop_under_way_at_the_crash_is_completed_by_the_resume(tmp_path):
+    # The instance's grandchild announces SIGTERM and outlives it; the crashed supervisor
+    # waits a long term_grace for it, so the kill lands while the stop escalates.
+    url = f"sqlite:///{tmp_path}/j.db"
+    ready, got_term = Signal(tmp_path, "ready"), Signal(tmp_path, "got-term")
+    grandchild = (
+        "import signal, time; "
+        f"signal.signal(signal.SIGTERM, lambda *a: open({got_term.path!r}, 'w').write('1')); "
+        f"open({ready.path!r}, 'w').write('1'); time.sleep(10**6)"
+    )
+    stubborn = (
+        f"{FENCE}repl\nimport subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, '-c', {grandchild!r}])\n"
+        f"while True: time.sleep(1)\n{FENCE}"
+    )
+    spec = {"states": [{"id": "slow", "entry": True, "prompt": "Slow", "outputs": ["text"]}]}
+    body = f"""
+        import threading
+        sup = brood.Supervisor(
+            brood.ScriptedModel({{"Slow": [{stubborn!r}]}}), store={url!r},
+            limits=brood.Limits(shutdown_grace=0.3, term_grace=600),
+        )
+        flow = sup.flow_run({spec!r})
+        print(flow.id, flush=True)
+        open({ready.path!r}).read()
+        threading.Thread(target=flow.stop, daemon=True).start()
+        open({got_term.path!r}).read()
+        print("crash here", flush=True)
+        signal.pause()
+    """
+    flow_id = crash_after(tmp_path, body, url)
+    with brood.Supervisor(brood.ScriptedModel({}), store=url, limits=LIMITS) as sup:
+        root = sup.resume(flow_id)
+        flow = sup.flow(flow_id)
+        assert flow.wait(timeout=120) == "stopped"
+        assert root.status() == "cancelled"
+        sup.store.flush()
+        ledger = Counter(e["data"]["kind"] for e in sup.store.events(flow_id, "flow"))
+        milestones = [e["data"]["milestone"] for e in sup.store.events(flow_id, "flow")
+                      if e["data"]["kind"] == "milestone"]  # fmt: skip
+        states = {r["state"] for r in sup.store.runs(flow_id)}
+    assert ledger["stopping"] == 1 and ledger["flow_ended"] == 1
+    assert "finished" not in milestones
+    assert states == {"cancelled"}
+
+
+def test_a_flow_whose_ledger_lost_its_spec_fails_its_resume_with_the_reason(tmp_path):
+    import sqlite3
+
+    url = f"sqlite:///{tmp_path}/j.db"
+    body = f"""
+        sup = supervisor(brood.ScriptedModel({replies(tmp_path)!r}))
+        flow = sup.flow_run(SPEC)
+        print(flow.id, flush=True)
+        assert flow.wait() == "paused"
+        print("crash here", flush=True)
+        signal.pause()
+    """
+    flow_id = crash_after(tmp_path, body, url)
+    with sqlite3.connect(tmp_path / "j.db") as db:
+        db.execute("DELETE FROM events WHERE kind = 'flow' AND data LIKE '{\"kind\": \"spec\"%'")
+    with brood.Supervisor(brood.ScriptedModel({}), store=url, limits=LIMITS) as sup:
+        root = sup.resume(flow_id)
+        with pytest.raises(brood.ReplayDiverged, match="its ledger holds no spec"):
+            root.wait(timeout=120)
+        with pytest.raises(brood.InvalidArgument, match="not a flow this supervisor runs"):
+            sup.flow(flow_id)
+        states = {r["parent_id"] is None: r["state"] for r in sup.store.runs(flow_id)}
+    assert states[True] == "failed"
+
+
+def test_brood_resume_finishes_a_killed_flow_run_against_a_model_server(tmp_path):
+    from tests.fake_openai import FakeOpenAI
+    from tests.test_cli_resume import BROOD, TIMEOUT_S, env_without_model
+
+    store = f"sqlite:///{tmp_path}/j.db"
+    spec_path = tmp_path / "flow.json"
+    spec_path.write_text(json.dumps({k: v for k, v in SPEC.items() if k != "run"}))
+    held, release = threading.Event(), threading.Event()
+
+    def script(body):
+        task = next(m["content"] for m in body["messages"] if m["role"] == "user")
+        task = task.split("\n", 1)[0]
+        if task == "Work on 3" and not release.is_set():  # held until its process is killed
+            held.set()
+            release.wait(TIMEOUT_S)
+        answers = {"Plan": "[1, 2, 3]", "Review": "ok", "Publish": "https://example.org/post"}
+        return final(answers.get(task.split(" ", 1)[0], task.replace("Work on ", "r")))
+
+    def brood_cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [*BROOD, *args, "--store", store],
+            capture_output=True,
+            text=True,
+            env=env_without_model(),
+            timeout=TIMEOUT_S,
+        )
+
+    with FakeOpenAI(script) as server:
+        model = f"openai:m@{server.base_url}"
+        first = subprocess.Popen(
+            [*BROOD, "flow", "run", str(spec_path), "--model", model, "--store", store],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=env_without_model(),
+        )
+        try:
+            assert held.wait(TIMEOUT_S)
+        finally:
+            first.kill()
+            first.wait(TIMEOUT_S)
+        wait_gone(first.pid)
+        release.set()
+        flow_id = json.loads(brood_cli("ps", "--json").stdout)[0]["run_id"]
+        seen = len(server.requests)
+        out = brood_cli("resume", flow_id, "--model", model, "--no-live")
+        asked = [r.body["messages"][1]["content"] for r in server.requests[seen:]]
+        status = json.loads(brood_cli("flow", "status", flow_id, "--json").stdout)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["work"] == {"result": ["r1", "r2", "r3"]}
+    assert status["status"] == "finished"
+    # Item 3 (held at the kill) is asked again, and any item whose reply was not journaled
+    # yet; the plan is not; review and publish once each.
+    asked_by = Counter(a.split("\n", 1)[0].split(" ")[0] for a in asked)
+    assert (asked_by["Plan"], asked_by["Review"], asked_by["Publish"]) == (0, 1, 1)
+    assert any(a.startswith("Work on 3") for a in asked)
