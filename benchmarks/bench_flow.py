@@ -267,9 +267,30 @@ def flow_run(limits: brood.Limits) -> tuple[dict[str, float], Instrumented]:
         if status != "finished":
             raise RuntimeError(f"the flow ended {status}: {flow.status()['reason']}")
         texts = flow.outputs()["each"]["text"]
+        read, rebuild, events = rebuild_times(sup, flow.id)
     if texts != ["x"] * ITEMS:
         raise RuntimeError(f"the flow settled {len(texts)} outputs, {sorted(set(texts))}")
-    return {"wall": wall, "sup_cpu": cpu}, inst
+    return {"wall": wall, "sup_cpu": cpu, "read": read, "rebuild": rebuild, "events": events}, inst
+
+
+def rebuild_times(sup: brood.Supervisor, flow_id: str) -> tuple[float, float, int]:
+    """What a resume after a crash does for this flow: read its ledger (the floor), and
+    rebuild the executor from it (on the supervisor's loop, as a resume does)."""
+    sup.store.flush()
+    t0 = time.perf_counter()
+    events = sup.store.events(flow_id, "flow")
+    read = time.perf_counter() - t0
+    core = sup._core
+
+    async def rebuild() -> float:
+        t0 = time.perf_counter()
+        rebuilt = FlowExecutor.from_ledger(core, core.runs[flow_id], events)
+        took = time.perf_counter() - t0
+        if rebuilt.outputs != core.flows[flow_id].outputs:
+            raise RuntimeError("the flow rebuilt from its ledger differs from the live one")
+        return took
+
+    return read, sup._loop.call(rebuild()), len(events)
 
 
 def growth(samples: list[float]) -> tuple[float, float]:
@@ -319,6 +340,11 @@ def main() -> None:
         f"minus Core.start_child {inst.start_child.total:.2f} s); instrumentation adds "
         f"~{instrumentation * MS:.0f} ms"
     )
+    print(
+        f"resume: rebuilding the flow from its {flow['events']:,}-event ledger takes "
+        f"{flow['rebuild'] * MS:.0f} ms = {flow['rebuild'] / flow['read']:.2f}x reading it "
+        f"({flow['read'] * MS:.0f} ms)"
+    )
     for name, clock in inst.methods.items():
         print(
             f"  {name:<17} {clock.total:7.3f} s inclusive, {clock.calls:>6,} calls, "
@@ -338,6 +364,7 @@ def main() -> None:
         Row(BENCH, "  instance_done, last tenth", last, "s", first),
         Row(BENCH, "  supervisor CPU per child (foreach)", flow["sup_cpu"] / ITEMS, "s"),
         Row(BENCH, "  supervisor CPU per child (floor)", floor["sup_cpu"] / ITEMS, "s"),
+        Row(BENCH, "rebuild from the ledger (resume)", flow["rebuild"], "s", flow["read"]),
     ]
     finish(BENCH, rows, left, args.json)
 
