@@ -318,7 +318,7 @@ class FlowExecutor:
         while (
             self.queue
             and self.status_value == "running"
-            and (limit is None or self._active() < limit)
+            and (limit is None or self.active < limit)
         ):
             inst = self.queue.popleft()
             self.live.append(inst)
@@ -327,9 +327,6 @@ class FlowExecutor:
                 self.pending[inst.key] = inst
             else:
                 self._spawn(self.run_instance(inst))
-
-    def _active(self) -> int:
-        return self.active
 
     async def run_instance(self, inst: Instance) -> None:
         st = self.m.states[inst.state]
@@ -556,9 +553,6 @@ class FlowExecutor:
             )
             return
         self.end_with("finished", "flow finished")
-
-    def _resident(self, inst: Instance) -> bool:
-        return self.m.states[inst.state].lifecycle == "resident"
 
     def set_status(self, value: str) -> None:
         self.status_value = value
