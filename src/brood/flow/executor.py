@@ -316,9 +316,7 @@ class FlowExecutor:
         """Start queued instances while max_parallel allows."""
         limit = self.m.run.max_parallel
         while (
-            self.queue
-            and self.status_value == "running"
-            and (limit is None or self.active < limit)
+            self.queue and self.status_value == "running" and (limit is None or self.active < limit)
         ):
             inst = self.queue.popleft()
             self.live.append(inst)
