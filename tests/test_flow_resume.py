@@ -378,3 +378,48 @@ def test_brood_resume_finishes_a_killed_flow_run_against_a_model_server(tmp_path
     asked_by = Counter(a.split("\n", 1)[0].split(" ")[0] for a in asked)
     assert (asked_by["Plan"], asked_by["Review"], asked_by["Publish"]) == (0, 1, 1)
     assert any(a.startswith("Work on 3") for a in asked)
+
+
+def test_brood_resume_of_a_paused_flow_says_so_and_brood_flow_resume_reaches_it(tmp_path):
+    from tests.fake_openai import FakeOpenAI
+    from tests.test_cli_resume import BROOD, TIMEOUT_S, env_without_model
+
+    url = f"sqlite:///{tmp_path}/j.db"
+    body = f"""
+        sup = supervisor(brood.ScriptedModel({replies(tmp_path)!r}))
+        flow = sup.flow_run(SPEC)
+        print(flow.id, flush=True)
+        assert flow.wait() == "paused"
+        print("crash here", flush=True)
+        signal.pause()
+    """
+    flow_id = crash_after(tmp_path, body, url)
+    with FakeOpenAI(lambda body: final("https://example.org/post")) as server:
+        resumed = subprocess.Popen(
+            [*BROOD, "resume", flow_id, "--model", f"openai:m@{server.base_url}", "--store", url],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env_without_model(),
+            text=True,
+        )
+        try:
+            line = resumed.stderr.readline()
+            assert line.strip() == (
+                f"flow {flow_id} resumed, paused; `brood flow resume {flow_id}` lets it go on"
+            )
+            go_on = subprocess.run(
+                [*BROOD, "flow", "resume", flow_id, "--store", url],
+                capture_output=True,
+                text=True,
+                env=env_without_model(),
+                timeout=TIMEOUT_S,
+            )
+            out, err = resumed.communicate(timeout=TIMEOUT_S)
+        finally:
+            resumed.kill()
+            resumed.wait(TIMEOUT_S)
+        asked = [r.body["messages"][1]["content"] for r in server.requests]
+    assert go_on.returncode == 0, go_on.stderr
+    assert resumed.returncode == 0, err
+    assert json.loads(out)["publish"] == {"url": "https://example.org/post"}
+    assert [a.split(" ", 1)[0] for a in asked] == ["Publish"]  # nothing before it again

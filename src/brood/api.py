@@ -210,6 +210,10 @@ class Supervisor:
         self._core.flows[executor.run.id] = executor
         return FlowHandle(self, executor, started)
 
+    def flows(self) -> list[str]:
+        """The ids of the flows this supervisor runs (started or resumed), oldest first."""
+        return list(self._core.flows)
+
     def flow(self, run_id: str) -> FlowHandle:
         """A handle on a flow this supervisor runs: one it started, or one a `resume`
         rebuilt from its ledger (a flow's run id is its tree's root id when it was started

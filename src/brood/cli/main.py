@@ -220,6 +220,10 @@ def resume(
     try:
         with brood.Supervisor(model or os.environ.get("BROOD_MODEL"), store=url) as sup:
             handle = sup.resume(run_id)
+            if handle.id in sup.flows():  # a flow's own tree: say where it stands
+                status = sup.flow(handle.id).status()["status"]
+                hint = f"; `brood flow resume {handle.id}` lets it go on" * (status == "paused")
+                Console(stderr=True).print(f"flow {handle.id} resumed, {status}{hint}")
             result = _watch(handle, url, live)
             try:
                 handle.result()
