@@ -3,11 +3,16 @@
 A root starts 1,000 children of one scripted turn each (max_concurrency=16) with the
 journal in an SQLite file. Every run, transition, model call and REPL step is journaled by
 the one writer thread. Reported: journal writes per second over the fan-out's wall time,
-and the share of that wall time the writer spent committing (target under 10%).
+and the share of that wall time spent journaling (target under 10%).
 
-The floor is the same fan-out with a journal that commits nothing (every write resolves at
-once): the wall-time ratio says what journaling costs the fan-out end to end, including
-the supervisor's side of it (encoding and queueing the writes).
+The share is measured end to end, against a floor: the same fan-out with a journal that
+commits nothing (every write resolves at once), run alternately with the real one. The
+wall time the journal adds over the floor, as a share of the fan-out's wall time, is what
+journaling costs the fan-out, including the supervisor's side of it (encoding and queueing
+the writes, waiting for commits before telling parents). The writer thread's own time in
+commits is printed too, but it is not that cost: the writer runs beside the loop, and its
+commit time includes waiting for the GIL while the loop thread runs (its CPU time is
+about half of it).
 """
 
 from __future__ import annotations
@@ -91,7 +96,7 @@ def null_fan_out() -> float:
 
 def main() -> None:
     args = parse_args(__doc__ or "")
-    walls, shares, rates, null_walls = [], [], [], []
+    walls, shares, busy, rates, null_walls = [], [], [], [], []
     with tempfile.TemporaryDirectory(prefix="brood-bench-journal-") as tmp:
         fan_out(None)  # warm-up: first-use costs on both sides
         for i in range(ROUNDS):
@@ -99,7 +104,8 @@ def main() -> None:
             wall, stats = fan_out(url)
             null_walls.append(null_fan_out())
             walls.append(wall)
-            shares.append(stats["busy_s"] / wall)
+            shares.append(1 - null_walls[-1] / wall)
+            busy.append(stats["busy_s"] / wall)
             rates.append(stats["writes"] / wall)
             print(
                 f"round {i + 1}: fan-out {wall:.2f} s, {int(stats['writes'])} writes in "
@@ -113,13 +119,14 @@ def main() -> None:
         Row(BENCH, "journal writes per second (fan-out)", median(rates), "/s"),
         Row(
             BENCH,
-            "writer's share of the fan-out's wall time",
+            "share of the fan-out's wall time journaling adds",
             share * 100,
             "%",
             None,
             f"< {TARGET_SHARE:.0%}",
             share < TARGET_SHARE,
         ),
+        Row(BENCH, "  writer thread in commits (beside the loop)", median(busy) * 100, "%"),
         Row(
             BENCH,
             f"fan-out of {CHILDREN} with the SQLite journal",
