@@ -1,7 +1,8 @@
 """Random flows, driven against a fake host, rebuild from their ledgers exactly.
 
 A `FlowExecutor` decides only from its input events (`flow_started`, `spawned`, `settled`,
-`resumed`, `stopping`, `budget_expired`); every derived event follows synchronously. Here
+`resumed`, `stopping`, `budget_expired`, `run_ended`); every derived event follows
+synchronously. Here
 Hypothesis draws a flow from a small family of specs (chains, guarded fan-out and back
 edges, foreach over json lists, retries, the three failure policies, `max_entries`,
 `max_transitions`, `max_parallel`, a run budget) and drives it on an in-memory host (no
@@ -13,11 +14,16 @@ refused (for capacity, retried with backoff on a fake clock; or for good).
 
 Then:
 
-1. the flow rebuilt from its whole ledger writes nothing and holds what the live executor
-   holds (outputs, entries, fires, milestones, held fires, status / ending);
-2. the flow rebuilt from every prefix of its ledger (every point a crash can leave behind)
-   does not raise, and what the prefix holds plus what the rebuild wrote is how the live
-   flow went on.
+1. after every step and at the end, the flow rebuilt from its whole ledger so far writes
+   nothing and holds what the live executor holds (outputs, entries, fires, milestones,
+   held fires, ending; while it is not ending also its status, instances, waiting and
+   queued entries; once it has ended, its final status);
+2. at the end, the flow rebuilt from every prefix of its ledger (every point a crash can
+   leave behind) does not raise, and what the prefix holds plus what the rebuild wrote is
+   how the live flow went on.
+
+The two regression tests at the end pin bugs this property found: an empty foreach
+settling inside `try_waiting`, and a flow whose own run was ended from outside.
 """
 
 from __future__ import annotations
@@ -41,9 +47,12 @@ FENCE = "```"
 MAX_ACTIONS = 40
 DRAIN_TURNS = 60  # loop turns that let every task of the executor reach its next wait
 RUN_BUDGET = 1000.0  # a run budget that never runs out by itself (the test expires it)
+MIN_ITEMS = 0  # lists (the flow input `xs`, every `items` output) may be empty
+END_FROM_OUTSIDE = True  # a step may end the flow's own run from outside
 
 # Guards on a state's outputs `v` (a JSON object {ok, n}) and `items` (a JSON list).
-GUARDS = [
+GUARDS: list[dict[str, Any] | None] = [
+    None,
     {"output": "v", "path": "ok", "op": "eq", "value": True},
     {"output": "v", "path": "ok", "op": "eq", "value": False},
     {"output": "v", "path": "n", "op": "gt", "value": 1},
@@ -79,7 +88,7 @@ def specs(draw: st.DrawFn) -> tuple[dict[str, Any], dict[str, Any]]:
         if i == 0 and draw(st.integers(0, 3)) == 0:
             state["inputs"] = [{"name": "xs", "type": "json"}]
             state["foreach"] = {"over": "xs", "max": draw(st.integers(1, 3))}
-            params["xs"] = draw(st.lists(st.integers(0, 3), max_size=4))
+            params["xs"] = draw(st.lists(st.integers(0, 3), min_size=MIN_ITEMS, max_size=4))
         elif i > 0 and draw(st.booleans()):
             source = draw(st.integers(0, i - 1))
             optional = draw(st.integers(0, 3)) == 0
@@ -90,10 +99,10 @@ def specs(draw: st.DrawFn) -> tuple[dict[str, Any], dict[str, Any]]:
     edges: dict[tuple[str, str], dict[str, Any] | None] = {}
     for i in range(1, n):  # reachability (guards are ignored for it)
         source = draw(st.integers(0, i - 1))
-        edges[(f"s{source}", f"s{i}")] = draw(st.none() | st.sampled_from(GUARDS))
+        edges[(f"s{source}", f"s{i}")] = draw(st.sampled_from(GUARDS))
     for _ in range(draw(st.integers(0, 4))):
         source, target = draw(st.integers(0, n - 1)), draw(st.integers(0, n - 1))
-        edges.setdefault((f"s{source}", f"s{target}"), draw(st.none() | st.sampled_from(GUARDS)))
+        edges.setdefault((f"s{source}", f"s{target}"), draw(st.sampled_from(GUARDS)))
     transitions = [
         {"from": a, "to": b, **({"when": guard} if guard else {})}
         for (a, b), guard in edges.items()
@@ -132,14 +141,17 @@ class FakeRun:
 
 class FakeHost:
     """The supervisor as the executor sees it, in memory. Starts are decided by `starts`
-    (one per start, in order: "ok", "capacity" or "refuse"; then "ok"); every await yields to the loop
-    once, as a real start or exit confirmation would."""
+    (one per start, in order: "ok", "capacity" or "refuse"; then "ok"). `finish` works as
+    the supervisor's does: the first caller decides how a run ends (`ending` is set at
+    once), its open children are cancelled first, and the exit is confirmed a loop turn
+    later."""
 
     def __init__(self, starts: list[str]) -> None:
         self.runs: dict[str, FakeRun] = {}
         self.ledger: list[dict[str, Any]] = []
         self.starts = deque(starts)  # drawn beforehand: no draw happens inside a task
         self.ids = itertools.count(1)
+        self.ended_outside = False  # the flow's own run was ended by another than its flow
 
     def _new(self, state: RunState, parent: FakeRun | None, key: str | None = None) -> FakeRun:
         run = FakeRun(f"r-{next(self.ids)}", FakeRec(state), parent, key)
@@ -163,7 +175,7 @@ class FakeHost:
         how = self.starts.popleft() if self.starts else "ok"
         if how == "capacity":
             raise LimitExceeded("max_concurrency", 9, 8)
-        if how == "refuse":
+        if how == "refuse" or parent.ending is not None or parent.rec.state.terminal:
             raise BroodError(f"start of {key} refused")
         child = self._new(RunState.QUEUED, parent, key)
         child.rec.state = RunState.RUNNING
@@ -179,9 +191,17 @@ class FakeHost:
         answer: str | None = None,
         error: str | None = None,
     ) -> RunState:
-        await asyncio.sleep(0)  # the exit is confirmed a turn later
         if run.rec.state.terminal:
             return run.rec.state
+        if run.ending is None:
+            run.ending = asyncio.ensure_future(self._end(run, state, reason, answer))
+        return await asyncio.shield(run.ending)
+
+    async def _end(self, run: FakeRun, state: RunState, reason: str, answer: str | None) -> Any:
+        why = "parent finished" if state is RunState.COMPLETED else "parent cancelled"
+        open_children = [c for c in run.children if not c.rec.state.terminal]
+        await asyncio.gather(*(self.finish(c, RunState.CANCELLED, why) for c in open_children))
+        await asyncio.sleep(0)  # the exit is confirmed a turn later
         end(run, state, reason, answer)
         return state
 
@@ -198,7 +218,13 @@ class FakeHost:
         return self.runs[run_id]
 
 
+def open_children(run: FakeRun) -> list[FakeRun]:
+    """The children of `run` that have not ended and are not being ended."""
+    return [c for c in run.children if not c.rec.state.terminal and c.ending is None]
+
+
 def end(run: FakeRun, state: RunState, reason: str, answer: str | None = None) -> None:
+    """`run` ends now (a child that answers or dies on its own, or the end of `finish`)."""
     run.rec.state, run.rec.reason, run.rec.answer = state, reason, answer
     run.done.set()
 
@@ -248,38 +274,57 @@ def pick(data: st.DataObject, choices: list[Any], label: str) -> Any:
     return choices[data.draw(st.integers(0, len(choices) - 1), label=label)]
 
 
+async def launch(
+    spec: dict[str, Any], params: dict[str, Any], starts: list[str] | None = None
+) -> tuple[FlowExecutor, FakeHost, list[asyncio.Future[Any]]]:
+    """A flow started on a fake host; returns it, its host, and a list that gathers every
+    task the executor spawns (see `reraise`)."""
+    host = FakeHost(starts or [])
+    ex = FlowExecutor(host, compile_spec(load_spec(spec)), params, sleep=fast_sleep)
+    tasks: list[asyncio.Future[Any]] = []
+    spawn = ex._spawn
+
+    def spawn_kept(coro: Any) -> None:
+        spawn(coro)
+        tasks.extend(t for t in ex.running if t not in tasks)
+
+    ex._spawn = spawn_kept
+    await ex.start("prop", spec=spec)
+    return ex, host, tasks
+
+
+def reraise(tasks: list[asyncio.Future[Any]]) -> None:
+    """An exception that ended one of the executor's tasks (which asyncio would only log)."""
+    for t in tasks:
+        if t.done() and not t.cancelled() and t.exception() is not None:
+            raise t.exception()  # type: ignore[misc]
+
+
 async def drive(
     data: st.DataObject, spec: dict[str, Any], params: dict[str, Any]
 ) -> tuple[FlowExecutor, FakeHost, list[str]]:
     """Run the flow, with Hypothesis choosing every step; returns the executor, its host
     and the steps taken (for a failure's report)."""
     starts = data.draw(st.lists(st.sampled_from(STARTS), max_size=12), label="starts")
-    host = FakeHost(starts)
-    ex = FlowExecutor(host, compile_spec(load_spec(spec)), params, sleep=fast_sleep)
-    tasks: list[asyncio.Future[Any]] = []
-    spawn = ex._spawn
-
-    def spawn_kept(coro: Any) -> None:  # every task of the executor, to check how it ended
-        spawn(coro)
-        tasks.extend(t for t in ex.running if t not in tasks)
-
-    ex._spawn = spawn_kept  # type: ignore[method-assign]
+    ex, host, tasks = await launch(spec, params, starts)
     steps: list[str] = []
-    await ex.start("prop", spec=spec)
+    waits: list[asyncio.Future[Any]] = []  # stops, and ends of the flow's run
     await drain(pick(data, TURNS, "turns"))
     for _ in range(MAX_ACTIONS):
         if ex.done.is_set():
             break
-        running = [c for c in ex.run.children if not c.rec.state.terminal]
+        running = open_children(ex.run)
         if not running and ex.status_value == "running":
             await drain()  # the starts have not landed yet: let them
-            running = [c for c in ex.run.children if not c.rec.state.terminal]
+            running = open_children(ex.run)
         actions = ["settle"] * 12 if running else []
         if ex.status_value == "paused":
             actions += ["resume"] * 4
         actions.append("stop")
         if ex.m.run.budget is not None:
             actions.append("budget")
+        if END_FROM_OUTSIDE and ex.run.ending is None:
+            actions.append("end_run")
         action = pick(data, actions, "action")
         if action == "settle":
             child = data.draw(st.sampled_from(running), label="child")
@@ -287,7 +332,7 @@ async def drive(
             steps.append(f"settle {child.key} {outcome}")
             if outcome == "completed":
                 v = {"ok": data.draw(st.booleans()), "n": data.draw(st.integers(0, 3))}
-                items = data.draw(st.lists(st.integers(0, 3), max_size=3))
+                items = data.draw(st.lists(st.integers(0, 3), min_size=MIN_ITEMS, max_size=3))
                 steps[-1] += f" v={json.dumps(v)} items={items}"
                 end(child, RunState.COMPLETED, "answered", answer(v, items))
             elif outcome == "broken_output":
@@ -299,7 +344,12 @@ async def drive(
             await ex.resume()
         elif action == "stop":
             steps.append("stop")
-            tasks.append(asyncio.ensure_future(ex.stop()))
+            waits.append(asyncio.ensure_future(ex.stop()))
+        elif action == "end_run":  # the flow's run is cancelled (its parent ended, say)
+            steps.append("end_run")
+            host.ended_outside = True
+            ending = host.finish(ex.run, RunState.CANCELLED, "cancelled from outside")
+            waits.append(asyncio.ensure_future(ending))
         else:
             steps.append("budget_expired")
             ex._budget_expired()
@@ -307,13 +357,12 @@ async def drive(
         if turns != DRAIN_TURNS:
             steps.append(f"{turns} turns")
         await drain(turns)
+        reraise(tasks)
+        check_whole(ex, host, steps)  # also mid-flight: a crash may come at any point
     await drain()
-    if any(not t.done() for t in tasks if t not in ex.running):  # a stop still waiting
-        await asyncio.wait_for(ex.done.wait(), timeout=5)
-        await drain()
-    for t in tasks:
-        if t.done() and not t.cancelled():
-            assert t.exception() is None, f"a task failed: {t.exception()!r}; steps: {steps}"
+    await asyncio.wait_for(asyncio.gather(*waits), timeout=5)  # a stop ends the flow
+    await drain()
+    reraise(tasks)
     return ex, host, steps
 
 
@@ -330,15 +379,28 @@ def marks(events: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
 def rebuild(host: FakeHost, run: FakeRun, cut: int | None = None) -> tuple[FlowExecutor, list]:
     replay = ReplayHost(host)
     events = [{"data": dict(e["data"]), "at": e["at"]} for e in host.ledger[:cut]]
-    rebuilt = FlowExecutor.from_ledger(replay, run, events, sleep=fast_sleep)  # type: ignore[arg-type]
+    rebuilt = FlowExecutor.from_ledger(replay, run, events, sleep=fast_sleep)
     return rebuilt, replay.written
 
 
-def instances(ex: FlowExecutor) -> list[tuple[Any, ...]]:
-    return [(i.key, i.outcome) for i in ex.live]
+def progress(ex: FlowExecutor) -> dict[str, Any]:
+    """What a flow that is not ending holds besides its decisions: its status, its
+    instances (started, in order, with their outcomes), its waiting and queued entries,
+    the escalated entries a resume runs again."""
+    return {
+        "status": ex.status_value,
+        "reason": ex.reason,
+        "instances": [(i.key, i.outcome) for i in ex.live],
+        "active": ex.active,
+        "waiting": [(e.state, e.number) for e in ex.waiting],
+        "queue": [i.key for i in ex.queue],
+        "failed_entries": [(e.state, e.number) for e in ex.failed_entries],
+    }
 
 
 def check_whole(live: FlowExecutor, host: FakeHost, steps: list[str]) -> None:
+    """Property 1: the flow rebuilt from its whole ledger (so far) writes nothing and
+    holds what the live flow holds."""
     rebuilt, written = rebuild(host, live.run)
     why = f"steps: {steps}"
     assert written == [], why
@@ -348,22 +410,24 @@ def check_whole(live: FlowExecutor, host: FakeHost, steps: list[str]) -> None:
     assert rebuilt.milestones == live.milestones, why
     assert list(rebuilt.held) == list(live.held), why
     assert rebuilt.ending == live.ending, why
-    assert rebuilt.ended_journaled == live.done.is_set(), why
+    if host.ended_outside:  # the live flow stops deciding once it notices
+        if live.done.is_set() and live.ending is None:
+            rebuilt.go_live()
+            assert (rebuilt.status_value, rebuilt.done.is_set()) == ("stopped", True), why
+        return
+    if live.ending is None:
+        assert progress(rebuilt) == progress(live), why
     if live.done.is_set():
         assert live.ending is not None and live.status_value == live.ending[0], why
+        assert rebuilt.ended_journaled, why
         rebuilt.go_live()  # the flow's run has ended: the rebuild only takes its status
         assert (rebuilt.status_value, rebuilt.done.is_set()) == (live.status_value, True), why
-    elif live.ending is None:
-        assert rebuilt.status_value == live.status_value, why
-        assert rebuilt.reason == live.reason, why
-        assert instances(rebuilt) == instances(live), why
-        assert [(e.state, e.number) for e in rebuilt.waiting] == [
-            (e.state, e.number) for e in live.waiting
-        ], why
-        assert [i.key for i in rebuilt.queue] == [i.key for i in live.queue], why
 
 
 def check_prefixes(live: FlowExecutor, host: FakeHost, steps: list[str]) -> None:
+    """Property 2: rebuilt from any prefix of its ledger (what a crash can leave behind),
+    the flow does not raise, and the prefix plus what the rebuild wrote is how the live
+    flow went on."""
     full = [e["data"] for e in host.ledger]
     assert full[0]["kind"] == "spec"
     assert {e["kind"] for e in full} <= DERIVED | INPUTS | {"spec", "flow_ended", "start_retry"}
@@ -387,5 +451,76 @@ def test_a_randomly_driven_flow_rebuilds_from_every_prefix_of_its_ledger(flow, d
         live, host, steps = await drive(data, spec, params)
         check_whole(live, host, steps)
         check_prefixes(live, host, steps)
+
+    asyncio.run(main())
+
+
+# ---- regressions the property found -------------------------------------------------------
+def json_outputs(*names: str) -> list[dict[str, str]]:
+    return [{"name": n, "type": "json"} for n in names]
+
+
+def test_an_empty_foreach_that_settles_while_another_entry_becomes_ready_does_not_crash():
+    # `each` and `after` both wait for plan.items; plan answers an empty list, so `each`
+    # (a foreach over it) settles at once, inside the pass that starts `after`.
+    spec = {
+        "states": [
+            {"id": "plan", "entry": True, "prompt": "Plan", "outputs": json_outputs("items")},
+            {
+                "id": "each",
+                "entry": True,
+                "prompt": "Each",
+                "inputs": [{"name": "x", "from": "plan.items"}],
+                "foreach": {"over": "x"},
+                "outputs": json_outputs("v"),
+            },
+            {
+                "id": "after",
+                "entry": True,
+                "prompt": "After",
+                "inputs": [{"name": "x", "from": "plan.items"}],
+                "outputs": json_outputs("v"),
+            },
+        ]
+    }
+
+    async def main() -> None:
+        ex, host, tasks = await launch(spec, {})
+        await drain()
+        (plan,) = open_children(ex.run)
+        end(plan, RunState.COMPLETED, "answered", answer({"ok": True}, []))
+        await drain()
+        reraise(tasks)  # once, the task that settled plan died here (ValueError)
+        steps = ["settle plan#1 completed items=[]"]
+        check_prefixes(ex, host, steps)
+        (after,) = open_children(ex.run)
+        assert after.key == "after#1" and ex.outputs["each"] == {"v": []}
+        end(after, RunState.COMPLETED, "answered", answer({"ok": True}, [1]))
+        await drain()
+        assert ex.done.is_set() and ex.status_value == "finished"
+        check_whole(ex, host, steps)
+
+    asyncio.run(main())
+
+
+def test_a_flow_whose_run_was_ended_from_outside_rebuilds_without_deciding_more():
+    spec = {"states": [{"id": "a", "entry": True, "prompt": "A", "outputs": json_outputs("v")}]}
+
+    async def main() -> None:
+        ex, host, tasks = await launch(spec, {})
+        await drain()
+        assert [c.key for c in open_children(ex.run)] == ["a#1"]
+        host.ended_outside = True
+        # As the supervisor ends a run: `ending` at once, its children cancelled, then it.
+        await host.finish(ex.run, RunState.CANCELLED, "parent cancelled")
+        await drain()
+        reraise(tasks)
+        # Live: the end is journaled (run_ended) before `a` settles, and the flow is
+        # stopped, deciding nothing more; a rebuild stops deciding at the same point.
+        rebuilt, written = rebuild(host, ex.run)
+        assert written == [], "a rebuild decided what the live flow did not"
+        assert (rebuilt.ending, rebuilt.milestones) == (ex.ending, ex.milestones)
+        rebuilt.go_live()
+        assert (rebuilt.status_value, ex.status_value) == ("stopped", "stopped")
 
     asyncio.run(main())

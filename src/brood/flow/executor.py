@@ -53,7 +53,9 @@ DERIVED = frozenset(
     }
 )
 # Ledger kinds that are the executor's inputs (a replay feeds them back, in order).
-INPUTS = frozenset({"flow_started", "spawned", "settled", "resumed", "stopping", "budget_expired"})
+INPUTS = frozenset(
+    {"flow_started", "spawned", "settled", "resumed", "stopping", "budget_expired", "run_ended"}
+)
 ENDS = {"finished": RunState.COMPLETED, "failed": RunState.FAILED, "stopped": RunState.CANCELLED}
 
 
@@ -189,6 +191,7 @@ class FlowExecutor:
         # Ending: (final status, reason, milestone) once the flow has begun to end.
         self.ending: tuple[str, str, str | None] | None = None
         self.ended_journaled = False  # flow_ended is in the ledger (a resume found it there)
+        self.ended_outside = False  # the flow's run was ended from outside (run_ended)
         # While a resume replays the ledger: what the replay made of the derived kinds, and
         # the instances started and not yet settled, by key.
         self.replaying = False
@@ -226,6 +229,7 @@ class FlowExecutor:
         self.ledger("spec", spec=self.spec, params=self.params)
         self.ledger("flow_started", entry=list(self.m.entry), params=sorted(self.params))
         self._arm_budget(self.m.run.budget)
+        self._spawn(self._watch_run())
         return self._begin()
 
     def _begin(self) -> list[str]:
@@ -283,6 +287,8 @@ class FlowExecutor:
         if self.status_value != "running":
             return
         for entry in list(self.waiting):
+            if entry not in self.waiting:
+                continue  # started meanwhile (an empty foreach settled and started it)
             st = self.m.states[entry.state]
             values = self.inputs_of(st)
             if values is None:
@@ -382,6 +388,7 @@ class FlowExecutor:
     ) -> None:
         """An instance ended (completed / failed / cancelled): the ledger's input event,
         then every decision that follows from it."""
+        self._controller_ended()  # noticed (and journaled) before the settle, if so
         if inst.outcome is None:
             self.active -= 1  # the counter keeps pump and quiescence O(1)
         inst.outcome = outcome
@@ -483,15 +490,30 @@ class FlowExecutor:
 
     def _controller_ended(self) -> bool:
         """The flow's own run was ended from outside (its parent ended, a cancel): the flow
-        is over, and what its instances do now changes nothing. (A replay decides as the
-        flow did before its run ended.)"""
-        if self.replaying or (self.run.ending is None and not self.run.rec.state.terminal):
+        is over, and what its instances do now changes nothing. Noticed once, as the
+        ledger input `run_ended` (a replay stops deciding at the same point)."""
+        if self.ended_outside:
+            return True
+        if self.replaying or self.ending is not None:
+            return False  # a replay learns it from the ledger; an ending of its own is no news
+        if self.run.ending is None and not self.run.rec.state.terminal:
             return False
+        self._run_ended(self.run.rec.reason or "the flow's run ended")
+        return True
+
+    def _run_ended(self, reason: str) -> None:
+        self.ended_outside = True
+        self.ledger("run_ended", reason=reason)
         if self.status_value not in ("stopped", "finished", "failed"):
             self.set_status("stopped")
-            self.reason = self.run.rec.reason or "the flow's run ended"
-            self.done.set()
-        return True
+            self.reason = reason
+        self.done.set()
+
+    async def _watch_run(self) -> None:
+        """Notice the flow's run ending from outside while no instance settles (a paused
+        flow, one waiting for a start)."""
+        await self.run.done.wait()
+        self._controller_ended()
 
     def instance_failed(self, inst: Instance, why: str) -> None:
         if self._controller_ended():
@@ -743,6 +765,8 @@ class FlowExecutor:
             self.end_with("stopped", d.get("reason") or "stopped")
         elif kind == "budget_expired":
             self._over_budget()
+        elif kind == "run_ended":
+            self._run_ended(d.get("reason") or "the flow's run ended")
         else:  # spawned, settled
             key = (d["state"], d["entry"], d["item"], d.get("attempt", 0))
             inst = self.pending.get(key)
@@ -771,9 +795,13 @@ class FlowExecutor:
             self.reason = self.reason or self.run.rec.reason
             self.done.set()
             return
+        if self.ended_outside:  # its run was being ended from outside at the crash
+            self._spawn(self.host.finish(self.run, RunState.CANCELLED, self.reason or "ended"))
+            return
         pending, self.pending = list(self.pending.values()), {}
         for inst in pending:
             self._spawn(self.run_instance(inst))
+        self._spawn(self._watch_run())
         if self.ending is not None:
             self._spawn(self._complete_ending())
             return
