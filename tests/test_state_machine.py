@@ -686,9 +686,14 @@ def test_random_spawn_cancel_finish_close_sequences_keep_the_contract():
     )
 
 
-def test_a_run_cancelled_while_its_start_is_journaled_still_reports_its_start(monkeypatch):
+def test_a_run_cancelled_while_its_start_is_journaled_still_reports_its_start(
+    monkeypatch, tmp_path
+):
+    from tests.util import Gate
+
     starts: list[brood.RunInfo] = []
-    model = brood.ScriptedModel([repl("FINAL('x')")])
+    # The run's model never answers (its gate stays shut): only the cancel ends it.
+    model = brood.ScriptedModel([Gate(tmp_path, "never").blocking_reply(repl("FINAL('x')"))])
     sup = brood.Supervisor(model, limits=LIMITS, on_start=starts.append)
     store, original = sup.store, sup.store.transition
     at_running = threading.Event()
