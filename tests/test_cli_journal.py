@@ -31,6 +31,7 @@ import pytest
 
 from brood import Limits, ScriptedModel, Supervisor
 from brood.backends.local import processes_owned
+from brood.journal import Journal
 from tests.util import Gate, Signal, pid_alive
 
 BROOD = [sys.executable, "-m", "brood.cli.main"]
@@ -379,6 +380,14 @@ def test_ps_tree_show_and_export_see_a_tree_another_process_runs(tmp_path, start
     roles = [m["role"] for m in records[2]["messages"]]  # the whole conversation so far
     assert roles == ["system", "user", "assistant", "user", "assistant", "user"]
     assert records[3]["messages"] == json.loads(a_saw.read_text())  # what the model was given
+    # The journal holds each system prompt once per tree; requests refer to it by hash.
+    with Journal(store) as journal:
+        events = journal.store.events(root_id=tree.root)
+    prompts = {e["data"]["ref"]: e["data"]["content"] for e in events if e["kind"] == "prompt"}
+    firsts = [e["data"]["request"][0] for e in events if e["kind"] == "model_call"]
+    assert len(prompts) == len([e for e in events if e["kind"] == "prompt"])
+    assert {m["prompt_ref"] for m in firsts if "prompt_ref" in m} == set(prompts)
+    assert all("content" not in m for m in firsts if m["role"] == "system")
     assert records[3]["parent_id"] == tree.root and records[3]["depth"] == 1
 
 

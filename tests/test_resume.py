@@ -123,7 +123,11 @@ def test_resume_replays_without_new_calls_and_adopts_children(tmp_path):
         assert h.wait(timeout=60) == "A done|B done|4"
         runs = sup.store.runs(root_id)
         events = [e["kind"] for e in sup.store.events(root_id)]
+        tree_events = sup.store.events(root_id=root_id)
     after = calls(tmp_path / "calls-after.jsonl")
+    # A system prompt is journaled once per tree, before and after the resume alike.
+    prompts = [e["data"]["ref"] for e in tree_events if e["kind"] == "prompt"]
+    assert len(prompts) == len(set(prompts)) >= 1
     # Recorded work is not asked of the model again: the root's first two turns and its
     # plain call are in the journal; its third turn and child B's first (in flight at the
     # crash) are new. Child A's one turn is new only if the crash beat its journaling.

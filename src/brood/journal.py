@@ -129,6 +129,17 @@ class Journal:
         """One record per model call of the tree under `run_id`, with the full request
         messages, the response and usage: the shape RL and fine-tuning pipelines read."""
         tree = self.tree(run_id)
+        prompts = {
+            e["data"]["ref"]: e["data"]["content"]
+            for e in self.store.events(tree["root_id"], "prompt")
+        }
+
+        def resolved(request: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            return [
+                {"role": m["role"], "content": prompts[m["prompt_ref"]]} if "prompt_ref" in m else m
+                for m in request
+            ]
+
         stack = [tree]
         while stack:
             node = stack.pop(0)
@@ -137,11 +148,11 @@ class Journal:
             for ev in self.store.events(node["id"], "model_call"):
                 d = ev["data"]
                 if d["kind"] == "turn":
-                    conversation.extend(d.get("request", []))
+                    conversation.extend(resolved(d.get("request", [])))
                     messages = list(conversation)
                     turn += 1
                 else:
-                    messages = d.get("request", [])
+                    messages = resolved(d.get("request", []))
                 yield {
                     "run_id": node["id"],
                     "root_id": node["root_id"],

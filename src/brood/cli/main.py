@@ -386,6 +386,11 @@ def _event_lines(ev: dict[str, Any]) -> Group:
         return Group(*parts)
     if kind == "message":
         return Group(f"[dim]{stamp}[/dim] [bold]message[/bold] {d['message']}")
+    if kind == "prompt":
+        return Group(
+            f"[dim]{stamp}[/dim] [bold]prompt[/bold] system prompt {d['ref']} "
+            f"({len(d['content'])} chars; `brood export` puts it in each request)"
+        )
     return Group(f"[dim]{stamp}[/dim] [bold]{kind}[/bold] {json.dumps(d, default=str)}")
 
 

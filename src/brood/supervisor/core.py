@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import itertools
 import secrets
 import signal
@@ -123,6 +124,7 @@ class Run:
     replay: Replay | None = None  # a run resumed from the journal, until its worker starts
     by_key: dict[str, Run] = field(default_factory=dict)  # resumed: journaled children by key
     flows_started: int = 0  # flows its code started (their runs' keys: flow:N)
+    prompts: set[str] = field(default_factory=set)  # roots only: system prompts journaled
 
     @property
     def launchable(self) -> bool:
@@ -591,7 +593,7 @@ class Core:
                 "input_tokens": msg.input_tokens,
                 "output_tokens": msg.output_tokens,
                 "error": msg.error,
-                "request": msg.request,
+                "request": self._by_ref(run, msg.request),
                 "response": msg.response,
             },
         )
@@ -606,6 +608,20 @@ class Core:
             over = "cost"
         if over and root.ending is None:
             self._task(self.finish(root, RunState.CANCELLED, f"budget: {over}"))
+
+    def _by_ref(self, run: Run, request: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The request as journaled: a system prompt (several KB, the same for most runs of
+        a tree) is journaled once per tree, as a `prompt` event of the root, and a request
+        refers to it by hash (`Journal.export` puts it back)."""
+        if not request or request[0].get("role") != "system":
+            return request
+        text = str(request[0].get("content", ""))
+        ref = hashlib.sha256(text.encode()).hexdigest()[:16]
+        root = self.runs[run.rec.root_id]
+        if ref not in root.prompts:
+            root.prompts.add(ref)
+            self._event(root, "prompt", {"ref": ref, "content": text})
+        return [{"role": "system", "prompt_ref": ref}, *request[1:]]
 
     # ---- ending runs -------------------------------------------------------------------
     async def finish(
@@ -841,6 +857,7 @@ class Core:
             runs[rec.id] = run
         root = runs[root_id]
         root.tree_children = len(runs) - 1
+        root.prompts = {e["data"]["ref"] for e in self.store.events(root_id, "prompt")}
         for run in runs.values():
             u = run.rec.usage
             root.tree_usage["tokens"] = (
