@@ -112,7 +112,8 @@ def calls(path) -> list[tuple[str, int]]:
 def test_resume_replays_without_new_calls_and_adopts_children(tmp_path):
     url, root_id = crashed_tree(tmp_path)
     before = calls(tmp_path / "calls-before.jsonl")
-    assert ("root", 0) in before and ("root", 1) in before and ("child A", 0) in before
+    # (Child A may not have reached its model call yet: it runs beside the root.)
+    assert ("root", 0) in before and ("root", 1) in before
     model = brood.ScriptedModel(
         {"root": ROOT, "child A": CHILD_A, "plain:": PLAIN, "child B": [repl("FINAL('B done')")]},
         log_path=tmp_path / "calls-after.jsonl",
