@@ -545,7 +545,10 @@ def test_read_commands_show_the_runs_of_a_dead_supervisor_as_stale(tmp_path, sta
     node = ok_json("tree", tree.root, store=store)
     (child,) = node["children"]
     assert node["stale"] is True and child["stale"] is True
-    assert node["state"] == child["state"] == "running"
+    assert node["state"] == "running"
+    # The child announced itself from its model call; its `running` is queued for the
+    # journal before its worker starts, but the kill may land before that commit.
+    assert child["state"] in ("queued", "running")
     assert ok("tree", tree.root, store=store).count("(stale)") == 2
 
     run = ok_json("show", tree.root, store=store)
