@@ -40,10 +40,12 @@ FENCE = "```"
 
 # The helper: runs one scripted tree on its own supervisor and prints the root's id, then
 # the RunResult as JSON once the root ends. argv: script (JSON), store URL, root prompt.
+# Each line "flush" on its stdin commits everything its journal has queued, then it prints
+# "flushed" (a worker can run before its `running` is committed: readers wait for this).
 # A reply is a string, or {"reply", "signal", "gate", "record"}: a reply that records the
 # messages it was given, announces itself on a Signal fifo, then waits for a Gate fifo.
 HELPER = """
-import json, sys
+import json, sys, threading
 import brood
 
 def held(spec):
@@ -69,9 +71,15 @@ sup = brood.Supervisor(
     store=sys.argv[2],
     limits=brood.Limits(shutdown_grace=0.3, term_grace=0.3),
 )
+def flushes():
+    for line in sys.stdin:
+        sup.store.flush()
+        print("flushed", flush=True)
+
 try:
     handle = sup.spawn(sys.argv[3])
     print(handle.id, flush=True)
+    threading.Thread(target=flushes, daemon=True).start()
     print(json.dumps(handle.wait_result()._asdict()), flush=True)
 finally:
     sup.close()
@@ -205,6 +213,7 @@ class Tree:
         with open(self._stderr, "w") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", HELPER, json.dumps(script), self.store, prompt],
+                stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=err,
             )
@@ -221,19 +230,28 @@ class Tree:
     def stderr(self) -> str:
         return self._stderr.read_text()
 
+    def flush(self) -> None:
+        """Have the helper commit everything its journal has queued so far."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(b"flush\n")
+        self.proc.stdin.flush()
+        self.out.until("flushed\n")
+        self.out.text = self.out.text.replace("flushed\n", "", 1)
+
     def finish(self) -> dict[str, Any]:
         """Wait for the root to end and the helper to close its supervisor and exit; returns
         the RunResult it printed."""
         text = self.out.to_end()
         assert self.proc.wait(timeout=WAIT_S) == 0, self.stderr()
-        return json.loads(text.splitlines()[1])
+        return json.loads(text.splitlines()[-1])
 
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(timeout=WAIT_S)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                pipe.close()
 
 
 @pytest.fixture
@@ -319,10 +337,11 @@ def test_ps_tree_show_and_export_see_a_tree_another_process_runs(tmp_path, start
     )
     wait_for(a_up)
     wait_for(b_up)
+    tree.flush()
     # Child b was spawned after the root's first step and second model call were reported,
-    # and a child starts only once its `running` transition is committed, which commits
-    # what was queued before it: the journal now holds exactly two turns and one step of
-    # the root, and both children blocked in their first model call.
+    # and its `running` was queued for the journal before its worker started: once what
+    # is queued is committed, the journal holds exactly two turns and one step of the root,
+    # and both children are running, blocked in their first model call.
     store = tree.store
 
     (row,) = ok_json("ps", store=store)
@@ -528,7 +547,8 @@ def test_read_commands_show_the_runs_of_a_dead_supervisor_as_stale(tmp_path, sta
         }
     )
     wait_for(root_up)
-    wait_for(child_up)  # so the root's first step and two turns are committed (see the first test)
+    wait_for(child_up)
+    tree.flush()  # the root's first step and two turns, and the child's start, are committed
     helper = tree.proc.pid
     assert owned_by(helper)  # its zygote and workers
     os.kill(helper, signal.SIGKILL)
@@ -545,10 +565,7 @@ def test_read_commands_show_the_runs_of_a_dead_supervisor_as_stale(tmp_path, sta
     node = ok_json("tree", tree.root, store=store)
     (child,) = node["children"]
     assert node["stale"] is True and child["stale"] is True
-    assert node["state"] == "running"
-    # The child announced itself from its model call; its `running` is queued for the
-    # journal before its worker starts, but the kill may land before that commit.
-    assert child["state"] in ("queued", "running")
+    assert node["state"] == child["state"] == "running"
     assert ok("tree", tree.root, store=store).count("(stale)") == 2
 
     run = ok_json("show", tree.root, store=store)
