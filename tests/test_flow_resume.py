@@ -146,6 +146,20 @@ def crash_after(tmp_path, body: str, url: str) -> str:
     return first
 
 
+def crash_when_paused(tmp_path, url: str) -> str:
+    """SPEC run until it pauses at max_transitions (review done, publish held), then
+    killed; returns the flow's id."""
+    body = f"""
+        sup = supervisor(brood.ScriptedModel({replies(tmp_path)!r}))
+        flow = sup.flow_run(SPEC)
+        print(flow.id, flush=True)
+        assert flow.wait() == "paused"
+        print("crash here", flush=True)
+        signal.pause()
+    """
+    return crash_after(tmp_path, body, url)
+
+
 def model_calls(sup: brood.Supervisor, root_id: str) -> Counter:
     """Journaled turns by run id."""
     return Counter(
@@ -199,15 +213,7 @@ def test_a_flow_killed_mid_foreach_resumes_and_adopts_its_children(tmp_path):
 
 def test_a_paused_flow_is_still_paused_after_a_crash_and_resumes_on_request(tmp_path):
     url = f"sqlite:///{tmp_path}/j.db"
-    body = f"""
-        sup = supervisor(brood.ScriptedModel({replies(tmp_path)!r}))
-        flow = sup.flow_run(SPEC)
-        print(flow.id, flush=True)
-        assert flow.wait() == "paused"
-        print("crash here", flush=True)
-        signal.pause()
-    """
-    flow_id = crash_after(tmp_path, body, url)
+    flow_id = crash_when_paused(tmp_path, url)
     with brood.Supervisor(brood.ScriptedModel(replies(tmp_path)), store=url, limits=LIMITS) as sup:
         sup.resume(flow_id)
         flow = sup.flow(flow_id)
@@ -302,15 +308,7 @@ def test_a_flow_whose_ledger_lost_its_spec_fails_its_resume_with_the_reason(tmp_
     import sqlite3
 
     url = f"sqlite:///{tmp_path}/j.db"
-    body = f"""
-        sup = supervisor(brood.ScriptedModel({replies(tmp_path)!r}))
-        flow = sup.flow_run(SPEC)
-        print(flow.id, flush=True)
-        assert flow.wait() == "paused"
-        print("crash here", flush=True)
-        signal.pause()
-    """
-    flow_id = crash_after(tmp_path, body, url)
+    flow_id = crash_when_paused(tmp_path, url)
     with sqlite3.connect(tmp_path / "j.db") as db:
         db.execute("DELETE FROM events WHERE kind = 'flow' AND data LIKE '{\"kind\": \"spec\"%'")
     with brood.Supervisor(brood.ScriptedModel({}), store=url, limits=LIMITS) as sup:
@@ -385,15 +383,7 @@ def test_brood_resume_of_a_paused_flow_says_so_and_brood_flow_resume_reaches_it(
     from tests.test_cli_resume import BROOD, TIMEOUT_S, env_without_model
 
     url = f"sqlite:///{tmp_path}/j.db"
-    body = f"""
-        sup = supervisor(brood.ScriptedModel({replies(tmp_path)!r}))
-        flow = sup.flow_run(SPEC)
-        print(flow.id, flush=True)
-        assert flow.wait() == "paused"
-        print("crash here", flush=True)
-        signal.pause()
-    """
-    flow_id = crash_after(tmp_path, body, url)
+    flow_id = crash_when_paused(tmp_path, url)
     with FakeOpenAI(lambda body: final("https://example.org/post")) as server:
         resumed = subprocess.Popen(
             [*BROOD, "resume", flow_id, "--model", f"openai:m@{server.base_url}", "--store", url],

@@ -114,6 +114,16 @@ class Instance:
         return (self.state, self.entry, self.item, self.attempt)
 
     @property
+    def where(self) -> dict[str, Any]:
+        """Which instance, as its ledger events name it."""
+        return {
+            "state": self.state,
+            "entry": self.entry,
+            "item": self.item,
+            "attempt": self.attempt,
+        }
+
+    @property
     def child_key(self) -> str:
         """The key of its child run: STATE#ENTRY[ITEM]~ATTEMPT (one child per key)."""
         key = f"{self.state}#{self.entry}" + (f"[{self.item}]" if self.item is not None else "")
@@ -351,14 +361,7 @@ class FlowExecutor:
                 return
         if inst.run is None:  # not in the ledger yet
             inst.run = child
-            self.ledger(
-                "spawned",
-                state=inst.state,
-                entry=inst.entry,
-                item=inst.item,
-                attempt=inst.attempt,
-                run_id=child.id,
-            )
+            self.ledger("spawned", **inst.where, run_id=child.id)
         if self.status_value in ("stopping", "stopped"):  # the start landed after stop
             await self.host.finish(child, RunState.CANCELLED, "flow stopped")
         await child.done.wait()
@@ -395,10 +398,7 @@ class FlowExecutor:
         inst.outputs = outputs or {}
         self.ledger(
             "settled",
-            state=inst.state,
-            entry=inst.entry,
-            item=inst.item,
-            attempt=inst.attempt,
+            **inst.where,
             run_id=getattr(inst.run, "id", None),
             outcome=outcome,
             **({"reason": reason} if reason else {}),
@@ -428,9 +428,7 @@ class FlowExecutor:
                 else:
                     self.ledger(
                         "start_retry",
-                        state=inst.state,
-                        entry=inst.entry,
-                        item=inst.item,
+                        **inst.where,
                         tries=tries,
                         wait=delay,
                         reason=str(exc),
@@ -539,9 +537,7 @@ class FlowExecutor:
         first = not entry.failed
         entry.failed = True
         if first and self.ending is None:
-            self.ledger(
-                "state_failed", state=inst.state, entry=inst.entry, item=inst.item, reason=why
-            )
+            self.ledger("state_failed", **inst.where, reason=why)
             policy = st.failure_policy
             if policy == "fail_fast":
                 self.fail(f"state {inst.state} failed: {why}")
