@@ -169,8 +169,12 @@ def model_calls(sup: brood.Supervisor, root_id: str) -> Counter:
     )
 
 
-def test_a_flow_killed_mid_foreach_resumes_and_adopts_its_children(tmp_path):
-    url = f"sqlite:///{tmp_path}/j.db"
+@pytest.mark.parametrize("journal", ["sqlite", "postgres"])
+def test_a_flow_killed_mid_foreach_resumes_and_adopts_its_children(tmp_path, request, journal):
+    if journal == "postgres":  # the same, on a real PostgreSQL server
+        url = request.getfixturevalue("fresh_pg_url")
+    else:
+        url = f"sqlite:///{tmp_path}/j.db"
     in_call = Signal(tmp_path, "in-call")
     body = f"""
         sup = supervisor(brood.ScriptedModel({{**{replies(tmp_path)!r}, "Work on 3": [block]}}))
