@@ -112,3 +112,21 @@ def test_run_pauses_at_max_transitions_and_resume_from_another_process_finishes(
     status = json.loads(brood("flow", "status", flow_id, "--store", store, "--json").stdout)
     assert status["status"] == "finished"
     assert status["milestones"] == ["max_transitions_exceeded", "paused", "finished"]
+
+
+def test_status_of_a_flow_whose_run_was_ended_from_outside_says_stopped(tmp_path):
+    from brood import Limits, ScriptedModel, Supervisor
+
+    store = f"sqlite:///{tmp_path}/j.db"
+    spec = tmp_path / "loop.yaml"
+    spec.write_text(LOOP)
+    model = ScriptedModel({"Work on": [FINAL_X]})
+    with Supervisor(model, store=store, limits=Limits(shutdown_grace=0.3)) as sup:
+        flow = sup.flow_run(str(spec), inputs={"topic": "owls"})
+        assert flow.wait(timeout=TIMEOUT_S) == "paused"
+    # Closing the supervisor cancelled the flow's run: the flow never ended on its own.
+    out = brood("flow", "status", flow.id, "--store", store, "--json")
+    assert out.returncode == 0, out.stderr
+    status = json.loads(out.stdout)
+    assert (status["status"], status["reason"]) == ("stopped", "supervisor closed")
+    assert "run_ended" in [e["kind"] for e in status["events"]]

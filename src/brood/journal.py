@@ -242,6 +242,10 @@ class Journal:
                         inst["state"] = e["outcome"]
         states.pop("None", None)
         ended = next((e for e in reversed(ledger) if e["kind"] == "flow_ended"), None)
+        outside = next((e for e in ledger if e["kind"] == "run_ended"), None)
+        if ended is None and (outside or run["state"] in TERMINAL_VALUES):
+            # Its run was ended from outside (a cancel, the end of the run that started it).
+            ended = {"status": "stopped", "reason": (outside or run)["reason"]}
         status = ended["status"] if ended else ("stale" if run["stale"] else "running")
         return {
             "run_id": run_id,
