@@ -390,7 +390,7 @@ def progress(ex: FlowExecutor) -> dict[str, Any]:
     return {
         "status": ex.status_value,
         "reason": ex.reason,
-        "instances": [(i.key, i.outcome) for i in ex.live],
+        "instances": [(i.key, i.outcome) for i in ex.live.values()],
         "active": ex.active,
         "waiting": [(e.state, e.number) for e in ex.waiting],
         "queue": [i.key for i in ex.queue],

@@ -114,6 +114,11 @@ class Instance:
         return (self.state, self.entry, self.item, self.attempt)
 
     @property
+    def slot(self) -> tuple[str, int, int | None]:
+        """The place it fills, whatever its attempt."""
+        return (self.state, self.entry, self.item)
+
+    @property
     def where(self) -> dict[str, Any]:
         """Which instance, as its ledger events name it."""
         return {
@@ -184,7 +189,9 @@ class FlowExecutor:
         self.waiting: deque[Entry] = deque()  # entered, waiting for required inputs
         self.queue: deque[Instance] = deque()  # ready, waiting for a max_parallel slot
         self.running: set[asyncio.Task[None]] = set()
-        self.live: list[Instance] = []  # every instance started, in start order
+        # Every instance started, in start order, by (state, entry, item): a retry's new
+        # attempt takes its failed one's place (removing it is O(1), also for 10,000 items).
+        self.live: dict[tuple[str, int, int | None], Instance] = {}
         self.active = 0  # started and not yet ended
         self.fired = 0
         self.held: deque[str] = deque()  # fires held by a max_transitions pause
@@ -246,7 +253,7 @@ class FlowExecutor:
         for state in self.m.entry:
             self.enter(state, cause=None)
         self.pump()
-        self.started = sorted({i.state for i in self.live} | {i.state for i in self.queue})
+        self.started = sorted({i.state for i in self.live.values()} | {i.state for i in self.queue})
         self.check_quiescence()
         return self.started
 
@@ -335,7 +342,7 @@ class FlowExecutor:
             self.queue and self.status_value == "running" and (limit is None or self.active < limit)
         ):
             inst = self.queue.popleft()
-            self.live.append(inst)
+            self.live[inst.slot] = inst
             self.active += 1
             if self.replaying:  # its outcome is in the ledger further on (or go_live runs it)
                 self.pending[inst.key] = inst
@@ -526,7 +533,7 @@ class FlowExecutor:
                 attempt=inst.attempt + 1,
                 reason=why,
             )
-            self.live.remove(inst)
+            del self.live[inst.slot]
             self.queue.appendleft(
                 Instance(inst.state, inst.entry, inst.item, inst.attempt + 1, inst.inputs)
             )
@@ -612,8 +619,7 @@ class FlowExecutor:
             entry.completed = len(entry.instances)
             entry.failed = False
             for i in failed:
-                if i in self.live:
-                    self.live.remove(i)
+                self.live.pop(i.slot, None)
                 self.queue.append(Instance(i.state, i.entry, i.item, i.attempt + 1, i.inputs))
         self.failed_entries.clear()
         self.pump()
@@ -822,7 +828,7 @@ class FlowExecutor:
             for sid, st in self.m.states.items()
         }
         usage: dict[str, float] = {}
-        for i in self.live:  # one pass: instances by state, and their usage
+        for i in self.live.values():  # one pass: instances by state, and their usage
             row = states[i.state]
             outcome = i.outcome or "running"
             row["counts"][outcome] = row["counts"].get(outcome, 0) + 1
