@@ -22,6 +22,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from typing import Any
 
 import brood
 from _common import Row, finish, median, no_leftovers, parse_args, wait_until
@@ -38,7 +39,7 @@ ROOT = [
 ]
 TURN = f"{F}repl\nx = 1\n{F}"
 DONE = f"{F}repl\nFINAL('ok')\n{F}"
-LIMITS = dict(
+LIMITS: dict[str, Any] = dict(
     max_concurrency=300,
     max_children=1000,
     max_children_per_run=1000,
@@ -48,10 +49,10 @@ LIMITS = dict(
 )
 
 
-def script_of() -> dict[str, list[object]]:
+def script_of() -> dict[str, list[str]]:
     """Every child makes two turns and answers; the crashing process swaps the second turn
     of children 200..249 for one that blocks."""
-    script: dict[str, list[object]] = {"root task": ROOT}
+    script: dict[str, list[str]] = {"root task": ROOT}
     for i in range(FINISHED + UNFINISHED):
         script[f"child {i}: work"] = [TURN, DONE]
     return script
