@@ -68,6 +68,32 @@ def test_helpers_called_with_wrong_types_explain_themselves():
     assert "spawn(fn, ...) starts one of llm_query" in answer
 
 
+def test_a_request_of_the_wrong_type_is_refused_in_the_repl_and_the_run_goes_on():
+    # Values a typed protocol field cannot hold are refused before they are sent (the
+    # supervisor could not decode them), naming the field.
+    code = "\n".join(
+        [
+            "for call in (lambda: rlm_query('child', timeout='soon'),",
+            "             lambda: rlm_spawn('child', model=5),",
+            "             lambda: flow_wait('r-123', timeout=[1]),",
+            "             lambda: flow_run({'states': []}, inputs=[1])):",
+            "    try:",
+            "        call()",
+            "    except BroodError as e:",
+            "        print(e)",
+        ]
+    )
+    model = brood.ScriptedModel([repl(code), echo_feedback])
+    with brood.Supervisor(model, limits=FAST) as sup:
+        result = sup.run("task")
+    assert result.state == "completed", result.error
+    answer = result.answer
+    assert "timeout: Expected `float | null`, got `str`" in answer
+    assert "model: Expected `str | null`, got `int`" in answer
+    assert "timeout: Expected `float | null`, got `array`" in answer
+    assert "inputs must be a dict {name: value}, got list" in answer
+
+
 def test_a_blocked_builtin_says_it_is_blocked_on_purpose():
     model = brood.ScriptedModel([repl("input('name? ')"), echo_feedback])
     with brood.Supervisor(model, limits=FAST) as sup:

@@ -46,6 +46,7 @@ from brood.protocol import (
     StepResult,
     Stop,
     SyncChannel,
+    check,
     decode,
     encode,
     error_info,
@@ -274,3 +275,11 @@ def test_error_info_keeps_only_plain_public_fields() -> None:
     exc._private = "p"  # type: ignore[attr-defined]
     info = error_info(exc)
     assert info == ErrorInfo(type="BroodError", message="x", fields={"count": 3})
+
+
+def test_check_refuses_a_request_its_receiver_could_not_decode_naming_the_field():
+    check(SpawnReq(req_id=1, prompts=["p"], timeout=2.5, model="m"))  # well typed: passes
+    with pytest.raises(errors.InvalidArgument, match=r"^timeout: Expected `float \| null`"):
+        check(SpawnReq(req_id=1, prompts=["p"], timeout="soon"))  # type: ignore[arg-type]
+    with pytest.raises(errors.InvalidArgument, match=r"^prompts\[0\]: Expected `str`"):
+        check(SpawnReq(req_id=1, prompts=[3]))  # type: ignore[list-item]

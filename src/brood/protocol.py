@@ -289,6 +289,18 @@ def decode(body: bytes) -> Msg:
         raise ProtocolError(f"undecodable frame of {len(body)} bytes: {exc}") from exc
 
 
+def check(msg: Msg) -> None:
+    """Refuse, before it is sent, a message its receiver could not decode (a helper called
+    with a value of the wrong type): InvalidArgument naming the field."""
+    try:
+        _decoder.decode(_encoder.encode(msg))
+    except (msgspec.ValidationError, msgspec.EncodeError, TypeError) as exc:
+        text = str(exc)
+        field = text.rsplit("at `$.", 1)[1].split("`")[0] if "at `$." in text else "a value"
+        reason = text.split(" - at ")[0]
+        raise errors.InvalidArgument(f"{field}: {reason}; pass a value of that type") from None
+
+
 def error_info(exc: BaseException) -> ErrorInfo:
     fields = {
         k: v

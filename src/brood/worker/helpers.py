@@ -614,6 +614,11 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
             text = spec
         else:
             raise InvalidArgument("flow_run(spec): pass a dict, YAML/JSON text or a file path")
+        if inputs is not None and not isinstance(inputs, dict):
+            raise InvalidArgument(
+                f"flow_run(spec, inputs): inputs must be a dict {{name: value}}, "
+                f"got {type(inputs).__name__}"
+            )
         result: dict[str, Any] = _flow("run", spec=text, inputs=json.dumps(inputs or {}))
         return str(result["id"])
 

@@ -24,6 +24,7 @@ from brood.protocol import (
     Start,
     Stop,
     SyncChannel,
+    check,
     rebuild_error,
 )
 
@@ -52,7 +53,9 @@ class Link:
         return next(self._ids)
 
     def request(self, msg: Msg) -> Any:
-        """Send a request (a message with `req_id`) and block until its reply."""
+        """Send a request (a message with `req_id`) and block until its reply. A request
+        the supervisor could not decode is refused here, naming the field."""
+        check(msg)
         fut: Future[Any] = Future()
         with self._pending_lock:
             self._pending[msg.req_id] = fut  # type: ignore[attr-defined]
