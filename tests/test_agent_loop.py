@@ -76,7 +76,9 @@ def test_a_request_of_the_wrong_type_is_refused_in_the_repl_and_the_run_goes_on(
             "for call in (lambda: rlm_query('child', timeout='soon'),",
             "             lambda: rlm_spawn('child', model=5),",
             "             lambda: flow_wait('r-123', timeout=[1]),",
-            "             lambda: flow_run({'states': []}, inputs=[1])):",
+            "             lambda: flow_run({'states': []}, inputs=[1]),",
+            "             lambda: flow_run({'states': [{1, 2}]}),",
+            "             lambda: flow_run({'states': []}, inputs={'x': float('nan')})):",
             "    try:",
             "        call()",
             "    except BroodError as e:",
@@ -92,6 +94,8 @@ def test_a_request_of_the_wrong_type_is_refused_in_the_repl_and_the_run_goes_on(
     assert "model: Expected `str | null`, got `int`" in answer
     assert "timeout: Expected `float | null`, got `array`" in answer
     assert "inputs must be a dict {name: value}, got list" in answer
+    assert "flow_run: spec must hold only JSON values" in answer
+    assert "flow_run: inputs must hold only JSON values" in answer
 
 
 def test_a_blocked_builtin_says_it_is_blocked_on_purpose():

@@ -608,19 +608,25 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
         """Start a flow (a state-machine workflow of sub-agents) from a spec: a dict, or
         YAML/JSON text, or a path to a spec file. Returns its id at once; its milestones
         (finished, failed, paused, ...) are announced in your next turns."""
-        if isinstance(spec, dict):
-            text = json.dumps(spec)
-        elif isinstance(spec, str):
-            text = spec
-        else:
+        if not isinstance(spec, dict | str):
             raise InvalidArgument("flow_run(spec): pass a dict, YAML/JSON text or a file path")
         if inputs is not None and not isinstance(inputs, dict):
             raise InvalidArgument(
                 f"flow_run(spec, inputs): inputs must be a dict {{name: value}}, "
                 f"got {type(inputs).__name__}"
             )
-        result: dict[str, Any] = _flow("run", spec=text, inputs=json.dumps(inputs or {}))
+        text = spec if isinstance(spec, str) else _json("spec", spec)
+        result: dict[str, Any] = _flow("run", spec=text, inputs=_json("inputs", inputs or {}))
         return str(result["id"])
+
+    def _json(what: str, value: Any) -> str:
+        try:
+            return json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgument(
+                f"flow_run: {what} must hold only JSON values (dict, list, str, finite "
+                f"numbers, bool, None): {exc}"
+            ) from None
 
     def flow_status(flow_id: str) -> dict[str, Any]:
         """A flow's status: per-state entries and instances, milestones, recent events."""
