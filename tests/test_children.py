@@ -143,7 +143,10 @@ def test_spawn_work_collect_across_steps(tmp_path):
         assert obs.error is None and obs.stdout.strip() in {"queued", "running"}
         started.wait()  # the child is inside its model call
         obs = env.step("x = sum(range(10))\nprint(x, rlm_status(h))")
-        assert obs.stdout.split() == ["45", "running"]
+        # The parent hears `running` once it is committed; the child's worker may start
+        # (and reach its model call) while that commit is under way.
+        x, seen = obs.stdout.split()
+        assert x == "45" and seen in {"queued", "running"}
         assert obs.children == [{"id": obs.children[0]["id"], "status": "running"}]
         go.open()
         obs = env.step("FINAL(rlm_wait(h))")
