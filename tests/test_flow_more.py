@@ -683,3 +683,19 @@ def test_a_flow_input_that_is_not_json_is_refused_or_fails_the_flow():
         else:  # also acceptable: the flow fails, naming the input
             assert flow.wait(timeout=3) == "failed"
             assert "'x'" in flow.status()["reason"]
+
+
+def test_flow_wait_in_the_repl_times_out_without_stopping_the_flow_then_sees_it_stopped():
+    spec = {"states": [{"id": "slow", "entry": True, "prompt": "Slow", "outputs": ["text"]}]}
+    code = (
+        f"fid = flow_run({json.dumps(spec)!r})\n"
+        "try:\n    flow_wait(fid, timeout=0.2)\nexcept TimeoutError as e:\n    print(e)\n"
+        "print(flow_status(fid)['status'], flow_stop(fid), flow_wait(fid))\nFINAL('done')"
+    )
+    model = brood.ScriptedModel({"root": [f"{FENCE}repl\n{code}\n{FENCE}"], "Slow": [FOREVER]})
+    with brood.Supervisor(model, limits=LIMITS) as sup:
+        result = sup.run("root")
+        (step,) = [e["data"] for e in sup.store.events(result.run_id, "step")]
+    assert result.answer == "done"
+    assert "is still running after 0.2 s; it keeps going" in step["stdout"]
+    assert step["stdout"].splitlines()[-1] == "running stopped stopped"
