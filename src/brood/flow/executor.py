@@ -397,8 +397,9 @@ class FlowExecutor:
         outputs: dict[str, Any] | None = None,
     ) -> None:
         """An instance ended (completed / failed / cancelled): the ledger's input event,
-        then every decision that follows from it."""
-        self._controller_ended()  # noticed (and journaled) before the settle, if so
+        then every decision that follows from it; none once the flow's run was ended from
+        outside (noticed, and journaled, before the settle)."""
+        ended = self._controller_ended()
         if inst.outcome is None:
             self.active -= 1  # the counter keeps pump and quiescence O(1)
         inst.outcome = outcome
@@ -410,6 +411,8 @@ class FlowExecutor:
             outcome=outcome,
             **({"reason": reason} if reason else {}),
         )
+        if ended:
+            return
         if outcome == "completed":
             self.instance_done(inst)
         elif outcome == "cancelled":
@@ -451,8 +454,6 @@ class FlowExecutor:
 
     # ---- settling -------------------------------------------------------------------------
     def instance_done(self, inst: Instance) -> None:
-        if self._controller_ended():
-            return
         entry = self.entries_by_key[(inst.state, inst.entry)]
         entry.instances.append(inst)
         entry.completed += 1
@@ -521,8 +522,6 @@ class FlowExecutor:
         self._controller_ended()
 
     def instance_failed(self, inst: Instance, why: str) -> None:
-        if self._controller_ended():
-            return
         st = self.m.states[inst.state]
         if inst.attempt < st.retries and self.status_value == "running":
             self.ledger(
