@@ -48,20 +48,21 @@ def test_huge_output_is_truncated_with_a_note():
     assert len(answer) < 1300
 
 
-def test_helpers_called_with_wrong_types_explain_themselves():
-    code = "\n".join(
-        [
-            "for call in (lambda: llm_query(123), lambda: rlm_query_batched('not a list'),",
-            "             lambda: rlm_wait('r-123'), lambda: spawn(print, 'x')):",
-            "    try:",
-            "        call()",
-            "    except BroodError as e:",
-            "        print(e)",
-        ]
-    )
-    model = brood.ScriptedModel([repl(code), echo_feedback])
+def run_printing_errors(*calls: str) -> brood.RunResult:
+    """A run whose code makes each call in turn and prints the BroodError it raises; the
+    next turn echoes the output back as the answer."""
+    lines = ["for call in ("] + [f"    lambda: {c}," for c in calls] + ["):"]
+    lines += ["    try:", "        call()", "    except BroodError as e:", "        print(e)"]
+    model = brood.ScriptedModel([repl("\n".join(lines)), echo_feedback])
     with brood.Supervisor(model, limits=FAST) as sup:
-        answer = sup.run("task").answer
+        return sup.run("task")
+
+
+def test_helpers_called_with_wrong_types_explain_themselves():
+    answer = run_printing_errors(
+        "llm_query(123)", "rlm_query_batched('not a list')", "rlm_wait('r-123')",
+        "spawn(print, 'x')",
+    ).answer  # fmt: skip
     assert "llm_query: prompt must be str, got int" in answer
     assert "rlm_query_batched: prompts must be a list of str, got str" in answer
     assert "rlm_wait takes a handle" in answer
@@ -71,23 +72,14 @@ def test_helpers_called_with_wrong_types_explain_themselves():
 def test_a_request_of_the_wrong_type_is_refused_in_the_repl_and_the_run_goes_on():
     # Values a typed protocol field cannot hold are refused before they are sent (the
     # supervisor could not decode them), naming the field.
-    code = "\n".join(
-        [
-            "for call in (lambda: rlm_query('child', timeout='soon'),",
-            "             lambda: rlm_spawn('child', model=5),",
-            "             lambda: flow_wait('r-123', timeout=[1]),",
-            "             lambda: flow_run({'states': []}, inputs=[1]),",
-            "             lambda: flow_run({'states': [{1, 2}]}),",
-            "             lambda: flow_run({'states': []}, inputs={'x': float('nan')})):",
-            "    try:",
-            "        call()",
-            "    except BroodError as e:",
-            "        print(e)",
-        ]
+    result = run_printing_errors(
+        "rlm_query('child', timeout='soon')",
+        "rlm_spawn('child', model=5)",
+        "flow_wait('r-123', timeout=[1])",
+        "flow_run({'states': []}, inputs=[1])",
+        "flow_run({'states': [{1, 2}]})",
+        "flow_run({'states': []}, inputs={'x': float('nan')})",
     )
-    model = brood.ScriptedModel([repl(code), echo_feedback])
-    with brood.Supervisor(model, limits=FAST) as sup:
-        result = sup.run("task")
     assert result.state == "completed", result.error
     answer = result.answer
     assert "timeout: Expected `float | null`, got `str`" in answer

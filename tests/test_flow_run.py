@@ -37,6 +37,29 @@ def kinds(events: list[dict], kind: str) -> list[dict]:
     return [e for e in events if e["kind"] == kind]
 
 
+def split_then_each(prompt: str, max_items: int) -> dict:
+    """`split` (prompt "Split") answers a JSON list `items`; `each` runs `prompt` once per
+    item (at most `max_items`), its output `text` becoming a list."""
+    return {
+        "states": [
+            {
+                "id": "split",
+                "entry": True,
+                "prompt": "Split",
+                "outputs": [{"name": "items", "type": "json"}],
+            },
+            {
+                "id": "each",
+                "prompt": prompt,
+                "inputs": [{"name": "item", "from": "split.items", "type": "json"}],
+                "foreach": {"over": "item", "max": max_items},
+                "outputs": ["text"],
+            },
+        ],
+        "transitions": [{"from": "split", "to": "each"}],
+    }
+
+
 def test_a_three_round_review_loop_ends_when_approved():
     # Replies run in worker processes, so they are functions of the prompt only: a draft
     # counts the rounds from the notes it gets back; the third draft is approved.
@@ -172,24 +195,7 @@ def test_a_max_entries_block_is_journaled_and_the_flow_still_quiesces_to_done():
 
 
 def test_foreach_runs_one_child_per_item_clamped_to_max():
-    spec = {
-        "states": [
-            {
-                "id": "split",
-                "entry": True,
-                "prompt": "Split",
-                "outputs": [{"name": "items", "type": "json"}],
-            },
-            {
-                "id": "each",
-                "prompt": "Do {item}",
-                "inputs": [{"name": "item", "from": "split.items", "type": "json"}],
-                "foreach": {"over": "item", "max": 3},
-                "outputs": ["text"],
-            },
-        ],
-        "transitions": [{"from": "split", "to": "each"}],
-    }
+    spec = split_then_each("Do {item}", max_items=3)
     model = brood.ScriptedModel(
         {
             "Split": [final('["a", "b", "c", "d"]')],

@@ -7,6 +7,7 @@ module would make every worker import the test module (and pytest with it).
 from __future__ import annotations
 
 import brood
+from tests.test_flow_run import split_then_each
 from tests.util import fast
 
 LIMITS = fast(max_depth=2, max_concurrency=16)
@@ -29,24 +30,7 @@ def test_a_thousand_node_fan_completes():
 
 
 def test_a_ten_thousand_item_foreach_completes():
-    spec = {
-        "states": [
-            {
-                "id": "split",
-                "entry": True,
-                "prompt": "Split",
-                "outputs": [{"name": "items", "type": "json"}],
-            },
-            {
-                "id": "each",
-                "prompt": "Item {item}",
-                "inputs": [{"name": "item", "from": "split.items", "type": "json"}],
-                "foreach": {"over": "item", "max": 10000},
-                "outputs": ["text"],
-            },
-        ],
-        "transitions": [{"from": "split", "to": "each"}],
-    }
+    spec = split_then_each("Item {item}", max_items=10000)
     model = brood.ScriptedModel(
         {
             "Split": ["```repl\nFINAL(str(list(range(10000))))\n```"],
