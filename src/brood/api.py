@@ -24,7 +24,7 @@ from brood.errors import (
     SupervisorClosed,
 )
 from brood.flow.executor import FlowExecutor
-from brood.flow.spec import compile_spec, load_spec
+from brood.flow.spec import FlowSpec, compile_spec, load_spec
 from brood.lifecycle import RunState
 from brood.limits import Limits
 from brood.models.base import Model, resolve_model
@@ -202,13 +202,20 @@ class Supervisor:
         InvalidSpec listing every problem, and nothing starts."""
         if self._closed:
             raise SupervisorClosed("the supervisor is closed; make a new one")
-        loaded = load_spec(spec)
+        executor = self._loop.call(self._start_flow(load_spec(spec), inputs))
+        return FlowHandle(self, executor, executor.started)
+
+    async def _start_flow(
+        self, loaded: FlowSpec, inputs: dict[str, Any] | None, parent: Run | None = None
+    ) -> FlowExecutor:
+        """Start a validated flow (a child of `parent` when a run's code starts it, whose
+        next turns then hear its milestones), and keep it by its run id."""
         executor = FlowExecutor(self._core, compile_spec(loaded), inputs)
-        started = self._loop.call(
-            executor.start(_flow_title(executor), spec=loaded.model_dump(**SPEC_DUMP))
-        )
+        if parent is not None:
+            executor.on_milestone = self._notifier(parent)
+        await executor.start(_flow_title(executor), parent, spec=loaded.model_dump(**SPEC_DUMP))
         self._core.flows[executor.run.id] = executor
-        return FlowHandle(self, executor, started)
+        return executor
 
     def flows(self) -> list[str]:
         """The ids of the flows this supervisor runs (started or resumed), oldest first."""
@@ -247,12 +254,12 @@ class Supervisor:
         """A run's code starts or steers a flow (the REPL's flow_* helpers)."""
         if msg.op == "run":
             loaded = load_spec(msg.spec or "")
-            spec = loaded.model_dump(**SPEC_DUMP)
             inputs = json.loads(msg.inputs or "{}")
             adopted = self._core.adopt_flow(run)
             if adopted is not None:  # a resumed run's replay starts its flow again
                 executor = self._core.flows.get(adopted.id)
-                if executor is None or (executor.spec, executor.params) != (spec, inputs):
+                asked = (loaded.model_dump(**SPEC_DUMP), inputs)
+                if executor is None or (executor.spec, executor.params) != asked:
                     raise ReplayDiverged(
                         f"run {run.id}: the replay started a flow that differs from flow "
                         f"{adopted.id} of the journal (another spec or other inputs)"
@@ -262,11 +269,8 @@ class Supervisor:
                 raise ReplayDiverged(
                     f"run {run.id}: the replay started a flow, but the journal holds none there"
                 )
-            executor = FlowExecutor(self._core, compile_spec(loaded), inputs)
-            executor.on_milestone = self._notifier(run)
-            started = await executor.start(_flow_title(executor), parent=run, spec=spec)
-            self._core.flows[executor.run.id] = executor
-            return {"id": executor.run.id, "started": started}
+            executor = await self._start_flow(loaded, inputs, parent=run)
+            return {"id": executor.run.id, "started": executor.started}
         found: FlowExecutor | None = self._core.flows.get(msg.ref or "")
         if found is None or found.run.parent is not run:
             raise InvalidArgument(f"{msg.ref!r} is not a flow this run started")
