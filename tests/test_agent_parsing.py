@@ -6,7 +6,7 @@ import io
 from typing import Any
 
 from brood.models import ScriptedModel
-from brood.protocol import Deliver, Final, Msg, StepDone, SyncChannel
+from brood.protocol import Deliver, Final, ModelReq, Msg, StepDone, SyncChannel
 from brood.worker.agent import ANSWER_NOW, NO_CODE, Agent, Blocks, extract_blocks
 from brood.worker.helpers import Runtime, make_helpers
 from brood.worker.link import Link
@@ -109,13 +109,27 @@ def test_an_unclosed_fence_on_the_first_line() -> None:
 
 
 # ---- the loop around the parser: a real Runtime over an in-memory channel ----------------
+class GatewayLink(Link):
+    """A link whose model calls are answered here, as the supervisor's gateway would; each
+    request is also written to the channel, so the test sees what the worker asked."""
+
+    def __init__(self, chan: SyncChannel, model: ScriptedModel) -> None:
+        super().__init__(chan)
+        self.model = model
+
+    def request(self, msg: Msg) -> Any:
+        if isinstance(msg, ModelReq):
+            self.chan.send(msg)
+            return self.model.complete(msg.messages, msg.model).text
+        return super().request(msg)
+
+
 def make_agent(script: list[Any], **limits: Any) -> tuple[Agent, io.BytesIO]:
     sent = io.BytesIO()
-    link = Link(SyncChannel(io.BytesIO(), sent))
+    link = GatewayLink(SyncChannel(io.BytesIO(), sent), ScriptedModel(script))
     repl = Repl({}, "some context")
     rt = Runtime(
         link,
-        ScriptedModel(script),
         run_id="r-test",
         depth=0,
         can_spawn=False,
@@ -185,7 +199,7 @@ def test_the_loop_feeds_output_back_until_final() -> None:
     final = agent.loop("Count the characters.", "system prompt")
     assert final == Final("12 characters")
     kinds = [type(m).__name__ for m in messages_sent(sent)]
-    assert kinds == ["ModelCall", "StepDone", "ModelCall", "StepDone"]
+    assert kinds == ["ModelReq", "StepDone", "ModelReq", "StepDone"]
 
 
 def test_the_model_sees_its_output_in_the_next_turn() -> None:

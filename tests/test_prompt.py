@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 
-from brood.models import ScriptedModel
 from brood.protocol import Start, SyncChannel
 from brood.worker import helpers as helpers_module
 from brood.worker.helpers import HELPER_NAMES, Runtime, make_helpers
@@ -23,7 +22,6 @@ def helpers(*, can_spawn: bool = True) -> dict[str, Callable[..., Any]]:
     link = Link(SyncChannel(io.BytesIO(), io.BytesIO()))
     rt = Runtime(
         link,
-        ScriptedModel([]),
         run_id="r-test",
         depth=0,
         can_spawn=can_spawn,

@@ -31,8 +31,8 @@ from brood.protocol import (
     Fork,
     Forked,
     GroupGone,
-    Hello,
-    ModelCall,
+    CtlAuth,
+    ModelReq,
     Msg,
     Notice,
     ProtocolError,
@@ -59,14 +59,14 @@ SAMPLES: list[Msg] = [
     Exited(pid=4242, status=-9),
     GroupGone(pid=4242),
     Quit(),
-    Hello(pid=4242),
+    CtlAuth(secret="k" * 64),
     SpawnReq(req_id=1, prompts=["a", "b"], context=b"\x80\x04N.", model="m", timeout=1.5, step=3),
     SpawnReq(req_id=2, prompts=[]),
     CancelReq(req_id=3, child_id="r-1"),
     SendReq(req_id=4, child_id="r-1", message="hurry up"),
     Blocked(req_id=0, blocked=True),
-    ModelCall(kind="turn", model=None, latency=0.25, input_tokens=10, output_tokens=5, cost=0.1),
-    ModelCall(kind="llm_query", model="m", latency=0.0, error="ModelError: boom"),
+    ModelReq(req_id=13, kind="turn", messages=[{"role": "user", "content": "hi"}], new_from=0),
+    ModelReq(req_id=14, kind="llm_query", messages=[], model="m"),
     StepDone(step=1, code="print(1)", stdout="1\n", stderr="", error=None, duration=0.01),
     Final(answer="42"),
     Final(answer="", reason="answer after max_iterations"),
@@ -77,7 +77,6 @@ SAMPLES: list[Msg] = [
         depth=1,
         prompt="task",
         context=None,
-        model=b"blob",
         limits={"max_depth": 2, "step_timeout": None},
         driven=True,
         messages=["first"],
@@ -156,9 +155,9 @@ def test_channel_carries_messages_in_order_then_none_at_end(
 
 def test_channel_over_plain_file_objects() -> None:
     out = io.BytesIO()
-    SyncChannel(io.BytesIO(), out).send(Hello(pid=1))
+    SyncChannel(io.BytesIO(), out).send(Quit())
     rx = SyncChannel(io.BytesIO(out.getvalue()), io.BytesIO())
-    assert rx.recv() == Hello(pid=1)
+    assert rx.recv() == Quit()
     assert rx.recv() is None
 
 

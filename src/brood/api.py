@@ -7,12 +7,13 @@ import contextlib
 import json
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import cloudpickle
 
 from brood.backends.base import make_backend
+from brood.backends.confinement import announce, unenforced, worker_settings
 from brood.backends.local import owner_alive, owner_token
 from brood.errors import (
     BroodError,
@@ -55,18 +56,6 @@ class RunResult(NamedTuple):
     usage: dict[str, Any]
 
 
-def _model_blob(model: object) -> tuple[bytes, str | None, tuple[str, ...]]:
-    m = resolve_model(model)
-    preload = tuple(m.preload)
-    try:
-        return cloudpickle.dumps(m), m.name, preload
-    except Exception as exc:
-        raise InvalidArgument(
-            f"the model {m.describe()!r} cannot be pickled to ship to workers: {exc}; build "
-            "clients lazily inside complete() or chat_fn"
-        ) from exc
-
-
 def _context_blob(context: object) -> bytes | None:
     if context is None:
         return None
@@ -80,10 +69,16 @@ class Supervisor:
     """Owns every run started through it and all their children, on one asyncio loop.
 
     `model` is a chat_fn callable, a spec string (`openai:MODEL@URL`) or a `brood.Model`;
-    without one, BROOD_MODEL is used. `store` is a journal URL (default: a temporary SQLite
+    without one, BROOD_MODEL is used. The model stays here: workers ask the supervisor's
+    model gateway for every call. `store` is a journal URL (default: a temporary SQLite
     file removed at close). Leaving the `with` block, or `close()`, cancels what is still
     running and confirms every worker's exit; if it cannot, `ChildCleanupError` is raised
     and the supervisor refuses reuse.
+
+    Model code is confined (see `Limits`): workers get only PATH, LANG, LC_ALL, LC_CTYPE,
+    TZ and TERM of this process's environment, plus `worker_env` (a dict of names to
+    values, or a list of names to copy); HOME, TMPDIR and the working directory are the
+    run's scratch directory, removed when the run ends unless `keep_scratch=True`.
     """
 
     def __init__(
@@ -95,6 +90,8 @@ class Supervisor:
         on_start: Callable[[RunInfo], Any] | None = None,
         on_end: Callable[[RunInfo], Any] | None = None,
         backend: str = "local",
+        worker_env: Mapping[str, str] | Iterable[str] | None = None,
+        keep_scratch: bool = False,
     ) -> None:
         if limits is not None and not isinstance(limits, Limits):
             raise InvalidArgument(f"limits must be brood.Limits(...), got {type(limits).__name__}")
@@ -104,16 +101,17 @@ class Supervisor:
             raise InvalidArgument(
                 "no model: pass Supervisor(model=chat_fn or 'openai:MODEL@URL'), or set BROOD_MODEL"
             )
-        blob, name, preload = _model_blob(model)
+        resolved = resolve_model(model)
+        settings = worker_settings(self.limits, worker_env, keep_scratch)
         self._store: Store = open_store(store)
         self._observers = Observers(on_start, on_end)
         self._loop = LoopThread()
         owner = owner_token()
         try:
-            self._backend = make_backend(backend, owner)
+            self._backend = make_backend(backend, owner, settings)
             self._core = Core(
-                model_blob=blob,
-                model_name=name,
+                model=resolved,
+                model_name=resolved.name,
                 limits=self.limits,
                 store=self._store,
                 backend=self._backend,
@@ -123,7 +121,9 @@ class Supervisor:
             self._control = ControlServer(self._core)
             self._core.flow_handler = self._flow_request
             self._core.flow_resumer = self._resume_flow
-            self._loop.call(self._start(preload))
+            self._core.unenforced = unenforced(settings)
+            announce(self._core.unenforced)
+            self._loop.call(self._start())
         except BaseException:
             with contextlib.suppress(Exception):
                 self._loop.call(self._backend.close())
@@ -131,8 +131,8 @@ class Supervisor:
             raise
         self._closed = False
 
-    async def _start(self, preload: tuple[str, ...]) -> None:
-        await self._backend.start(preload)
+    async def _start(self) -> None:
+        await self._backend.start()
         await self._control.start()
         await asyncio.wrap_future(
             self._store.insert_supervisor(
@@ -290,12 +290,12 @@ class Supervisor:
     async def _create(
         self, prompt: str, context: Any, timeout: float | None, model: Any, driven: bool
     ) -> Run:
-        blob, name = (None, None) if model is None else _model_blob(model)[:2]
+        resolved = None if model is None else resolve_model(model)
         return await self._core.create_root(
             prompt,
             context_blob=_context_blob(context),
-            model_blob=blob,
-            model_name=name,
+            model=resolved,
+            model_name=resolved.name if resolved is not None else None,
             timeout=timeout,
             driven=driven,
         )

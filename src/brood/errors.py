@@ -129,6 +129,12 @@ class BackendError(BroodError):
     """A backend could not start, signal or reap a worker."""
 
 
+class ConfinementError(BroodError):
+    """A confinement mechanism this machine supports (Landlock, the capability drop, an
+    rlimit, the private network) failed to apply to a worker; the worker must not run
+    model code. The message names the mechanism, the values and the errno."""
+
+
 def _rebuild(cls: type[BroodError], message: str, fields: dict[str, Any]) -> BroodError:
     exc = cls.__new__(cls)
     Exception.__init__(exc, message)

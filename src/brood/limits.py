@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from brood.errors import InvalidArgument, LimitExceeded
 
-__all__ = ["Limits"]
+__all__ = ["PI_RLM_BLOCKED_BUILTINS", "Limits"]
 
-OPTIONAL = frozenset({"child_timeout", "step_timeout", "token_budget", "cost_budget"})
+OPTIONAL = frozenset(
+    {
+        "child_timeout",
+        "step_timeout",
+        "token_budget",
+        "cost_budget",
+        "worker_memory",
+        "worker_cpu_seconds",
+        "worker_processes",
+        "worker_file_size",
+        "worker_open_files",
+    }
+)
 INTEGER = frozenset(
     {
         "max_depth",
@@ -19,7 +32,13 @@ INTEGER = frozenset(
         "max_concurrency",
         "max_iterations",
         "output_limit",
+        "answer_limit",
         "token_budget",
+        "worker_memory",
+        "worker_cpu_seconds",
+        "worker_processes",
+        "worker_file_size",
+        "worker_open_files",
     }
 )
 POSITIVE = frozenset({"child_timeout", "step_timeout"})  # 0 s would mean "already expired"
@@ -27,8 +46,19 @@ FLOORS = {
     "max_depth": 1,
     "max_concurrency": 1,
     "max_iterations": 1,
-    "output_limit": 100,
-}  # below 100 characters no output would be readable
+    "output_limit": 100,  # below 100 characters no output would be readable
+    "answer_limit": 100,
+    "worker_memory": 64 * 2**20,  # a Python worker does not start in less
+    "worker_cpu_seconds": 1,
+    "worker_processes": 1,
+    "worker_file_size": 1,
+    "worker_open_files": 16,  # the worker's own sockets, pipes and the standard streams
+}
+FLAGS = frozenset({"confine", "network", "read_only"})
+PATHS = frozenset({"fs_read", "fs_write"})
+# pi-rlm's guard set: calls a model is told not to make (model guidance, not security).
+PI_RLM_BLOCKED_BUILTINS = ("eval", "exec", "compile", "globals", "locals")
+BUILTIN_PRESETS = {"pi-rlm": PI_RLM_BLOCKED_BUILTINS}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,7 +76,21 @@ class Limits:
     token_budget / cost_budget: whole tree; a breach cancels the tree with reason `budget`.
     shutdown_grace / term_grace: seconds of the cleanup escalation (cooperative stop, then
         SIGTERM, then SIGKILL); tests shrink them.
-    output_limit: characters of one step's output shown to the model.
+    output_limit: characters of one step's output shown to the model (the journal keeps up
+        to 50 times as much; beyond that output is dropped with a note).
+    answer_limit: characters of a FINAL answer; a longer one fails the run saying so.
+
+    Confinement of model code (DESIGN.md section 14), on by default:
+    confine: False runs model code with everything the user has (trusted code only).
+    fs_read / fs_write: paths model code may also read / read and write (besides the
+        Python installation, read-only, and the run's scratch directory, read-write).
+    network: True lets model code open network connections.
+    read_only: no file writes at all, the scratch directory included.
+    blocked_builtins: builtins that raise an explanatory PermissionError when called, or
+        "pi-rlm" for pi-rlm's set (eval, exec, compile, globals, locals). Guidance for
+        models, not a security boundary.
+    worker_memory (bytes of address space), worker_cpu_seconds, worker_processes,
+    worker_file_size (bytes), worker_open_files: per-worker resource limits (None: none).
     """
 
     max_depth: int = 3
@@ -61,9 +105,24 @@ class Limits:
     shutdown_grace: float = 1.0
     term_grace: float = 2.0
     output_limit: int = 20_000
+    answer_limit: int = 1_000_000
+    confine: bool = True
+    fs_read: tuple[str, ...] = ()
+    fs_write: tuple[str, ...] = ()
+    network: bool = False
+    read_only: bool = False
+    blocked_builtins: tuple[str, ...] = ()
+    worker_memory: int | None = 4 * 2**30
+    worker_cpu_seconds: int | None = None
+    worker_processes: int | None = 256
+    worker_file_size: int | None = 2**30
+    worker_open_files: int | None = 1024
 
     def __post_init__(self) -> None:
+        self._check_others()
         for f in fields(self):
+            if f.name in FLAGS | PATHS or f.name == "blocked_builtins":
+                continue
             value = getattr(self, f.name)
             if value is None and f.name in OPTIONAL:
                 continue
@@ -86,6 +145,43 @@ class Limits:
             floor = FLOORS.get(f.name, 0)
             if value < floor:
                 raise InvalidArgument(f"Limits.{f.name} must be >= {floor}, got {value!r}")
+
+    def _check_others(self) -> None:
+        for name in FLAGS:
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise InvalidArgument(
+                    f"Limits.{name} must be True or False, got {type(value).__name__} {value!r}"
+                )
+        for name in PATHS:
+            value = getattr(self, name)
+            if isinstance(value, str | os.PathLike):
+                value = (value,)
+            if not isinstance(value, list | tuple) or not all(
+                isinstance(p, str | os.PathLike) for p in value
+            ):
+                raise InvalidArgument(
+                    f"Limits.{name} must be a list of paths, got {value!r}; "
+                    f"e.g. Limits({name}=['/data'])"
+                )
+            paths = tuple(os.path.abspath(os.fspath(p)) for p in value)
+            object.__setattr__(self, name, paths)
+        builtins = self.blocked_builtins
+        if isinstance(builtins, str):
+            if builtins not in BUILTIN_PRESETS:
+                raise InvalidArgument(
+                    f"Limits.blocked_builtins preset {builtins!r} is unknown; use "
+                    f"{', '.join(map(repr, BUILTIN_PRESETS))} or a list of builtin names"
+                )
+            builtins = BUILTIN_PRESETS[builtins]
+        if not isinstance(builtins, list | tuple) or not all(
+            isinstance(b, str) and b.isidentifier() for b in builtins
+        ):
+            raise InvalidArgument(
+                f"Limits.blocked_builtins must be a list of builtin names or 'pi-rlm', "
+                f"got {builtins!r}"
+            )
+        object.__setattr__(self, "blocked_builtins", tuple(builtins))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

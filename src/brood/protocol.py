@@ -10,7 +10,7 @@ import asyncio
 import socket
 import struct
 import threading
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -18,6 +18,10 @@ from brood import errors
 
 HEADER = struct.Struct(">I")
 MAX_FRAME = 256 * 1024 * 1024  # a frame larger than this is a protocol error, not data
+# A worker's frames are capped lower: its output and FINAL are capped before sending, so
+# only a context handed to children can be large, and a worker must not make the
+# supervisor buffer hundreds of MB.
+MAX_WORKER_FRAME = 64 * 1024 * 1024
 
 
 class Msg(msgspec.Struct, tag=True, omit_defaults=True):
@@ -53,28 +57,34 @@ class Quit(Msg):
 
 
 # ---- worker -> supervisor -------------------------------------------------------------------
-class Hello(Msg):
-    pid: int
+# Everything a worker sends is untrusted (DESIGN.md section 14): the supervisor decodes it
+# with `WorkerMsg` only, so the types, sizes and ranges below are checked at the boundary.
+ReqId = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=2**31)]
+Seconds = Annotated[float, msgspec.Meta(ge=0, le=1e9)]  # NaN and -1 are refused here
+Id = Annotated[str, msgspec.Meta(max_length=200)]
+ShortText = Annotated[str, msgspec.Meta(max_length=1000)]
+ChatMessage = dict[str, str]
 
 
 class SpawnReq(Msg):
-    req_id: int
+    req_id: ReqId
     prompts: list[str]
     context: bytes | None = None  # cloudpickled context value, shared by every prompt
-    model: str | None = None
-    timeout: float | None = None
-    step: int = 0
+    model: ShortText | None = None
+    timeout: Seconds | None = None
+    step: Count = 0
     replaying: bool = False  # the step is one the journal holds: its children must be there
 
 
 class CancelReq(Msg):
-    req_id: int
-    child_id: str
+    req_id: ReqId
+    child_id: Id
 
 
 class SendReq(Msg):
-    req_id: int
-    child_id: str
+    req_id: ReqId
+    child_id: Id
     message: str
     replaying: bool = False  # a replayed step's send was delivered before the crash
 
@@ -85,22 +95,22 @@ class Blocked(Msg):
     A block releases the run's concurrency slot; an unblock is answered once a slot is free.
     """
 
-    req_id: int
+    req_id: ReqId
     blocked: bool
 
 
-class ModelCall(Msg):
-    kind: str  # "turn" or "llm_query"
-    model: str | None
-    latency: float
-    input_tokens: int = 0
-    output_tokens: int = 0
-    cost: float = 0.0
-    error: str | None = None
-    # The messages added since this run's previous call of the same kind ("turn": the
-    # conversation grows, so the journal keeps each message once), and the reply.
-    request: list[dict[str, Any]] = []
-    response: str | None = None
+class ModelReq(Msg):
+    """A model call, made for the worker by the supervisor's model gateway (the worker holds
+    no model, client or credential). The reply's value is the model's text.
+
+    `messages` is the whole conversation; `new_from` is where the messages not journaled
+    yet begin ("turn": the conversation grows, so the journal keeps each message once)."""
+
+    req_id: ReqId
+    kind: Literal["turn", "llm_query"]
+    messages: list[ChatMessage]
+    new_from: Count = 0
+    model: ShortText | None = None
 
 
 class Remember(Msg):
@@ -113,22 +123,22 @@ class FlowReq(Msg):
     """A run's code starts or steers a flow: op is run (with spec and inputs as JSON or
     YAML text), status, wait (with timeout), stop or resume (with ref, the flow's run id)."""
 
-    req_id: int
-    op: str
-    ref: str | None = None
+    req_id: ReqId
+    op: Literal["run", "status", "wait", "stop", "resume"]
+    ref: Id | None = None
     spec: str | None = None
     inputs: str | None = None
-    timeout: float | None = None
+    timeout: Seconds | None = None
     replaying: bool = False  # asked by a journaled step a resumed run replays
 
 
 class StepDone(Msg):
-    step: int
+    step: Count
     code: str
     stdout: str
     stderr: str
     error: str | None
-    duration: float
+    duration: Seconds
     # Plain calls still in flight when the step ended (started with spawn): a replay of
     # this step may find no journaled reply for them, and then asks the model live.
     pending: list[str] = []
@@ -145,7 +155,7 @@ class Failed(Msg):
 
 
 class StepResult(Msg):
-    req_id: int
+    req_id: ReqId
     stdout: str
     stderr: str
     error: str | None
@@ -170,7 +180,6 @@ class Start(Msg):
     depth: int
     prompt: str
     context: bytes | None
-    model: bytes  # cloudpickled brood.models.Model
     limits: dict[str, Any]
     driven: bool = False  # True for a Session root: steps come from Exec, not a model
     messages: list[str] = []
@@ -219,6 +228,13 @@ class Stop(Msg):
 
 
 # ---- another process (the CLI) -> a supervisor's control socket ---------------------------
+class CtlAuth(Msg):
+    """The first frame on a control connection: the secret in the socket's key file, which
+    only the supervisor's user can read and which workers never see."""
+
+    secret: str
+
+
 class CtlCancel(Msg):
     req_id: int
     run_id: str
@@ -245,12 +261,11 @@ AnyMsg = (
     | Exited
     | GroupGone
     | Quit
-    | Hello
     | SpawnReq
     | CancelReq
     | SendReq
     | Blocked
-    | ModelCall
+    | ModelReq
     | StepDone
     | FlowReq
     | Notice
@@ -264,13 +279,31 @@ AnyMsg = (
     | Deliver
     | Exec
     | Stop
+    | CtlAuth
     | CtlCancel
     | CtlSend
     | CtlFlow
 )
 
+# What a worker may send; anything else from a worker ends its run.
+WorkerMsg = (
+    SpawnReq
+    | CancelReq
+    | SendReq
+    | Blocked
+    | ModelReq
+    | StepDone
+    | FlowReq
+    | Remember
+    | Final
+    | Failed
+    | StepResult
+    | Reply
+)
+
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMsg)
+_worker_decoder = msgspec.msgpack.Decoder(WorkerMsg)
 
 
 class ProtocolError(errors.BroodError):
@@ -289,11 +322,29 @@ def decode(body: bytes) -> Msg:
         raise ProtocolError(f"undecodable frame of {len(body)} bytes: {exc}") from exc
 
 
+def decode_worker(body: bytes) -> Msg:
+    """A frame from a worker, which may only be one of `WorkerMsg` with valid values."""
+    if len(body) > MAX_WORKER_FRAME:
+        raise ProtocolError(
+            f"frame of {len(body)} bytes exceeds the {MAX_WORKER_FRAME}-byte bound of a worker"
+        )
+    try:
+        return _worker_decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"invalid frame of {len(body)} bytes: {exc}") from exc
+
+
 def check(msg: Msg) -> None:
     """Refuse, before it is sent, a message its receiver could not decode (a helper called
     with a value of the wrong type): InvalidArgument naming the field."""
     try:
-        _decoder.decode(_encoder.encode(msg))
+        body = _encoder.encode(msg)
+        if len(body) > MAX_WORKER_FRAME:
+            raise errors.InvalidArgument(
+                f"the request is {len(body)} bytes, over the {MAX_WORKER_FRAME}-byte bound of "
+                "one message; pass less (a smaller context, fewer prompts)"
+            )
+        _decoder.decode(body)
     except (msgspec.ValidationError, msgspec.EncodeError, TypeError) as exc:
         text = str(exc)
         field = text.rsplit("at `$.", 1)[1].split("`")[0] if "at `$." in text else "a value"
@@ -376,13 +427,16 @@ class SyncChannel:
         return buf
 
 
-async def read_frame(reader: asyncio.StreamReader) -> Msg | None:
-    """The next message from an asyncio stream, or None at end of stream."""
+async def read_frame(reader: asyncio.StreamReader, *, worker: bool = False) -> Msg | None:
+    """The next message from an asyncio stream, or None at end of stream. With `worker`,
+    the frame is held to what a worker may send (raises ProtocolError otherwise)."""
+    bound = MAX_WORKER_FRAME if worker else MAX_FRAME
     try:
         head = await reader.readexactly(HEADER.size)
         (size,) = HEADER.unpack(head)
-        if size > MAX_FRAME:
-            raise ProtocolError(f"frame of {size} bytes exceeds the {MAX_FRAME}-byte bound")
-        return decode(await reader.readexactly(size))
+        if size > bound:  # refused before the body is read, so it is never buffered
+            raise ProtocolError(f"frame of {size} bytes exceeds the {bound}-byte bound")
+        body = await reader.readexactly(size)
+        return decode_worker(body) if worker else decode(body)
     except (asyncio.IncompleteReadError, ConnectionError):
         return None

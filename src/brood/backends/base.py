@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from brood.errors import InvalidArgument
 from brood.protocol import Msg, encode
+from brood.worker.confine import Policy
 
 
 class WorkerConn:
@@ -17,10 +19,12 @@ class WorkerConn:
     `gone` is set once no process of its process group is left (exit confirmed).
     """
 
-    def __init__(self, pid: int, writer: asyncio.StreamWriter | None) -> None:
+    def __init__(self, pid: int, writer: asyncio.StreamWriter | None, scratch: str = "") -> None:
         self.pid = pid
         self.writer = writer
+        self.scratch = scratch  # the worker's HOME, TMPDIR and cwd
         self.handler: Callable[[Msg], None] | None = None
+        self.early: list[Msg] = []  # sent before a run was attached (a confinement failure)
         self.on_exit: Callable[[int], object] | None = None
         loop = asyncio.get_running_loop()
         self.exited: asyncio.Future[int] = loop.create_future()
@@ -34,6 +38,19 @@ class WorkerConn:
         self.writer.write(encode(msg))
         return True
 
+    def attach(self, handler: Callable[[Msg], None]) -> None:
+        """Route the worker's messages to `handler`, first those it sent while idle."""
+        self.handler = handler
+        early, self.early = self.early, []
+        for msg in early:
+            handler(msg)
+
+    def deliver(self, msg: Msg) -> None:
+        if self.handler is None:
+            self.early.append(msg)
+        else:
+            self.handler(msg)
+
     def mark_exited(self, status: int) -> None:
         if not self.exited.done():
             self.exited.set_result(status)
@@ -41,8 +58,17 @@ class WorkerConn:
                 self.on_exit(status)
 
 
+@dataclass(frozen=True)
+class WorkerSettings:
+    """How workers are made: their confinement, environment and scratch directories."""
+
+    policy: Policy
+    env: dict[str, str] = field(default_factory=dict)  # the whole environment workers get
+    keep_scratch: bool = False
+
+
 class Backend(Protocol):
-    async def start(self, preload: tuple[str, ...] = ()) -> None: ...
+    async def start(self) -> None: ...
 
     async def acquire(self) -> WorkerConn:
         """A worker ready for one run (from the warm pool when one is there)."""
@@ -56,12 +82,16 @@ class Backend(Protocol):
 
     def group_pids(self, conn: WorkerConn) -> list[int]: ...
 
+    def discard_scratch(self, conn: WorkerConn) -> None:
+        """Remove the worker's scratch directory (its run has ended and it has exited)."""
+        ...
+
     async def close(self) -> None: ...
 
 
-def make_backend(name: str, owner: str) -> Backend:
+def make_backend(name: str, owner: str, settings: WorkerSettings) -> Backend:
     if name == "local":
         from brood.backends.local import LocalBackend
 
-        return LocalBackend(owner)
+        return LocalBackend(owner, settings)
     raise InvalidArgument(f"unknown backend {name!r}; brood has 'local'")

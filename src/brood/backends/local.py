@@ -1,9 +1,12 @@
 """The local backend: one worker process per run, forked from a warm zygote.
 
-The supervisor starts one zygote (`python -m brood.worker.zygote`), which forks workers into
-their own sessions; each worker connects back over a Unix socket and waits in a small warm
-pool, so starting a run is one message. Every process brood starts carries BROOD_OWNER in
-its environment, which lets a later supervisor find and kill what a dead one left behind.
+The supervisor starts one zygote (`python -m brood.worker.zygote`), in the clean
+environment workers get, which forks workers into their own sessions. Each worker talks to
+the supervisor over its own socketpair, whose supervisor end the zygote passes back with
+`Forked` (SCM_RIGHTS over a SOCK_SEQPACKET control socket): there is no path another
+process could connect to. Workers wait in a small warm pool, so starting a run is one
+message. Every process brood starts carries BROOD_OWNER in its environment, which lets a
+later supervisor find and kill what a dead one left behind.
 """
 
 from __future__ import annotations
@@ -19,15 +22,21 @@ import subprocess
 import sys
 import tempfile
 
-from brood.backends.base import WorkerConn
+import msgspec
+
+from brood.backends.base import WorkerConn, WorkerSettings
 from brood.errors import BackendError
 from brood.protocol import (
+    HEADER,
     Exited,
+    Failed,
     Fork,
     Forked,
     GroupGone,
-    Hello,
+    Msg,
+    ProtocolError,
     Quit,
+    decode,
     encode,
     read_frame,
 )
@@ -110,13 +119,14 @@ def pids_in_group(pgid: int) -> list[int]:
 
 
 class LocalBackend:
-    def __init__(self, owner: str) -> None:
+    def __init__(self, owner: str, settings: WorkerSettings) -> None:
         self.owner = owner
-        self._dir = tempfile.mkdtemp(prefix="brood-")
-        self.sock_path = os.path.join(self._dir, "sup.sock")
+        self.settings = settings
+        # Workers' scratch directories live here, one per worker (its pid), each reachable
+        # by that worker alone (Landlock); removed when their run ends.
+        self.scratch_root = tempfile.mkdtemp(prefix="brood-scratch-")
         self._zygote: subprocess.Popen[bytes] | None = None
-        self._ctrl_writer: asyncio.StreamWriter | None = None
-        self._server: asyncio.AbstractServer | None = None
+        self._ctrl: socket.socket | None = None
         self._idle: asyncio.Queue[WorkerConn] = asyncio.Queue()
         self.conns: dict[int, WorkerConn] = {}
         self._early_exit: dict[int, int] = {}
@@ -126,11 +136,10 @@ class LocalBackend:
         self.escaped: list[int] = []
         self._all: set[WorkerConn] = set()  # every connection, to close them all at the end
 
-    async def start(self, preload: tuple[str, ...] = ()) -> None:
+    async def start(self) -> None:
         sweep_orphans()
-        self._server = await asyncio.start_unix_server(self._on_connect, path=self.sock_path)
-        sup_end, zyg_end = socket.socketpair()
-        env = dict(os.environ, **{OWNER_ENV: self.owner})
+        sup_end, zyg_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = dict(self.settings.env, **{OWNER_ENV: self.owner})
         try:
             # Popen returns once the zygote is exec'd; it does not wait for it.
             self._zygote = subprocess.Popen(  # noqa: ASYNC220
@@ -139,21 +148,23 @@ class LocalBackend:
                     "-m",
                     "brood.worker.zygote",
                     str(zyg_end.fileno()),
-                    self.sock_path,
+                    self.scratch_root,
                     os.pathsep.join(sys.path),
-                    *preload,
+                    msgspec.json.encode(self.settings.policy).decode(),
                 ],
                 pass_fds=[zyg_end.fileno()],
                 stdin=subprocess.DEVNULL,
                 env=env,
+                cwd=self.scratch_root,
                 start_new_session=True,
             )
         except OSError as exc:
             raise BackendError(f"could not start the worker zygote: {exc}") from exc
         finally:
             zyg_end.close()
-        reader, self._ctrl_writer = await asyncio.open_unix_connection(sock=sup_end)
-        self._track(self._read_ctrl(reader))
+        sup_end.setblocking(False)
+        self._ctrl = sup_end
+        asyncio.get_running_loop().add_reader(sup_end, self._on_ctrl)
         self._fork(WARM_WORKERS)
         try:
             await asyncio.wait_for(self._ready.wait(), ZYGOTE_START_TIMEOUT_S)
@@ -168,14 +179,36 @@ class LocalBackend:
         task.add_done_callback(self._tasks.discard)
 
     def _fork(self, count: int) -> None:
-        if self._ctrl_writer is not None and not self._ctrl_writer.is_closing():
-            self._ctrl_writer.write(encode(Fork(count)))
+        if self._ctrl is None or self._closed:
+            return
+        try:
+            self._ctrl.send(encode(Fork(count)))
+        except BlockingIOError:
+            loop = asyncio.get_running_loop()
+            self._track(loop.sock_sendall(self._ctrl, encode(Fork(count))))
+        except OSError:
+            pass  # the zygote is gone; _on_ctrl has seen it and failed what it could
 
-    async def _read_ctrl(self, reader: asyncio.StreamReader) -> None:
-        while (msg := await read_frame(reader)) is not None:
-            if isinstance(msg, Forked):
-                self._ready.set()
-            elif isinstance(msg, Exited):
+    def _on_ctrl(self) -> None:
+        """The zygote's messages, one packet each; a Forked carries the worker's socket."""
+        assert self._ctrl is not None
+        while True:
+            try:
+                data, fds, _, _ = socket.recv_fds(self._ctrl, 65536, 4)
+            except BlockingIOError:
+                return
+            except OSError:
+                data, fds = b"", []
+            if not data:
+                self._zygote_gone()
+                return
+            msg = decode(data[HEADER.size :])
+            if isinstance(msg, Forked) and fds:
+                self._add_worker(msg.pid, fds[0])
+                fds = fds[1:]
+            for fd in fds:
+                os.close(fd)
+            if isinstance(msg, Exited):
                 conn = self.conns.pop(msg.pid, None) if msg.group_empty else self.conns.get(msg.pid)
                 if conn is None:
                     self._early_exit[msg.pid] = msg.status
@@ -187,29 +220,37 @@ class LocalBackend:
                 conn = self.conns.pop(msg.pid, None)
                 if conn is not None:
                     conn.gone.set()
-        # The zygote is gone: nothing can be confirmed any more for workers not yet reaped.
+
+    def _zygote_gone(self) -> None:
+        assert self._ctrl is not None
+        with contextlib.suppress(Exception):
+            asyncio.get_running_loop().remove_reader(self._ctrl)
+        # Nothing can be confirmed any more for workers not yet reaped.
         for conn in self.conns.values():
             conn.mark_exited(-signal.SIGKILL)
 
-    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        hello = await read_frame(reader)
-        if not isinstance(hello, Hello):
-            writer.close()
-            return
-        conn = WorkerConn(hello.pid, writer)
-        self.conns[hello.pid] = conn
+    def _add_worker(self, pid: int, fd: int) -> None:
+        conn = WorkerConn(pid, None, os.path.join(self.scratch_root, str(pid)))
+        self.conns[pid] = conn
         self._all.add(conn)
-        if hello.pid in self._early_exit:
-            conn.mark_exited(self._early_exit.pop(hello.pid))
+        if pid in self._early_exit:
+            conn.mark_exited(self._early_exit.pop(pid))
         self._ready.set()
+        self._track(self._serve(conn, socket.socket(fileno=fd)))
+
+    async def _serve(self, conn: WorkerConn, sock: socket.socket) -> None:
+        """Read one worker's frames. A frame that is not one a worker may send, or is too
+        big, ends that worker's run with the reason; the supervisor goes on."""
+        reader, conn.writer = await asyncio.open_unix_connection(sock=sock)
         await self._idle.put(conn)
         try:
-            while (msg := await read_frame(reader)) is not None:
-                if conn.handler is not None:
-                    conn.handler(msg)
+            while (msg := await read_frame(reader, worker=True)) is not None:
+                conn.deliver(msg)
+        except ProtocolError as exc:
+            conn.deliver(_violation(exc))
         finally:
             conn.closed.set()
-            writer.close()
+            conn.writer.close()
 
     async def acquire(self) -> WorkerConn:
         if self._closed:
@@ -230,6 +271,10 @@ class LocalBackend:
     def group_pids(self, conn: WorkerConn) -> list[int]:
         return pids_in_group(conn.pid)
 
+    def discard_scratch(self, conn: WorkerConn) -> None:
+        if conn.scratch and not self.settings.keep_scratch:
+            shutil.rmtree(conn.scratch, ignore_errors=True)
+
     def idle_pids(self) -> list[int]:
         return [c.pid for c in self.conns.values() if c.handler is None]
 
@@ -238,11 +283,9 @@ class LocalBackend:
         if self._closed:
             return
         self._closed = True
-        if self._ctrl_writer is not None:
+        if self._ctrl is not None:
             with contextlib.suppress(Exception):
-                self._ctrl_writer.write(encode(Quit()))
-                await self._ctrl_writer.drain()
-            self._ctrl_writer.close()
+                await asyncio.get_running_loop().sock_sendall(self._ctrl, encode(Quit()))
         if self._zygote is not None:
             zygote = self._zygote
             try:
@@ -250,8 +293,10 @@ class LocalBackend:
             except TimeoutError:
                 zygote.kill()
                 await asyncio.to_thread(zygote.wait)
-        if self._server is not None:
-            self._server.close()
+        if self._ctrl is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(self._ctrl)
+            self._ctrl.close()
         for conn in list(self._all):
             if conn.writer is not None:
                 conn.writer.close()
@@ -260,4 +305,16 @@ class LocalBackend:
         self.escaped = sweep_orphans(self.owner)
         for task in list(self._tasks):
             task.cancel()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self.settings.keep_scratch:  # keep what runs used; drop what no run got
+            for conn in self._all:
+                if conn.handler is None:
+                    shutil.rmtree(conn.scratch, ignore_errors=True)
+        else:
+            shutil.rmtree(self.scratch_root, ignore_errors=True)
+
+
+def _violation(exc: ProtocolError) -> Msg:
+    return Failed(
+        reason=f"protocol violation: the worker sent a frame it may not send ({exc})",
+        error=str(exc),
+    )

@@ -526,7 +526,7 @@ def flow_run(
     terminal) lets it go on, and `brood flow stop RUN` stops it."""
     params = _inputs(inputs or [], json_inputs or [])
     url = store or default_store_url()
-    limits = brood.Limits(**({"max_concurrency": max_concurrency} if max_concurrency else {}))
+    limits = brood.Limits(max_concurrency=max_concurrency) if max_concurrency else brood.Limits()
     try:
         with brood.Supervisor(
             model or os.environ.get("BROOD_MODEL"), limits=limits, store=url
@@ -602,6 +602,51 @@ def flow_resume(run_id: RunArg, store: StoreOpt = None) -> None:
     """Let a paused flow (escalate, max_transitions) go on."""
     with _journal(store) as journal:
         print(f"{run_id} {journal.flow(run_id, 'resume')}")
+
+
+# ---- doctor ---------------------------------------------------------------------------------
+@app.command()
+def doctor(as_json: JsonOpt = False) -> None:
+    """Show which worker confinement this machine enforces, and what the default policy lacks."""
+    import tempfile
+
+    import msgspec
+
+    from brood.worker.confine import Policy, gaps, probe
+
+    support = probe()
+    with tempfile.TemporaryDirectory(prefix="brood-doctor-") as scratch:
+        lines = gaps(Policy(scratch=scratch), support, private_network=support.netns)
+    if as_json:
+        _print_json({"support": msgspec.to_builtins(support), "gaps": lines})
+        return
+    abi = support.landlock_abi
+
+    def row(name: str, ok: bool, detail: str) -> None:
+        table.add_row(name, "[green]yes[/green]" if ok else "[red]no[/red]", detail)
+
+    table = Table("MECHANISM", "HERE", "DETAIL", box=None)
+    row("landlock", abi >= 1, f"ABI {abi}" if abi else support.landlock_error)
+    row("  files", abi >= 1, "read-only Python and system, read-write scratch")
+    row("  TCP", abi >= 4, "bind and connect refused unless network (ABI 4)")
+    row("  signals, sockets", abi >= 6, "no signals or abstract sockets outside (ABI 6)")
+    row("  ptrace", abi >= 1, "none outside the worker")
+    held = support.caps_held
+    row("capability drop", support.drop_caps or not held, "all sets" if held else "none held")
+    row("network namespace", support.netns, support.netns_error or "only a down loopback")
+    row("rlimits", True, "memory (AS), cpu, file size, open files")
+    root = support.uid == 0
+    row("  processes", False, "RLIMIT_NPROC: " + ("root is exempt" if root else "per user"))
+    row("cgroups", False, "not used")
+    console = Console()
+    console.print(f"[bold]worker confinement on this machine[/bold] (uid {support.uid})")
+    console.print(table)
+    if lines:
+        console.print("[bold]gaps for the default policy:[/bold]")
+        for line in lines:
+            console.print(f"  - {line}", markup=False, highlight=False)
+    else:
+        console.print("gaps for the default policy: none")
 
 
 def main() -> None:  # pragma: no cover - console entry

@@ -24,12 +24,13 @@ class Completion:
 class Model:
     """Base class of brood models. Subclasses implement `complete`.
 
-    A model object is shipped to each worker by value and used only there, so it must be
-    picklable (cloudpickle); build network clients lazily inside `complete`.
+    A model stays in the supervisor: its model gateway calls `complete` for every run, in a
+    bounded pool of threads (so `complete` may block, and is called from several threads at
+    once). A model may instead define `async def acomplete(messages, model=None)`, which the
+    gateway awaits on the supervisor's loop. Workers never see the model object.
     """
 
     name: str | None = None
-    preload: tuple[str, ...] = ()  # modules the worker template imports once, for every worker
 
     def complete(self, messages: Messages, model: str | None = None) -> Completion:
         raise NotImplementedError

@@ -21,14 +21,13 @@ class OpenAIModel(Model):
     """Chat completions through the `openai` client.
 
     The base URL and key come from the arguments or from OPENAI_BASE_URL / OPENAI_API_KEY.
-    The client is built lazily, inside the worker that uses it. A 429, a 5xx, a timeout or a
-    dropped connection is retried up to `max_retries` times, waiting what the server's
+    The client is built on first use, in the supervisor's model gateway, and its one
+    connection pool serves every run (workers never hold it or the key). A 429, a 5xx, a
+    timeout or a dropped connection is retried up to `max_retries` times, waiting what the server's
     Retry-After asks (capped at BACKOFF_MAX_S) or else 0.5 s doubling; when the retries run
     out, the call fails with a ModelError naming the last error. `sleep` is how it waits
     (tests pass a fake clock).
     """
-
-    preload = ("openai",)
 
     def __init__(
         self,

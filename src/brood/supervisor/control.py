@@ -1,10 +1,18 @@
 """The control socket: how another process (`brood cancel`, `brood send`) reaches the
-supervisor that owns a tree. Its path is journaled with the supervisor's row."""
+supervisor that owns a tree. Its path is journaled with the supervisor's row.
+
+A client proves it may act by sending, first, the secret kept in `ctl.key` beside the
+socket (mode 0600 in a 0700 directory): the supervisor's user can read it, workers cannot
+(their confinement keeps them out of that directory, and they never get the secret). A
+connection that does not start with the secret is closed unanswered.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import os
+import secrets
 import shutil
 import socket
 import tempfile
@@ -13,10 +21,12 @@ from typing import Any
 from brood.errors import BroodError, InvalidArgument
 from brood.lifecycle import RunState
 from brood.protocol import (
+    CtlAuth,
     CtlCancel,
     CtlFlow,
     CtlSend,
     Msg,
+    ProtocolError,
     Reply,
     SyncChannel,
     encode,
@@ -30,15 +40,25 @@ from brood.supervisor.core import Core
 class ControlServer:
     def __init__(self, core: Core) -> None:
         self.core = core
-        self._dir = tempfile.mkdtemp(prefix="brood-ctl-")
+        self._dir = tempfile.mkdtemp(prefix="brood-ctl-")  # mode 0700
         self.path = os.path.join(self._dir, "ctl.sock")
+        self._secret = secrets.token_hex(32)
+        fd = os.open(key_path(self.path), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self._secret)
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> None:
         self._server = await asyncio.start_unix_server(self._serve, path=self.path)
+        os.chmod(self.path, 0o600)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
+            first = await read_frame(reader)
+            if not isinstance(first, CtlAuth) or not hmac.compare_digest(
+                first.secret.encode(), self._secret.encode()
+            ):
+                return
             while (msg := await read_frame(reader)) is not None:
                 req_id = getattr(msg, "req_id", 0)
                 try:
@@ -47,6 +67,8 @@ class ControlServer:
                     reply = Reply(req_id, error=error_info(exc))
                 writer.write(encode(reply))
                 await writer.drain()
+        except ProtocolError:
+            pass  # not a brood client: drop it
         finally:
             writer.close()
 
@@ -81,16 +103,29 @@ class ControlServer:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
+def key_path(socket_path: str) -> str:
+    return os.path.join(os.path.dirname(socket_path), "ctl.key")
+
+
 def control_request(
     path: str, msg: CtlCancel | CtlSend | CtlFlow, timeout: float | None = None
 ) -> Any:
     """Send one request to a supervisor's control socket and return its reply's value."""
+    try:
+        with open(key_path(path)) as f:
+            secret = f.read()
+    except OSError as exc:
+        raise BroodError(
+            f"cannot read the control key of the supervisor at {path}: {exc}; only the user "
+            "who runs that supervisor can control it"
+        ) from exc
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:
         sock.connect(path)
         chan = SyncChannel.over_socket(sock)
         try:
+            chan.send(CtlAuth(secret))
             chan.send(msg)
             reply = chan.recv()
         finally:

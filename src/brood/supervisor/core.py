@@ -13,6 +13,7 @@ import hashlib
 import itertools
 import secrets
 import signal
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -24,11 +25,13 @@ from brood.errors import (
     ChildCleanupError,
     InvalidArgument,
     LimitExceeded,
+    ModelError,
     ReplayDiverged,
     SupervisorClosed,
 )
 from brood.lifecycle import RunRecord, RunState, move
 from brood.limits import Limits
+from brood.models.base import Completion, Model
 from brood.protocol import (
     Blocked,
     CancelReq,
@@ -38,7 +41,7 @@ from brood.protocol import (
     Failed,
     Final,
     FlowReq,
-    ModelCall,
+    ModelReq,
     Msg,
     Remember,
     Replay,
@@ -52,6 +55,7 @@ from brood.protocol import (
     error_info,
 )
 from brood.store.base import Store
+from brood.supervisor.gateway import ModelGateway
 from brood.supervisor.observers import Observers
 
 DELIVER_ACK_S = 5.0  # how long a follow-up waits for the worker to confirm it is queued
@@ -102,7 +106,7 @@ class RunInfo:
 @dataclass(eq=False)
 class Run:
     rec: RunRecord
-    model_blob: bytes
+    model: Model
     context_blob: bytes | None
     model_name: str | None
     timeout: float | None
@@ -125,6 +129,7 @@ class Run:
     by_key: dict[str, Run] = field(default_factory=dict)  # resumed: journaled children by key
     flows_started: int = 0  # flows its code started (their runs' keys: flow:N)
     prompts: set[str] = field(default_factory=set)  # roots only: system prompts journaled
+    calls: set[asyncio.Task[Any]] = field(default_factory=set)  # model calls under way
 
     @property
     def launchable(self) -> bool:
@@ -158,7 +163,7 @@ class Core:
     def __init__(
         self,
         *,
-        model_blob: bytes,
+        model: Model,
         model_name: str | None,
         limits: Limits,
         store: Store,
@@ -166,8 +171,10 @@ class Core:
         observers: Observers,
         owner: str,
     ) -> None:
-        self.model_blob = model_blob
+        self.model = model
         self.model_name = model_name
+        self.gateway = ModelGateway()
+        self.unenforced: list[str] = []  # what confinement this machine does not enforce
         self.limits = limits
         self.store = store
         self.backend = backend
@@ -235,7 +242,7 @@ class Core:
         prompt: str,
         *,
         context_blob: bytes | None,
-        model_blob: bytes | None = None,
+        model: Model | None = None,
         model_name: str | None = None,
         timeout: float | None = None,
         driven: bool = False,
@@ -246,9 +253,12 @@ class Core:
         rec = self._root_record(prompt, model_name or self.model_name)
         # A root's model_name only labels the journal row; the model object is the choice.
         run = Run(
-            rec, model_blob or self.model_blob, context_blob, None, timeout, None, driven=driven
+            rec, model or self.model, context_blob, None, timeout, None, driven=driven
         )
-        await self._admit(run)
+        await self._journal_new([run])
+        if self.unenforced:  # said in the journal of every tree this supervisor runs
+            self._event(run, "confinement", {"unenforced": self.unenforced})
+        self._admit(run)
         return run
 
     def _new_id(self) -> str:
@@ -285,8 +295,7 @@ class Core:
             f"{self.store.url} holds very many runs"
         )
 
-    async def _admit(self, run: Run) -> None:
-        await self._journal_new([run])
+    def _admit(self, run: Run) -> None:
         if run.driven:
             # A Session's root is driven by the trainer between steps; it holds no slot.
             self._task(self._launch(run))
@@ -320,7 +329,7 @@ class Core:
         for key, prompt in fresh:
             rec = self._child_record(parent, key, prompt, msg.model or parent.rec.model)
             child = Run(
-                rec, parent.model_blob, msg.context, msg.model or parent.model_name, timeout, parent
+                rec, parent.model, msg.context, msg.model or parent.model_name, timeout, parent
             )
             parent.children.append(child)
             children.append(child)
@@ -425,7 +434,7 @@ class Core:
             return
         resumed = run.rec.state is RUN
         run.conn = conn
-        conn.handler = lambda msg: self._on_msg(run, msg)
+        conn.attach(lambda msg: self._on_msg(run, msg))
         conn.on_exit = lambda status: self._task(self._on_exit(run, status))
         run.rec.pid = conn.pid
 
@@ -437,7 +446,6 @@ class Core:
                     depth=r.depth,
                     prompt=r.prompt,
                     context=run.context_blob,
-                    model=run.model_blob,
                     limits=self.limits.to_dict(),
                     driven=run.driven,
                     messages=run.messages,
@@ -484,8 +492,8 @@ class Core:
                 self._release(run)
             else:
                 self._task(self._answer(run, msg.req_id, self._unblock(run)))
-        elif isinstance(msg, ModelCall):
-            self._account(run, msg)
+        elif isinstance(msg, ModelReq):
+            self._task(self._answer(run, msg.req_id, self._model_call(run, msg)))
         elif isinstance(msg, StepDone):
             run.last_line = last_line(msg.stdout) or run.last_line
             self._event(
@@ -577,30 +585,84 @@ class Core:
         finally:
             run.pending.pop(req_id, None)
 
-    def _account(self, run: Run, msg: ModelCall) -> None:
+    async def _model_call(self, run: Run, msg: ModelReq) -> str:
+        """Make a worker's model call in the gateway; measure it and journal it here."""
+        if run.ending is not None or run.rec.state is not RUN:
+            raise BroodError(f"run {run.id} is {run.rec.state.value} and ending; no model call")
+        if msg.new_from > len(msg.messages):
+            raise InvalidArgument(
+                f"new_from {msg.new_from} is past the {len(msg.messages)} messages sent"
+            )
+        task = asyncio.current_task()
+        assert task is not None
+        run.calls.add(task)
+        started = time.perf_counter()
+        done: Completion | None = None
+        error: str | None = None
+        try:
+            done = await self.gateway.complete(run.model, msg.messages, msg.model)
+            return done.text
+        except asyncio.CancelledError:
+            error = "abandoned: the run ended while the call was under way"
+            raise
+        except ModelError as exc:
+            error = f"ModelError: {exc}"
+            raise
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            raise ModelError(
+                f"model {run.model.describe()!r} raised {type(exc).__name__}: {exc}"
+            ) from exc
+        finally:
+            run.calls.discard(task)
+            self._account(
+                run,
+                kind=msg.kind,
+                model=msg.model or run.model.name,
+                latency=time.perf_counter() - started,
+                done=done,
+                error=error,
+                request=msg.messages[msg.new_from :],
+            )
+
+    def _account(
+        self,
+        run: Run,
+        *,
+        kind: str,
+        model: str | None,
+        latency: float,
+        done: Completion | None,
+        error: str | None,
+        request: list[dict[str, Any]],
+    ) -> None:
+        # A model's own count is trusted (it is the user's code), but never negative.
+        tokens_in = max(0, int(done.input_tokens)) if done else 0
+        tokens_out = max(0, int(done.output_tokens)) if done else 0
+        cost = max(0.0, float(done.cost)) if done else 0.0
         u = run.rec.usage
         u["model_calls"] = u.get("model_calls", 0) + 1
-        u["input_tokens"] = u.get("input_tokens", 0) + msg.input_tokens
-        u["output_tokens"] = u.get("output_tokens", 0) + msg.output_tokens
-        u["cost"] = u.get("cost", 0.0) + msg.cost
+        u["input_tokens"] = u.get("input_tokens", 0) + tokens_in
+        u["output_tokens"] = u.get("output_tokens", 0) + tokens_out
+        u["cost"] = u.get("cost", 0.0) + cost
         self._event(
             run,
             "model_call",
             {
-                "kind": msg.kind,
-                "model": msg.model,
-                "latency": msg.latency,
-                "input_tokens": msg.input_tokens,
-                "output_tokens": msg.output_tokens,
-                "error": msg.error,
-                "request": self._by_ref(run, msg.request),
-                "response": msg.response,
+                "kind": kind,
+                "model": model,
+                "latency": latency,
+                "input_tokens": tokens_in,
+                "output_tokens": tokens_out,
+                "error": error,
+                "request": self._by_ref(run, request),
+                "response": done.text if done else None,
             },
         )
         root = self.runs[run.rec.root_id]
         t = root.tree_usage
-        t["tokens"] = t.get("tokens", 0) + msg.input_tokens + msg.output_tokens
-        t["cost"] = t.get("cost", 0.0) + msg.cost
+        t["tokens"] = t.get("tokens", 0) + tokens_in + tokens_out
+        t["cost"] = t.get("cost", 0.0) + cost
         over = None
         if self.limits.token_budget is not None and t["tokens"] > self.limits.token_budget:
             over = "tokens"
@@ -650,6 +712,8 @@ class Core:
         rec = run.rec
         if run.timer is not None:
             run.timer.cancel()
+        for call in list(run.calls):  # abandoned: nobody will read their replies
+            call.cancel()
         if answer is not None:
             rec.answer = answer
         if error is not None:
@@ -664,6 +728,8 @@ class Core:
         open_children = [c for c in run.children if not c.rec.state.terminal]
         await asyncio.gather(*(self.finish(c, RunState.CANCELLED, why) for c in open_children))
         confirmed = await self._stop_worker(run)
+        if confirmed and run.conn is not None:
+            self.backend.discard_scratch(run.conn)
         self._release(run)
         if not confirmed and run.conn is not None:
             pids = self.backend.group_pids(run.conn)
@@ -734,7 +800,7 @@ class Core:
         else:
             rec = self._child_record(parent, _flow_key(parent), prompt, FLOW_MODEL)
             parent.flows_started += 1
-        run = Run(rec, self.model_blob, None, None, None, parent)
+        run = Run(rec, self.model, None, None, None, parent)
         if parent is not None:
             parent.children.append(run)
         await self._journal_new([run])
@@ -749,7 +815,7 @@ class Core:
         *,
         key: str,
         context_blob: bytes | None = None,
-        model_blob: bytes | None = None,
+        model: Model | None = None,
         model_name: str | None = None,
         timeout: float | None = None,
     ) -> Run:
@@ -760,7 +826,7 @@ class Core:
         rec = self._child_record(parent, key, prompt, model_name or self.model_name)
         child = Run(
             rec,
-            model_blob or parent.model_blob,
+            model or parent.model,
             context_blob,
             model_name,
             timeout if timeout is not None else self.limits.child_timeout,
@@ -841,7 +907,7 @@ class Core:
             data = extra.get(rec.id, {})
             run = Run(
                 rec,
-                self.model_blob,
+                self.model,
                 data.get("context"),
                 data.get("model_name"),
                 self.limits.child_timeout if parent else None,
@@ -945,6 +1011,7 @@ class Core:
         self.closing = True
         roots = [r for r in self.runs.values() if r.parent is None and not r.rec.state.terminal]
         await asyncio.gather(*(self.finish(r, RunState.CANCELLED, reason) for r in roots))
+        self.gateway.close()
         await self.backend.close()
 
     def snapshot(self, run: Run) -> dict[str, Any]:

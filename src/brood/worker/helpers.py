@@ -10,7 +10,6 @@ import contextlib
 import itertools
 import json
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -28,13 +27,12 @@ from brood.errors import (
     ReplayDiverged,
     StaleHandle,
 )
-from brood.models.base import Completion, Model
 from brood.protocol import (
     Blocked,
     CancelReq,
     ChildUpdate,
     FlowReq,
-    ModelCall,
+    ModelReq,
     Remember,
     Replay,
     SendReq,
@@ -47,12 +45,11 @@ BATCH_THREADS = 16  # concurrent plain model calls of one run
 
 
 class Runtime:
-    """What the helpers of one run share: the link, the model, the step clock, the answer."""
+    """What the helpers of one run share: the link, the step clock, the answer."""
 
     def __init__(
         self,
         link: Link,
-        model: Model,
         *,
         run_id: str,
         depth: int,
@@ -61,7 +58,6 @@ class Runtime:
         max_depth: int,
     ) -> None:
         self.link = link
-        self.model = model
         self.run_id = run_id
         self.depth = depth
         self.can_spawn = can_spawn
@@ -84,9 +80,10 @@ class Runtime:
         self._block_lock = threading.Lock()
         self._task_ids = itertools.count(1)
 
-    # ---- model calls -------------------------------------------------------------------
+    # ---- model calls ----------------------------------------------------------------------
     def call_model(self, messages: list[dict[str, Any]], kind: str, model: str | None) -> str:
-        """One model call, reported to the supervisor (usage, latency, error) either way."""
+        """One model call, made by the supervisor's model gateway (which measures and
+        journals it); a recorded reply when the run is resumed and the journal has one."""
         recorded = self.recorded_reply(messages, kind)
         if recorded is not None:
             return recorded
@@ -94,38 +91,25 @@ class Runtime:
         if prompt:
             with self._block_lock:
                 self.in_flight[prompt] = self.in_flight.get(prompt, 0) + 1
-        start = time.perf_counter()
-        done: Completion | None = None
-        error = None
+        new_from = 0
         if kind == "turn":
-            request, self.turn_sent = messages[self.turn_sent :], len(messages)
-        else:
-            request = messages
+            new_from, self.turn_sent = self.turn_sent, len(messages)
         try:
-            model = model or self.model_name
             with self.clock.paused():
-                done = self.model.complete(messages, model=model)
-            return done.text
-        except BaseException as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            raise
+                reply: str = self.link.request(
+                    ModelReq(
+                        req_id=self.link.next_id(),
+                        kind=kind,  # type: ignore[arg-type]
+                        messages=messages,
+                        new_from=new_from,
+                        model=model or self.model_name,
+                    )
+                )
+            return reply
         finally:
             if prompt:
                 with self._block_lock:
                     self.in_flight[prompt] -= 1
-            self.link.send(
-                ModelCall(
-                    kind=kind,
-                    model=model or self.model.name,
-                    latency=time.perf_counter() - start,
-                    input_tokens=done.input_tokens if done else 0,
-                    output_tokens=done.output_tokens if done else 0,
-                    cost=done.cost if done else 0.0,
-                    error=error,
-                    request=request,
-                    response=done.text if done else None,
-                )
-            )
 
     # ---- resuming from the journal -----------------------------------------------------
     @property
@@ -601,7 +585,12 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
         rt.check_open()
         with rt.blocked() if op in ("stop", "wait") else contextlib.nullcontext():
             return rt.link.request(
-                FlowReq(req_id=rt.link.next_id(), op=op, replaying=rt.replaying, **fields)
+                FlowReq(
+                    req_id=rt.link.next_id(),
+                    op=op,  # type: ignore[arg-type]
+                    replaying=rt.replaying,
+                    **fields,
+                )
             )
 
     def flow_run(spec: Any, inputs: dict[str, Any] | None = None) -> str:

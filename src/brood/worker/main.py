@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 import traceback
 
 import cloudpickle
 
-from brood.models.base import Model
-from brood.protocol import Failed, Final, Hello, Start, SyncChannel
+from brood.protocol import Failed, Final, Start, SyncChannel
 from brood.worker.agent import Agent
 from brood.worker.helpers import ERRORS, Runtime, make_helpers
 from brood.worker.link import Link
@@ -24,14 +22,12 @@ def first_message(start: Start, context: object) -> str:
     return "\n".join(parts)
 
 
-def serve(sock_path: str) -> None:
-    """Entry of a forked worker. Never returns normally: the process ends with os._exit."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(sock_path)
+def serve(sock: socket.socket) -> None:
+    """Entry of a forked, confined worker, over its own end of a socketpair. Never returns
+    normally: the process ends with os._exit."""
     chan = SyncChannel.over_socket(sock)
     link = Link(chan)
     link.start_reader()  # while the worker waits in the warm pool, not after its Start
-    chan.send(Hello(os.getpid()))
     start = link.starts.get()  # the reader exits the process if the supervisor goes first
     try:
         run(start, link)
@@ -39,6 +35,14 @@ def serve(sock_path: str) -> None:
         link.send(Failed(reason=_reason(exc), error=traceback.format_exc()[-4000:]))
     # Stay until the supervisor's Stop (handled by the reader thread) ends the process.
     threading.Event().wait()
+
+
+def report_unusable(sock: socket.socket, reason: str) -> None:
+    """This worker cannot run anything (its confinement failed): the run it is handed
+    fails with `reason`, so the failure is seen, never silently worked around."""
+    chan = SyncChannel.over_socket(sock)
+    chan.send(Failed(reason=reason, error=traceback.format_exc()[-4000:]))
+    chan.recv()  # hold until the supervisor stops this worker (Stop or end of stream)
 
 
 def _reason(exc: BaseException) -> str:
@@ -52,16 +56,12 @@ def _reason(exc: BaseException) -> str:
 
 
 def run(start: Start, link: Link) -> None:
-    model = cloudpickle.loads(start.model)
-    if not isinstance(model, Model):
-        raise TypeError(f"the model shipped to the worker is a {type(model).__name__}")
     context = cloudpickle.loads(start.context) if start.context is not None else None
     limits = start.limits
     can_spawn = start.depth + 1 < int(limits.get("max_depth", 1))
     clock = StepClock()
     rt = Runtime(
         link,
-        model,
         run_id=start.run_id,
         depth=start.depth,
         can_spawn=can_spawn,

@@ -1,25 +1,37 @@
 """The zygote: a pre-imported process that forks workers on request and reaps them.
 
-Started once per supervisor with `python -m brood.worker.zygote FD SOCKET_PATH`. It imports
-the worker code, freezes the heap (so forked workers share it copy-on-write) and then only
-forks, reaps and reports. It is a child subreaper, so grandchildren that model code started
-are reparented to it when their worker dies and are reaped here too; a worker's exit is
-confirmed (GroupGone) once no process of its process group is left. If the supervisor goes
-away (its end of the control socket closes), the zygote kills every worker group and exits.
+Started once per supervisor with `python -m brood.worker.zygote FD SCRATCH_ROOT SYS_PATH
+POLICY`, in the clean environment workers get. It imports the worker code, freezes the heap
+(so forked workers share it copy-on-write) and then only forks, reaps and reports.
+
+Each worker gets its own socketpair; the supervisor's end travels back with `Forked` over
+the control socket (SCM_RIGHTS), so no path exists that another process could connect to.
+A worker confines itself (`confine.apply`) before it starts any thread, in its own scratch
+directory `SCRATCH_ROOT/PID`.
+
+The zygote is a child subreaper, and so is every worker: what model code starts stays in
+the worker's tree, even after setsid and a double fork; when the worker dies, those
+processes are reparented here, and any child of the zygote that is not a worker is killed
+at once (its worker is gone). A worker's exit is confirmed (GroupGone) once no process of
+its group and no such stray is left. If the supervisor goes away (its end of the control
+socket closes), the zygote kills everything it has and exits.
 """
 
 from __future__ import annotations
 
 import ctypes
 import gc
-import importlib
 import os
 import selectors
 import signal
 import socket
 import sys
+import traceback
 
-from brood.protocol import Exited, Fork, Forked, GroupGone, Quit, SyncChannel
+import msgspec
+
+from brood.protocol import HEADER, Exited, Fork, Forked, GroupGone, Msg, Quit, decode, encode
+from brood.worker import confine
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -42,17 +54,52 @@ def _group_empty(pgid: int) -> bool:
     return False
 
 
+def children() -> list[int]:
+    """This (single-threaded) process's children."""
+    me = os.getpid()
+    try:
+        with open(f"/proc/{me}/task/{me}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        pass
+    found = []  # a kernel without CONFIG_PROC_CHILDREN: scan every process's parent
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
+                        found.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    return found
+
+
 class Zygote:
-    def __init__(self, ctrl: socket.socket, sock_path: str) -> None:
+    def __init__(
+        self, ctrl: socket.socket, scratch_root: str, policy: confine.Policy
+    ) -> None:
         self.ctrl = ctrl
-        self.chan = SyncChannel.over_socket(ctrl, buffered=False)
-        self.sock_path = sock_path
+        self.scratch_root = scratch_root
+        self.policy = policy
+        self.support = confine.probe()
         self.groups: set[int] = set()  # worker pids (= their process group ids) not yet gone
         self.reaped: set[int] = set()
+        self.strays: set[int] = set()  # killed, not yet reaped: no exit is confirmed meanwhile
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
 
+    def send(self, msg: Msg, fd: int | None = None) -> None:
+        if fd is None:
+            self.ctrl.sendall(encode(msg))
+        else:
+            socket.send_fds(self.ctrl, [encode(msg)], [fd])
+
+    def recv(self) -> Msg | None:
+        data = self.ctrl.recv(65536)
+        return decode(data[HEADER.size :]) if data else None
+
     def fork_worker(self) -> int:
+        mine, theirs = socket.socketpair()
         pid = os.fork()
         if pid == 0:
             try:
@@ -60,15 +107,38 @@ class Zygote:
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 os.setsid()  # own session and process group: cleanup signals the whole group
                 self.ctrl.close()
+                mine.close()
                 os.close(self.wake_r)
                 os.close(self.wake_w)
-                from brood.worker.main import serve
-
-                serve(self.sock_path)
+                self.become_worker(theirs)
+            except BaseException:
+                traceback.print_exc()
             finally:
                 os._exit(1)
+        theirs.close()
         self.groups.add(pid)
+        try:
+            self.send(Forked(pid), mine.fileno())
+        finally:
+            mine.close()
         return pid
+
+    def become_worker(self, sock: socket.socket) -> None:
+        from brood.worker.main import report_unusable, serve
+
+        scratch = os.path.join(self.scratch_root, str(os.getpid()))
+        _set_subreaper()  # what model code starts stays below the worker, even orphaned
+        try:
+            os.mkdir(scratch, 0o700)
+            os.chdir(scratch)
+            os.environ.update(HOME=scratch, TMPDIR=scratch)
+            # Before any thread exists: Landlock binds only the calling thread and the
+            # threads it starts afterwards.
+            confine.apply(msgspec.structs.replace(self.policy, scratch=scratch), self.support)
+        except Exception as exc:
+            report_unusable(sock, f"confinement failed: {exc}")
+            return
+        serve(sock)
 
     def reap(self) -> None:
         while True:
@@ -80,16 +150,34 @@ class Zygote:
                 break
             if pid in self.groups and pid not in self.reaped:
                 empty = _group_empty(pid)
+                self.kill_strays()
+                empty = empty and not self.strays
                 if empty:
                     self.groups.discard(pid)
                 else:
                     self.reaped.add(pid)
-                self.chan.send(Exited(pid, os.waitstatus_to_exitcode(status), empty))
+                self.send(Exited(pid, os.waitstatus_to_exitcode(status), empty))
+            else:
+                self.strays.discard(pid)
+        self.kill_strays()
         for pgid in [g for g in self.groups if g in self.reaped]:
-            if _group_empty(pgid):
+            if _group_empty(pgid) and not self.strays:
                 self.groups.discard(pgid)
                 self.reaped.discard(pgid)
-                self.chan.send(GroupGone(pgid))
+                self.send(GroupGone(pgid))
+
+    def kill_strays(self) -> None:
+        """Kill every child that is not a live worker: a process model code started,
+        reparented here because its worker (and so its run) is gone. It is our child, so
+        its pid cannot be reused before we reap it."""
+        for pid in children():
+            stray = pid not in self.groups or pid in self.reaped
+            if stray and pid not in self.strays:
+                self.strays.add(pid)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
 
     def shutdown(self) -> None:
         for pgid in list(self.groups):
@@ -100,7 +188,9 @@ class Zygote:
                     kill(pgid, signal.SIGKILL)
                 except OSError:
                     pass
+        self.groups.clear()
         while True:
+            self.kill_strays()  # workers' orphans land here as the workers die
             try:
                 os.waitpid(-1, 0)
             except ChildProcessError:
@@ -131,27 +221,25 @@ class Zygote:
                         pass
                     self.reap()
                     continue
-                msg = self.chan.recv()
+                msg = self.recv()
                 if msg is None or isinstance(msg, Quit):
                     return
                 if isinstance(msg, Fork):
                     for _ in range(msg.count):
-                        self.chan.send(Forked(self.fork_worker()))
+                        self.fork_worker()
                 self.reap()
 
 
 def main() -> None:
-    fd, sock_path = int(sys.argv[1]), sys.argv[2]
-    # The supervisor's import path: a chat_fn pickled by reference to an importable module
-    # (a test file, the user's package) must import the same way in the worker.
+    fd, scratch_root = int(sys.argv[1]), sys.argv[2]
+    # The supervisor's import path: a context pickled by reference to an importable module
+    # unpickles the same way in the worker (where confinement lets it read that module).
     sys.path[:] = [p for p in sys.argv[3].split(os.pathsep) if p] + [
         p for p in sys.path if p not in sys.argv[3].split(os.pathsep)
     ]
-    for name in sys.argv[4:]:
-        try:
-            importlib.import_module(name)  # e.g. openai, so workers do not import it each
-        except ImportError:
-            pass
+    policy = msgspec.json.decode(sys.argv[4], type=confine.Policy)
+    if policy.confine and not policy.network:
+        confine.enter_private_network()  # every worker forked from here inherits it
     import brood.worker.main  # noqa: F401  - pre-import what every worker runs
     from brood.worker.prompt import cached_system_prompt
 
@@ -161,9 +249,10 @@ def main() -> None:
     _set_subreaper()
     ctrl = socket.socket(fileno=fd)
     ctrl.setblocking(True)
+    zygote = Zygote(ctrl, scratch_root, policy)
     gc.collect()
     gc.freeze()  # forked workers then share this heap instead of copying it on first GC
-    Zygote(ctrl, sock_path).serve()
+    zygote.serve()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,123 @@
+"""The model gateway: every model call of every run is made here, on the supervisor's side.
+
+Workers hold no model object, client or credential (DESIGN.md section 14): a worker asks
+for a call as it asks for a child, and the gateway makes it, measures it and journals it,
+so usage and budgets rest on what the gateway saw, never on what a worker reports.
+
+A `Model` with an `acomplete` coroutine runs on the supervisor's loop; any other model
+(a `chat_fn`) runs in a bounded pool of daemon threads. A call whose run ends is
+abandoned: its awaiting task is cancelled and the thread's result, if it ever comes, is
+dropped, so a `chat_fn` that never returns holds up neither a cancel nor `close()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from brood.models.base import Completion, Messages, Model
+
+# Model calls in flight at once through chat_fn threads, across every tree of a supervisor.
+# A call beyond this waits its turn; a chat_fn that never returns keeps its thread.
+GATEWAY_THREADS = 64
+
+_Job = tuple[asyncio.AbstractEventLoop, "asyncio.Future[Any]", Callable[..., Any], tuple[Any, ...]]
+
+
+class CallPool:
+    """Up to `size` daemon threads that run blocking calls for the loop, started as needed.
+
+    Not a ThreadPoolExecutor: its threads are joined at interpreter exit, so one call that
+    never returns would hang the user's process on the way out."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads = 0
+        self._idle = 0  # threads blocked on the queue (or about to be)
+        self._queued = 0  # jobs put and not yet taken
+        self._starting = 0  # threads started that have not reached the queue yet
+        self._closed = False
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        with self._lock:
+            self._queued += 1
+            # Exact, not approximate: a blocked call must never leave a job waiting while
+            # the pool is below its size (tests' gated chat_fns would deadlock).
+            if self._queued > self._idle + self._starting and self._threads < self._size:
+                self._threads += 1
+                self._starting += 1
+                threading.Thread(target=self._work, name="brood-model", daemon=True).start()
+        self._jobs.put((loop, fut, fn, args))
+        return fut
+
+    def _work(self) -> None:
+        with self._lock:
+            self._starting -= 1
+        while True:
+            with self._lock:
+                self._idle += 1
+            job = self._jobs.get()
+            with self._lock:
+                self._idle -= 1
+                if job is not None:
+                    self._queued -= 1
+            if job is None:
+                return
+            loop, fut, fn, args = job
+            if not fut.cancelled():
+                try:
+                    value, failed = fn(*args), None
+                except BaseException as exc:
+                    value, failed = None, exc
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                    loop.call_soon_threadsafe(_settle, fut, value, failed)
+
+    def close(self) -> None:
+        """Let idle threads end; busy ones end after their call (they are daemons)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            count = self._threads
+        for _ in range(count):
+            self._jobs.put(None)
+
+
+def _settle(fut: asyncio.Future[Any], value: Any, failed: BaseException | None) -> None:
+    if fut.done():  # abandoned: the run ended while the call was under way
+        return
+    if failed is not None:
+        fut.set_exception(failed)
+    else:
+        fut.set_result(value)
+
+
+class ModelGateway:
+    """Makes model calls for workers; one per supervisor (one connection pool)."""
+
+    def __init__(self, threads: int = GATEWAY_THREADS) -> None:
+        self.pool = CallPool(threads)
+
+    async def complete(self, model: Model, messages: Messages, name: str | None) -> Completion:
+        acomplete = getattr(model, "acomplete", None)
+        if acomplete is not None:
+            done = await acomplete(messages, model=name)
+        else:
+            done = await self.pool.submit(model.complete, messages, name)
+        if not isinstance(done, Completion):
+            raise TypeError(
+                f"model {model.describe()!r} returned {type(done).__name__} from complete(); "
+                "it must return a brood.Completion"
+            )
+        return done
+
+    def close(self) -> None:
+        self.pool.close()

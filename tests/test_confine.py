@@ -1,0 +1,396 @@
+"""Kernel confinement of workers: each case forks a child that confines itself and tries
+something, reports the outcome through a pipe, and is reaped before the case ends."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import resource
+import signal
+import socket
+import sysconfig
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+import brood
+from brood.errors import ConfinementError
+from brood.worker.confine import (
+    Policy,
+    Support,
+    apply,
+    default_read_paths,
+    enter_private_network,
+    gaps,
+    probe,
+)
+
+SUPPORT = probe()
+STDLIB_FILE = os.path.join(sysconfig.get_paths()["stdlib"], "os.py")
+_PTRACE_SEIZE = 0x4206  # attaches without stopping the tracee, should the refusal fail
+_CAP_SYS_RESOURCE = 24
+
+
+def _has_capability(cap: int) -> bool:
+    with open("/proc/self/status") as f:
+        eff = next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
+    return bool(eff >> cap & 1)
+
+
+class Outcome(msgspec.Struct):
+    ok: bool
+    value: Any = None
+    error: str = ""  # exception class name
+    errno: int | None = None
+    message: str = ""
+
+
+def _report(fd: int, outcome: Outcome) -> None:
+    data = msgspec.json.encode(outcome)
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+def run_child(
+    policy: Policy | None,
+    action: Callable[[], Any],
+    *,
+    support: Support = SUPPORT,
+) -> tuple[Outcome | None, int]:
+    """Fork; the child applies `policy` (if any) then runs `action`. Returns the child's
+    outcome (None if it died before reporting) and its wait status, after reaping it."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        code = 0
+        try:
+            os.close(r)
+            try:
+                if policy is not None:
+                    apply(policy, support)
+                outcome = Outcome(ok=True, value=action())
+            except BaseException as exc:
+                outcome = Outcome(
+                    ok=False,
+                    error=type(exc).__name__,
+                    errno=getattr(exc, "errno", None),
+                    message=str(exc),
+                )
+            _report(w, outcome)
+        except BaseException:
+            code = 70
+        finally:
+            os._exit(code)
+    os.close(w)
+    chunks = []
+    with os.fdopen(r, "rb") as f:
+        while chunk := f.read():
+            chunks.append(chunk)
+    _, status = os.waitpid(pid, 0)
+    data = b"".join(chunks)
+    return (msgspec.json.decode(data, type=Outcome) if data else None), status
+
+
+def outcome_of(policy: Policy | None, action: Callable[[], Any], **kw: Any) -> Outcome:
+    outcome, status = run_child(policy, action, **kw)
+    assert outcome is not None, f"child died before reporting (status {status})"
+    assert os.waitstatus_to_exitcode(status) == 0
+    return outcome
+
+
+def assert_refused(outcome: Outcome, err: int = errno.EACCES) -> None:
+    assert not outcome.ok, f"expected a refusal, got {outcome.value!r}"
+    assert outcome.errno == err, outcome
+
+
+def require(ok: bool, policy: Policy, *, private_network: bool = False) -> None:
+    if not ok:
+        why = gaps(policy, SUPPORT, private_network=private_network)
+        pytest.skip("; ".join(why) or "this machine lacks the mechanism")
+
+
+@pytest.fixture
+def scratch(tmp_path: Path) -> Path:
+    path = tmp_path / "scratch"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def listener() -> Iterator[tuple[str, int]]:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)  # connects complete in the backlog; nobody needs to accept
+    try:
+        yield sock.getsockname()
+    finally:
+        sock.close()
+
+
+def read(path: str | Path) -> int:
+    with open(path, "rb") as f:
+        return len(f.read(64))
+
+
+def write(path: str | Path) -> int:
+    Path(path).write_text("hi")
+    return 2
+
+
+def connect(addr: tuple[str, int]) -> str:
+    with socket.create_connection(addr, timeout=5):
+        return "connected"
+
+
+# ---- files --------------------------------------------------------------------------------
+def test_secrets_and_proc_are_refused(scratch: Path) -> None:
+    policy = Policy(scratch=str(scratch))
+    require(SUPPORT.landlock_abi >= 1, policy)
+    assert_refused(outcome_of(policy, lambda: read("/etc/shadow")))
+    assert_refused(outcome_of(policy, lambda: read("/proc/1/environ")))
+
+
+def test_stdlib_is_readable_and_python_imports_work(scratch: Path) -> None:
+    policy = Policy(scratch=str(scratch))
+    require(SUPPORT.landlock_abi >= 1, policy)
+
+    def action() -> int:
+        import decimal  # a stdlib import after confinement, from disk
+
+        return read(STDLIB_FILE) + int(decimal.Decimal("1"))
+
+    assert outcome_of(policy, action).value == 65
+
+
+def test_writes_go_to_scratch_only(scratch: Path, tmp_path: Path) -> None:
+    policy = Policy(scratch=str(scratch))
+    require(SUPPORT.landlock_abi >= 1, policy)
+    assert outcome_of(policy, lambda: write(scratch / "a.txt")).ok
+    assert (scratch / "a.txt").read_text() == "hi"
+    assert_refused(outcome_of(policy, lambda: write(tmp_path / "outside.txt")))
+    assert not (tmp_path / "outside.txt").exists()
+    assert outcome_of(policy, lambda: write("/dev/null")).ok
+
+
+def test_read_only_refuses_writes_in_scratch(scratch: Path) -> None:
+    (scratch / "old.txt").write_text("old")
+    policy = Policy(scratch=str(scratch), read_only=True)
+    require(SUPPORT.landlock_abi >= 1, policy)
+    assert_refused(outcome_of(policy, lambda: write(scratch / "a.txt")))
+    assert_refused(outcome_of(policy, lambda: write(scratch / "old.txt")))
+    assert outcome_of(policy, lambda: read(scratch / "old.txt")).value == 3
+
+
+def test_fs_write_and_fs_read_widen(scratch: Path, tmp_path: Path) -> None:
+    extra, data = tmp_path / "extra", tmp_path / "data.txt"
+    extra.mkdir()
+    data.write_text("data")
+    policy = Policy(scratch=str(scratch), fs_write=[str(extra)], fs_read=[str(data), "/nope"])
+    require(SUPPORT.landlock_abi >= 1, policy)
+    assert outcome_of(policy, lambda: write(extra / "b.txt")).ok
+    assert outcome_of(policy, lambda: read(data)).value == 4
+    assert_refused(outcome_of(policy, lambda: write(data)))  # a file rule: read rights only
+
+
+# ---- network, signals, ptrace ---------------------------------------------------------------
+def test_tcp_connect_refused_without_network(scratch: Path, listener: tuple[str, int]) -> None:
+    policy = Policy(scratch=str(scratch))
+    require(SUPPORT.landlock_abi >= 4, policy, private_network=True)
+    assert_refused(outcome_of(policy, lambda: connect(listener)))
+    allowed = Policy(scratch=str(scratch), network=True)
+    assert outcome_of(allowed, lambda: connect(listener)).value == "connected"
+
+
+def test_signals_outside_the_worker_are_refused(scratch: Path) -> None:
+    policy = Policy(scratch=str(scratch))
+    require(SUPPORT.landlock_abi >= 6, policy)
+    parent = os.getpid()
+    assert_refused(outcome_of(policy, lambda: os.kill(parent, 0)), errno.EPERM)
+    assert outcome_of(policy, lambda: os.kill(os.getpid(), 0)).ok  # itself: fine
+
+
+def test_ptrace_of_the_parent_is_refused(scratch: Path) -> None:
+    policy = Policy(scratch=str(scratch))
+    require(SUPPORT.landlock_abi >= 1, policy)
+    parent = os.getpid()
+
+    def seize() -> int:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.ptrace.restype = ctypes.c_long
+        rc = libc.ptrace(ctypes.c_long(_PTRACE_SEIZE), ctypes.c_long(parent), None, None)
+        if rc < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+        return int(rc)
+
+    assert_refused(outcome_of(policy, seize), errno.EPERM)
+    assert_refused(outcome_of(policy, lambda: read(f"/proc/{parent}/mem")))
+
+
+# ---- capabilities and rlimits ---------------------------------------------------------------
+def _raise_cpu_hard_limit() -> str:
+    soft, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    resource.setrlimit(resource.RLIMIT_CPU, (soft, hard + 1000))
+    return "raised"
+
+
+def _capabilities_left() -> list[int]:
+    """[effective, permitted, inheritable, bounding-set count] of the calling process."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this pid
+    data = (ctypes.c_uint32 * 6)()
+    assert libc.capget(header, data) == 0
+    bounding = sum(libc.prctl(23, cap, 0, 0, 0) == 1 for cap in range(64))  # PR_CAPBSET_READ
+    return [data[0] | data[3], data[1] | data[4], data[2] | data[5], bounding]
+
+
+def test_every_capability_is_dropped(scratch: Path) -> None:
+    policy = Policy(scratch=str(scratch), cpu_seconds=100)
+    require(SUPPORT.drop_caps, policy)
+    assert outcome_of(policy, _capabilities_left).value == [0, 0, 0, 0]
+    outcome = outcome_of(policy, _raise_cpu_hard_limit)
+    # CPython turns setrlimit's EPERM into ValueError("not allowed to raise maximum limit").
+    assert not outcome.ok and "not allowed to raise" in outcome.message, outcome
+    if _has_capability(_CAP_SYS_RESOURCE):  # the control: unconfined, root may raise it
+        unconfined = Policy(scratch=str(scratch), cpu_seconds=100, confine=False)
+        assert outcome_of(unconfined, _raise_cpu_hard_limit).value == "raised"
+
+
+def test_file_size_limit(scratch: Path) -> None:
+    policy = Policy(scratch=str(scratch), file_size=1 << 20)
+
+    def big_write() -> int:
+        fd = os.open(scratch / "big", os.O_WRONLY | os.O_CREAT, 0o600)
+        chunk, written = b"x" * (1 << 20), 0
+        try:
+            while written < 4 << 20:  # SIGXFSZ is ignored by CPython: EFBIG instead
+                written += os.write(fd, chunk)
+        finally:
+            os.close(fd)
+        return written
+
+    assert_refused(outcome_of(policy, big_write), errno.EFBIG)
+
+
+def test_memory_limit(scratch: Path) -> None:
+    with open("/proc/self/status") as f:
+        vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    policy = Policy(scratch=str(scratch), memory=vm + (64 << 20))
+    outcome = outcome_of(policy, lambda: len(bytearray(1 << 30)))
+    assert outcome.error == "MemoryError", outcome
+
+
+def test_cpu_limit_kills_a_busy_loop(scratch: Path) -> None:
+    policy = Policy(scratch=str(scratch), cpu_seconds=1)
+
+    def spin() -> None:
+        while True:
+            pass
+
+    outcome, status = run_child(policy, spin)
+    assert outcome is None
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) in (signal.SIGXCPU, signal.SIGKILL)
+
+
+def test_confine_false_applies_only_rlimits(scratch: Path) -> None:
+    policy = Policy(scratch=str(scratch), confine=False, open_files=64)
+    assert gaps(policy, SUPPORT, private_network=True) == [
+        "confinement is off (confine=False): no Landlock, no capability drop, no network "
+        "or signal confinement; only the rlimits apply"
+    ]
+
+    def action() -> list[int]:
+        return [read("/etc/shadow"), resource.getrlimit(resource.RLIMIT_NOFILE)[1]]
+
+    if not os.access("/etc/shadow", os.R_OK):
+        pytest.skip("/etc/shadow is not readable by this user even unconfined")
+    assert outcome_of(policy, action).value == [read("/etc/shadow"), 64]
+
+
+# ---- the contract around apply ---------------------------------------------------------------
+def test_apply_refuses_a_threaded_process(scratch: Path) -> None:
+    policy = Policy(scratch=str(scratch))
+
+    def action() -> None:
+        stop = threading.Event()
+        thread = threading.Thread(target=stop.wait)
+        thread.start()
+        try:
+            apply(policy, SUPPORT)
+        finally:
+            stop.set()
+            thread.join()
+
+    outcome = outcome_of(None, action)
+    assert outcome.error == ConfinementError.__name__ and "threads" in outcome.message
+
+
+def test_gaps_are_empty_for_the_default_policy_here(scratch: Path) -> None:
+    policy = Policy(scratch=str(scratch))
+    assert gaps(policy, SUPPORT, private_network=SUPPORT.netns) == []
+    assert SUPPORT.landlock_abi >= 6 and SUPPORT.drop_caps and SUPPORT.netns, SUPPORT
+    lines = gaps(Policy(scratch=str(scratch), processes=10), SUPPORT, private_network=False)
+    assert any(line.startswith("network: UDP") for line in lines)
+    assert any(line.startswith("processes:") for line in lines)
+
+
+def test_policy_and_support_travel_in_msgpack(scratch: Path) -> None:
+    policy = Policy(scratch=str(scratch), fs_read=["/data"], memory=1 << 30)
+    wire = msgspec.msgpack.encode(policy)
+    assert msgspec.msgpack.decode(wire, type=Policy) == policy
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(SUPPORT), type=Support) == SUPPORT
+    assert probe() is SUPPORT  # cached
+
+
+def test_default_read_paths() -> None:
+    paths = default_read_paths()
+    assert any(STDLIB_FILE.startswith(p + "/") for p in map(os.path.realpath, paths))
+    for forbidden in ("/proc", "/tmp", "/etc/passwd", "/etc/shadow", "/", os.getcwd()):
+        assert forbidden not in paths
+    package_root = str(Path(brood.__file__).resolve().parent.parent)
+    others = [p for p in paths if p != package_root]  # a checkout may live anywhere
+    assert not any(p.startswith(("/proc", "/tmp")) for p in others), paths
+
+
+def test_private_network_leaves_only_a_down_loopback(listener: tuple[str, int]) -> None:
+    require(SUPPORT.netns, Policy(scratch="/nonexistent"))
+
+    def action() -> list[Any]:
+        entered = enter_private_network()
+        names = [name for _, name in socket.if_nameindex()]
+        try:
+            connect(listener)
+            result = "connected"
+        except OSError as exc:
+            result = errno.errorcode.get(exc.errno or 0, str(exc))
+        return [entered, names, result]
+
+    entered, names, result = outcome_of(None, action).value
+    assert entered is True and names == ["lo"]
+    assert result in ("ENETUNREACH", "ECONNREFUSED", "EADDRNOTAVAIL"), result
+
+
+def test_paths_that_do_not_exist_are_skipped(scratch: Path) -> None:
+    policy = Policy(scratch=str(scratch), fs_read=["/etc/shadow/x", "/nope"], fs_write=["/nope2"])
+    require(SUPPORT.landlock_abi >= 1, policy)
+    assert outcome_of(policy, lambda: read(STDLIB_FILE)).value == 64
+
+
+def test_doctor_reports_support_and_gaps() -> None:
+    from typer.testing import CliRunner
+
+    from brood.cli.main import app
+
+    result = CliRunner().invoke(app, ["doctor", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["support"]["landlock_abi"] == SUPPORT.landlock_abi
+    assert report["gaps"] == gaps(Policy(scratch="/x"), SUPPORT, private_network=SUPPORT.netns)
+    text = CliRunner().invoke(app, ["doctor"])
+    assert text.exit_code == 0 and "landlock" in text.output and "gaps" in text.output
