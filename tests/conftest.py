@@ -9,7 +9,7 @@ import pytest
 
 from brood.testing import leftover_processes
 
-FAST = dict(shutdown_grace=0.3, term_grace=0.3)  # cleanup tunables shrunk for tests
+from tests.util import SHARED as FAST  # cleanup tunables shrunk, test files writable
 
 
 @pytest.fixture(autouse=True)

@@ -235,7 +235,7 @@ def test_startup_sweep_kills_processes_of_a_dead_supervisor(tmp_path):
         )
         m = brood.ScriptedModel({{"root": ["```repl\\n" + code + "\\n```", "```repl\\n"
                                           + {Gate(tmp_path, "never").wait_code!r} + "\\n```"]}})
-        sup = brood.Supervisor(m)
+        sup = brood.Supervisor(m, limits=brood.Limits(fs_write=[{str(tmp_path)!r}]))
         sup.spawn("root")
         print(sup._backend._zygote.pid, flush=True)
         signal.pause()

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import getpass
 import os
+import tempfile
 from pathlib import Path
 
 import brood
 
-FAST = brood.Limits(shutdown_grace=0.3, term_grace=0.3, max_depth=3)
+# Where pytest makes tmp_path: model code in these tests meets the test through files there
+# (gates, pid files), so the tests' limits let workers write there. The escape catalogue
+# (test_trust.py) uses brood's defaults instead.
+TEST_FILES = os.path.join(tempfile.gettempdir(), f"pytest-of-{getpass.getuser()}")
+SHARED = dict(shutdown_grace=0.3, term_grace=0.3, fs_write=(TEST_FILES,))
+
+FAST = brood.Limits(**SHARED, max_depth=3)  # type: ignore[arg-type]
 
 
 def fast(**kw: object) -> brood.Limits:
-    base = dict(shutdown_grace=0.3, term_grace=0.3, max_depth=3)
+    base: dict[str, object] = dict(SHARED, max_depth=3)
     base.update(kw)
     return brood.Limits(**base)  # type: ignore[arg-type]
 

@@ -7,6 +7,7 @@ from brood.errors import (
     ChildCleanupError,
     ChildFailed,
     ChildNotReady,
+    ConfinementError,
     InvalidArgument,
     InvalidSpec,
     LimitExceeded,
@@ -17,13 +18,14 @@ from brood.errors import (
     SupervisorClosed,
 )
 from brood.lifecycle import TRANSITIONS, RunState
-from brood.limits import Limits
+from brood.limits import PI_RLM_BLOCKED_BUILTINS, Limits
 from brood.models import CallableModel, Completion, Model, OpenAIModel, ScriptedModel
 from brood.session import Observation, Session
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "PI_RLM_BLOCKED_BUILTINS",
     "TRANSITIONS",
     "BackendError",
     "BroodError",
@@ -32,6 +34,7 @@ __all__ = [
     "ChildFailed",
     "ChildNotReady",
     "Completion",
+    "ConfinementError",
     "FlowHandle",
     "InvalidArgument",
     "InvalidSpec",

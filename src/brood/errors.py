@@ -15,6 +15,7 @@ __all__ = [
     "ChildCleanupError",
     "ChildFailed",
     "ChildNotReady",
+    "ConfinementError",
     "InvalidArgument",
     "InvalidSpec",
     "LimitExceeded",

@@ -49,6 +49,36 @@ StoreOpt = Annotated[
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON only")]
 RunArg = Annotated[str, typer.Argument(help="a run id, e.g. r-8f3a2c")]
+FsReadOpt = Annotated[
+    list[Path] | None,
+    typer.Option("--fs-read", help="a path model code may also read (repeatable)"),
+]
+FsWriteOpt = Annotated[
+    list[Path] | None,
+    typer.Option("--fs-write", help="a path model code may also read and write (repeatable)"),
+]
+NetworkOpt = Annotated[
+    bool, typer.Option("--network", help="let model code open network connections")
+]
+ConfineOpt = Annotated[
+    bool,
+    typer.Option(
+        "--confine/--no-confine",
+        help="confine model code (the default); --no-confine is for trusted code only",
+    ),
+]
+
+
+def _confinement(
+    fs_read: list[Path] | None, fs_write: list[Path] | None, network: bool, confine: bool
+) -> dict[str, Any]:
+    """The Limits fields the confinement options set (DESIGN.md section 14)."""
+    return {
+        "fs_read": tuple(str(p) for p in fs_read or ()),
+        "fs_write": tuple(str(p) for p in fs_write or ()),
+        "network": network,
+        "confine": confine,
+    }
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -173,6 +203,10 @@ def run(
     child_timeout: Annotated[float | None, typer.Option(help="seconds per child run")] = None,
     token_budget: Annotated[int | None, typer.Option(help="tokens for the whole tree")] = None,
     timeout: Annotated[float | None, typer.Option(help="seconds for the whole run")] = None,
+    fs_read: FsReadOpt = None,
+    fs_write: FsWriteOpt = None,
+    network: NetworkOpt = False,
+    confine: ConfineOpt = True,
     live: Annotated[bool, typer.Option(help="show the live tree on stderr")] = True,
     as_json: JsonOpt = False,
 ) -> None:
@@ -193,7 +227,10 @@ def run(
     }
     url = store or default_store_url()
     try:
-        limits = brood.Limits(**{k: v for k, v in given.items() if v is not None})
+        limits = brood.Limits(
+            **{k: v for k, v in given.items() if v is not None},
+            **_confinement(fs_read, fs_write, network, confine),
+        )
         with brood.Supervisor(
             model or os.environ.get("BROOD_MODEL"), limits=limits, store=url
         ) as sup:
@@ -211,6 +248,10 @@ def resume(
         str | None, typer.Option(help="model spec for the live part (or BROOD_MODEL)")
     ] = None,
     store: StoreOpt = None,
+    fs_read: FsReadOpt = None,
+    fs_write: FsWriteOpt = None,
+    network: NetworkOpt = False,
+    confine: ConfineOpt = True,
     live: Annotated[bool, typer.Option(help="show the live tree on stderr")] = True,
     as_json: JsonOpt = False,
 ) -> None:
@@ -218,7 +259,10 @@ def resume(
     for it, journaled children adopted, not started again), then go on live."""
     url = store or default_store_url()
     try:
-        with brood.Supervisor(model or os.environ.get("BROOD_MODEL"), store=url) as sup:
+        limits = brood.Limits(**_confinement(fs_read, fs_write, network, confine))
+        with brood.Supervisor(
+            model or os.environ.get("BROOD_MODEL"), limits=limits, store=url
+        ) as sup:
             handle = sup.resume(run_id)
             if handle.id in sup.flows():  # a flow's own tree: say where it stands
                 status = sup.flow(handle.id).status()["status"]
@@ -519,6 +563,10 @@ def flow_run(
     model: Annotated[str | None, typer.Option(help="model spec (or BROOD_MODEL)")] = None,
     store: StoreOpt = None,
     max_concurrency: Annotated[int | None, typer.Option(help="runs computing at once")] = None,
+    fs_read: FsReadOpt = None,
+    fs_write: FsWriteOpt = None,
+    network: NetworkOpt = False,
+    confine: ConfineOpt = True,
     live: Annotated[bool, typer.Option(help="show the live tree on stderr")] = True,
     as_json: JsonOpt = False,
 ) -> None:
@@ -526,8 +574,9 @@ def flow_run(
     terminal) lets it go on, and `brood flow stop RUN` stops it."""
     params = _inputs(inputs or [], json_inputs or [])
     url = store or default_store_url()
-    limits = brood.Limits(max_concurrency=max_concurrency) if max_concurrency else brood.Limits()
+    given: dict[str, Any] = {"max_concurrency": max_concurrency} if max_concurrency else {}
     try:
+        limits = brood.Limits(**given, **_confinement(fs_read, fs_write, network, confine))
         with brood.Supervisor(
             model or os.environ.get("BROOD_MODEL"), limits=limits, store=url
         ) as sup:

@@ -6,10 +6,12 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from brood.protocol import Final, StepDone, StepResult
+from brood.protocol import Failed, Final, StepDone, StepResult
 from brood.worker.helpers import Runtime
 from brood.worker.link import TERMINAL_STATES
-from brood.worker.repl import Repl, truncate
+from brood.worker.repl import CAPTURE_LIMIT, Repl, truncate
+
+CAPTURE_PER_SHOWN = 50  # a step keeps (and journals) 50 times what the model is shown
 
 OPEN_FENCE = re.compile(r"^\s*```\s*(repl|python|py)\s*$")
 ANY_FENCE = re.compile(r"^\s*```")
@@ -69,7 +71,10 @@ class Agent:
     def run_code(self, code: str) -> tuple[str, str, str | None]:
         """Run one block as a REPL step; journal it; returns (stdout, stderr, error)."""
         self.rt.step += 1
-        out = self.repl.run(code, self.limits.get("step_timeout"))
+        shown = int(self.limits.get("output_limit", 20_000))
+        out = self.repl.run(
+            code, self.limits.get("step_timeout"), max(CAPTURE_LIMIT, CAPTURE_PER_SHOWN * shown)
+        )
         stderr = out.stderr
         if self.rt.notes:
             stderr += "".join(n + "\n" for n in self.rt.notes)
@@ -122,7 +127,7 @@ class Agent:
             lines.append(f"[notice] child {u.child_id}{task} {how}")
         return "\n".join(lines)
 
-    def loop(self, first_message: str, system: str) -> Final:
+    def loop(self, first_message: str, system: str) -> Final | Failed:
         rt = self.rt
         messages: list[dict[str, Any]] = [
             {"role": "system", "content": system},
@@ -137,7 +142,7 @@ class Agent:
             messages.append({"role": "assistant", "content": reply})
             feedback = self.feedback(reply)
             if rt.final is not None:
-                return Final(rt.final)
+                return self.final(rt.final)
             messages.append({"role": "user", "content": feedback})
         messages[-1]["content"] += "\n\n" + ANSWER_NOW.format(n=max_iter)
         reply = rt.call_model(messages, "turn", None)
@@ -145,8 +150,19 @@ class Agent:
         for code in blocks.code:
             self.run_code(code)
             if rt.final is not None:
-                return Final(rt.final)
-        return Final(reply.strip(), reason="answer after max_iterations")
+                return self.final(rt.final)
+        return self.final(reply.strip(), reason="answer after max_iterations")
+
+    def final(self, answer: str, reason: str = "answer") -> Final | Failed:
+        """The run's end: its answer, or a failure when the answer is over the cap."""
+        cap = int(self.limits.get("answer_limit", 1_000_000))
+        if len(answer) > cap:
+            return Failed(
+                reason=f"the FINAL answer has {len(answer):,} characters, over "
+                f"Limits.answer_limit={cap:,}; nothing over the cap is sent",
+                error="",
+            )
+        return Final(answer, reason)
 
     def driven(self) -> None:
         """A Session root: steps come from the trainer's code, not from a model."""
@@ -154,8 +170,12 @@ class Agent:
         while True:
             ex = rt.link.execs.get()
             stdout, stderr, error = self.run_code(ex.code)
-            done = rt.final is not None
-            rt.link.send(StepResult(ex.req_id, stdout, stderr, error, done, rt.final))
-            if done:
-                rt.link.send(Final(rt.final or ""))
-                return
+            if rt.final is None:
+                rt.link.send(StepResult(ex.req_id, stdout, stderr, error, False, None))
+                continue
+            end = self.final(rt.final)
+            answer = end.answer if isinstance(end, Final) else None
+            error = error if isinstance(end, Final) else end.reason
+            rt.link.send(StepResult(ex.req_id, stdout, stderr, error, True, answer))
+            rt.link.send(end)
+            return

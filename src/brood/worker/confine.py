@@ -28,9 +28,15 @@ import msgspec
 from brood.errors import ConfinementError
 
 __all__ = [
+    "CGROUP_HEADROOM",
     "Policy",
     "Support",
     "apply",
+    "cgroup_enter",
+    "cgroup_kill",
+    "cgroup_parent",
+    "cgroup_remove",
+    "cgroup_remove_parent",
     "default_read_paths",
     "enter_private_network",
     "gaps",
@@ -145,6 +151,16 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
 
     Paths are allowed beneath (a directory and all it holds); paths that do not exist are
     skipped. `read_only` turns scratch and `fs_write` into read-only paths.
+
+    `processes` bounds what model code may start. Where a cgroup is usable
+    (`Support.cgroup`), the worker's cgroup gets pids.max = processes + CGROUP_HEADROOM:
+    pids.max counts tasks, so threads as well as processes, and the headroom covers brood's
+    own tasks in the worker (its main thread, the link reader and up to 16 batch-call
+    threads); model code can then run `processes` processes or threads of its own, and
+    everything it starts, in any session or process group, counts. RLIMIT_NPROC is set too;
+    it counts every process of the user and does not apply to root. `memory` is RLIMIT_AS
+    per process and, where the cgroup's memory controller is usable, also the memory limit
+    of the worker's whole cgroup.
     """
 
     confine: bool = True
@@ -153,9 +169,9 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
     fs_write: list[str] = []
     network: bool = False
     read_only: bool = False
-    memory: int | None = None  # bytes -> RLIMIT_AS
+    memory: int | None = None  # bytes -> RLIMIT_AS, and the cgroup's memory limit
     cpu_seconds: int | None = None  # -> RLIMIT_CPU: SIGXCPU at the value, SIGKILL a second later
-    processes: int | None = None  # -> RLIMIT_NPROC
+    processes: int | None = None  # -> pids.max (+ CGROUP_HEADROOM) and RLIMIT_NPROC
     file_size: int | None = None  # bytes -> RLIMIT_FSIZE
     open_files: int | None = None  # -> RLIMIT_NOFILE
 
@@ -170,6 +186,13 @@ class Support(msgspec.Struct, frozen=True):
     uid: int = -1
     landlock_error: str = ""
     netns_error: str = ""
+    # "v2", "v1" or "" (then `cgroup_error` says why): the cgroup mechanism for workers.
+    cgroup: str = ""
+    cgroup_dir: str = ""  # our own cgroup in the pids hierarchy: brood-<zygote pid> goes here
+    # Where the memory limit goes: v1, our own memory cgroup; v2, cgroup_dir; "" when the
+    # memory controller is not usable (`cgroup_error` then says why, and RLIMIT_AS remains).
+    cgroup_memory_dir: str = ""
+    cgroup_error: str = ""
 
 
 # ---- probing ------------------------------------------------------------------------------
@@ -241,7 +264,9 @@ def _probe_netns() -> tuple[bool, str]:
 def probe() -> Support:
     """What this machine can enforce. Cached per process; cheap; never raises.
 
-    Forks one short-lived child to try `unshare(CLONE_NEWNET)`. Call it in the zygote
+    Forks one short-lived child to try `unshare(CLONE_NEWNET)`, and one that moves itself
+    into a test cgroup (created under our own and removed again; on cgroup v2 this enables
+    the pids and memory controllers for our cgroup's children, which is what brood needs). Call it in the zygote
     before forking workers so they inherit the cached answer.
     """
     try:
@@ -253,7 +278,7 @@ def probe() -> Support:
         netns, netns_error = _probe_netns()
     except Exception as exc:
         netns, netns_error = False, f"probe failed ({exc!r})"
-    return Support(
+    base = Support(
         landlock_abi=abi,
         drop_caps=bool(eff >> _CAP_SETPCAP & 1),
         netns=netns,
@@ -262,6 +287,10 @@ def probe() -> Support:
         landlock_error=landlock_error,
         netns_error=netns_error,
     )
+    try:
+        return _probe_cgroup(base)
+    except Exception as exc:
+        return msgspec.structs.replace(base, cgroup_error=f"probe failed ({exc!r})")
 
 
 # ---- what the policy asks for that is not enforced ----------------------------------------

@@ -71,7 +71,13 @@ def run(start: Start, link: Link) -> None:
     rt.model_name = start.model_name
     rt.replay = start.replay
     helpers = make_helpers(rt)
-    repl = Repl({**helpers, **ERRORS}, context, clock=clock)
+    repl = Repl(
+        {**helpers, **ERRORS},
+        context,
+        clock=clock,
+        blocked=tuple(limits.get("blocked_builtins", ())),
+        read_only=bool(limits.get("read_only", False)),
+    )
     rt.namespace = repl.namespace
     agent = Agent(rt, repl, limits)
     if start.driven:

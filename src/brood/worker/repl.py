@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,9 @@ class ReplayStop(BaseException):
 
 class FinalSignal(BaseException):
     """Raised by FINAL to end the step at once; the executor catches it."""
+
+
+CAPTURE_LIMIT = 1_000_000  # characters of one step's stdout (and stderr) kept and journaled
 
 
 def _blocked(name: str, why: str) -> Callable[..., Any]:
@@ -57,6 +61,56 @@ def truncate(text: str, limit: int) -> str:
         text[:half] + f"\n[... output truncated: {len(text):,} characters, {cut:,} not shown; "
         "print less, or slice the value ...]\n" + text[-half:]
     )
+
+
+class CappedText(io.TextIOBase):
+    """A step's captured output, holding at most `cap` characters: its head and its tail,
+    with a note of how much was dropped between them. Model code that prints hundreds of
+    MB neither grows the worker past its memory nor sends a frame it may not send."""
+
+    def __init__(self, cap: int) -> None:
+        self._half = max(cap // 2, 1)
+        self._head: list[str] = []
+        self._head_len = 0
+        self._tail: deque[str] = deque()
+        self._tail_len = 0
+        self._dropped = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        if not isinstance(text, str):
+            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
+        n = len(text)
+        room = self._half - self._head_len
+        if room > 0:
+            self._head.append(text[:room])
+            self._head_len += min(room, n)
+            text = text[room:]
+        if text:
+            self._tail.append(text[-self._half :])
+            self._dropped += max(0, len(text) - self._half)
+            self._tail_len += min(len(text), self._half)
+            while self._tail_len - len(self._tail[0]) >= self._half:
+                first = self._tail.popleft()
+                self._tail_len -= len(first)
+                self._dropped += len(first)
+            if self._tail_len > self._half:
+                over = self._tail_len - self._half
+                self._tail[0] = self._tail[0][over:]
+                self._tail_len -= over
+                self._dropped += over
+        return n
+
+    def getvalue(self) -> str:
+        head, tail = "".join(self._head), "".join(self._tail)
+        if not self._dropped:
+            return head + tail
+        return (
+            head + f"\n[... {self._dropped:,} characters of output dropped: a step keeps at most "
+            f"{2 * self._half:,}; print less ...]\n" + tail
+        )
 
 
 class StepClock:
@@ -114,15 +168,63 @@ class StepOutput:
     duration: float
 
 
+GUIDED_WHY = {
+    "eval": "write the expression in the repl block itself",
+    "exec": "write the code in the repl block itself",
+    "compile": "write the code in the repl block itself",
+    "globals": "name the variables you need; SHOW_VARS() lists them",
+    "locals": "name the variables you need; SHOW_VARS() lists them",
+}
+
+
+def _guided(name: str) -> Callable[..., Any]:
+    """A builtin this run's Limits.blocked_builtins turns off (guidance for the model)."""
+    why = GUIDED_WHY.get(name, "do without it")
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise PermissionError(
+            f"{name}() is turned off for this run (Limits.blocked_builtins): {why}"
+        )
+
+    refuse.__name__ = name
+    return refuse
+
+
+def _read_only_open(real: Callable[..., Any]) -> Callable[..., Any]:
+    def open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if isinstance(mode, str) and any(c in mode for c in "wax+"):
+            raise PermissionError(
+                f"open({file!r}, {mode!r}): this run may not write files "
+                "(Limits.read_only=True); keep results in variables and FINAL them"
+            )
+        return real(file, mode, *args, **kwargs)
+
+    return open
+
+
 class Repl:
-    """One run's namespace. `run(code)` executes a block and returns what it printed."""
+    """One run's namespace. `run(code)` executes a block and returns what it printed.
+
+    `blocked` builtins raise an explanatory PermissionError, and with `read_only` so does
+    `open` for writing: guidance for the model, not security (the kernel's confinement is
+    the boundary)."""
 
     def __init__(
-        self, helpers: dict[str, Any], context: Any, clock: StepClock | None = None
+        self,
+        helpers: dict[str, Any],
+        context: Any,
+        clock: StepClock | None = None,
+        *,
+        blocked: tuple[str, ...] = (),
+        read_only: bool = False,
     ) -> None:
         safe_builtins = dict(vars(builtins))
         for name, why in BLOCKED_BUILTINS.items():
             safe_builtins[name] = _blocked(name, why)
+        for name in blocked:
+            safe_builtins[name] = _guided(name)
+        if read_only:
+            safe_builtins["open"] = _read_only_open(builtins.open)
         self.namespace: dict[str, Any] = {"__builtins__": safe_builtins, "__name__": "__repl__"}
         self.namespace.update(helpers)
         self.namespace["context"] = context
@@ -136,8 +238,10 @@ class Repl:
             if k not in self.reserved and not k.startswith("_")
         }
 
-    def run(self, code: str, step_timeout: float | None) -> StepOutput:
-        out, err = io.StringIO(), io.StringIO()
+    def run(
+        self, code: str, step_timeout: float | None, capture: int = CAPTURE_LIMIT
+    ) -> StepOutput:
+        out, err = CappedText(capture), CappedText(capture)
         error: str | None = None
         start = time.perf_counter()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
