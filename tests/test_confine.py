@@ -12,6 +12,7 @@ import signal
 import socket
 import sysconfig
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,9 +23,15 @@ import pytest
 import brood
 from brood.errors import ConfinementError
 from brood.worker.confine import (
+    CGROUP_HEADROOM,
     Policy,
     Support,
     apply,
+    cgroup_enter,
+    cgroup_kill,
+    cgroup_parent,
+    cgroup_remove,
+    cgroup_remove_parent,
     default_read_paths,
     enter_private_network,
     gaps,
@@ -337,7 +344,8 @@ def test_gaps_are_empty_for_the_default_policy_here(scratch: Path) -> None:
     assert SUPPORT.landlock_abi >= 6 and SUPPORT.drop_caps and SUPPORT.netns, SUPPORT
     lines = gaps(Policy(scratch=str(scratch), processes=10), SUPPORT, private_network=False)
     assert any(line.startswith("network: UDP") for line in lines)
-    assert any(line.startswith("processes:") for line in lines)
+    # A usable cgroup enforces the process limit, even for root.
+    assert any(line.startswith("processes:") for line in lines) == (not SUPPORT.cgroup)
 
 
 def test_policy_and_support_travel_in_msgpack(scratch: Path) -> None:
@@ -394,3 +402,235 @@ def test_doctor_reports_support_and_gaps() -> None:
     assert report["gaps"] == gaps(Policy(scratch="/x"), SUPPORT, private_network=SUPPORT.netns)
     text = CliRunner().invoke(app, ["doctor"])
     assert text.exit_code == 0 and "landlock" in text.output and "gaps" in text.output
+
+
+# ---- cgroups ---------------------------------------------------------------------------------
+def require_cgroup() -> None:
+    if not SUPPORT.cgroup:
+        pytest.skip(f"no usable cgroup here: {SUPPORT.cgroup_error}")
+
+
+@pytest.fixture
+def cgroup() -> Iterator[str]:
+    require_cgroup()
+    parent = cgroup_parent(SUPPORT)
+    assert parent is not None and os.path.isdir(parent)
+    try:
+        yield parent
+    finally:
+        assert cgroup_remove_parent(parent, SUPPORT)
+        assert not os.path.exists(parent)
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def _wait_dead(pids: list[int], timeout: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while (left := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return left
+
+
+def start_in_cgroup(parent: str, policy: Policy, action: Callable[[], Any]) -> tuple[int, Outcome]:
+    """Fork; the child enters its cgroup below `parent`, applies `policy`, runs `action`,
+    reports one line and then waits to be killed. Returns (child pid, outcome)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        try:
+            os.close(r)
+            try:
+                cgroup_enter(parent, os.getpid(), policy, SUPPORT)
+                apply(policy, SUPPORT)
+                outcome = Outcome(ok=True, value=action())
+            except BaseException as exc:
+                outcome = Outcome(
+                    ok=False,
+                    error=type(exc).__name__,
+                    errno=getattr(exc, "errno", None),
+                    message=str(exc),
+                )
+            _report(w, outcome)
+            os.write(w, b"\n")
+            os.close(w)
+            while True:
+                signal.pause()
+        finally:
+            os._exit(70)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        line = f.readline()
+    assert line, "the child died before reporting"
+    return pid, msgspec.json.decode(line, type=Outcome)
+
+
+def _pause_forever() -> None:  # pragma: no cover - runs in forked children
+    while True:
+        signal.pause()
+
+
+def _fork_bomb() -> dict[str, Any]:  # pragma: no cover - runs in the confined child
+    pids: list[int] = []
+    while len(pids) < 10_000:
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            return {"forks": len(pids), "errno": exc.errno, "pids": pids}
+        if pid == 0:
+            try:
+                _pause_forever()
+            finally:
+                os._exit(0)
+        pids.append(pid)
+    return {"forks": len(pids), "errno": None, "pids": pids}
+
+
+def _kill_and_reap(parent: str, pid: int, others: list[int]) -> None:
+    cgroup_kill(parent, pid, SUPPORT)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    assert _wait_dead(others) == []
+    deadline = time.monotonic() + 10
+    while not cgroup_remove(parent, pid, SUPPORT):  # the last ones may still be reaped
+        assert time.monotonic() < deadline, "the worker's cgroup stayed busy"
+        time.sleep(0.01)
+
+
+def test_fork_bomb_is_bounded_by_the_cgroup(scratch: Path, cgroup: str) -> None:
+    policy = Policy(scratch=str(scratch), processes=20)
+    pid, outcome = start_in_cgroup(cgroup, policy, _fork_bomb)
+    assert outcome.ok, outcome
+    bomb = outcome.value
+    try:
+        assert bomb["errno"] == errno.EAGAIN, bomb
+        # pids.max counts tasks: the single-threaded child plus its forks.
+        assert bomb["forks"] == 20 + CGROUP_HEADROOM - 1, bomb
+        with open(os.path.join(cgroup, str(pid), "pids.max")) as f:
+            assert int(f.read()) == 20 + CGROUP_HEADROOM
+        assert sorted(_procs_of(cgroup, pid)) == sorted([pid, *bomb["pids"]])
+    finally:
+        _kill_and_reap(cgroup, pid, bomb["pids"])
+    assert not os.path.exists(os.path.join(cgroup, str(pid)))
+
+
+def _procs_of(parent: str, pid: int) -> list[int]:
+    with open(os.path.join(parent, str(pid), "cgroup.procs")) as f:
+        return [int(p) for p in f.read().split()]
+
+
+def _setsid_grandchild() -> int:  # pragma: no cover - runs in the confined child
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setsid()
+            os.close(r)
+            os.write(w, b"x")
+            _pause_forever()
+        finally:
+            os._exit(0)
+    os.close(w)
+    os.read(r, 1)  # after its setsid
+    return pid
+
+
+def test_cgroup_kill_reaches_a_setsid_grandchild(scratch: Path, cgroup: str) -> None:
+    pid, outcome = start_in_cgroup(cgroup, Policy(scratch=str(scratch)), _setsid_grandchild)
+    assert outcome.ok, outcome
+    grandchild = outcome.value
+    try:
+        assert _alive(grandchild) and os.getsid(grandchild) == grandchild
+        assert os.getpgid(grandchild) != os.getpgid(pid)  # out of the child's group
+        assert grandchild in _procs_of(cgroup, pid)
+    finally:
+        _kill_and_reap(cgroup, pid, [grandchild])
+
+
+def test_cgroup_sets_the_memory_limit(scratch: Path, cgroup: str) -> None:
+    if not SUPPORT.cgroup_memory_dir:
+        pytest.skip(f"the memory controller is not used here: {SUPPORT.cgroup_error}")
+    policy = Policy(scratch=str(scratch), memory=3 << 30)
+    pid, outcome = start_in_cgroup(cgroup, policy, lambda: None)
+    try:
+        assert outcome.ok, outcome
+        if SUPPORT.cgroup == "v2":
+            knob = os.path.join(cgroup, str(pid), "memory.max")
+        else:
+            name = os.path.basename(cgroup)
+            knob = os.path.join(SUPPORT.cgroup_memory_dir, name, str(pid), "memory.limit_in_bytes")
+        with open(knob) as f:
+            assert int(f.read()) == 3 << 30
+        with open(os.path.join(os.path.dirname(knob), "cgroup.procs")) as f:
+            assert pid in [int(p) for p in f.read().split()]
+    finally:
+        _kill_and_reap(cgroup, pid, [])
+
+
+def test_cgroup_enter_failure_raises(scratch: Path, cgroup: str) -> None:
+    policy = Policy(scratch=str(scratch), processes=20)
+    missing = os.path.join(cgroup, "no-such-parent")
+    outcome = outcome_of(None, lambda: cgroup_enter(missing + "/x", os.getpid(), policy, SUPPORT))
+    assert outcome.error == ConfinementError.__name__, outcome
+    assert "cgroup" in outcome.message
+
+
+def test_gaps_name_processes_only_without_a_cgroup(scratch: Path) -> None:
+    policy = Policy(scratch=str(scratch), processes=10)
+    without = msgspec.structs.replace(SUPPORT, cgroup="", cgroup_error="not mounted (test)")
+    lines = [ln for ln in gaps(policy, without, private_network=True) if "processes" in ln]
+    assert len(lines) == 1 and "not mounted (test)" in lines[0]
+    require_cgroup()
+    assert not any("processes" in ln for ln in gaps(policy, SUPPORT, private_network=True))
+
+
+FORK_BOMB_CODE = """import os, signal
+n = 0
+try:
+    while n < 10000:
+        if os.fork() == 0:
+            while True:
+                signal.pause()
+        n += 1
+except OSError as exc:
+    FINAL(f"forks={n} errno={exc.errno}")
+FINAL(f"forks={n} unbounded")"""
+
+
+def _descendants(root: int) -> list[int]:
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                kids = [int(p) for p in f.read().split()]
+        except OSError:
+            kids = []
+        found += kids
+        todo += kids
+    return found
+
+
+def test_fork_bomb_in_model_code_ends_and_leaves_nothing() -> None:
+    require_cgroup()
+    before = set(_descendants(os.getpid()))
+    listed = set(os.listdir(SUPPORT.cgroup_dir))
+
+    def chat_fn(messages: list[dict[str, Any]]) -> str:
+        return f"```repl\n{FORK_BOMB_CODE}\n```"
+
+    limits = brood.Limits(worker_processes=20, shutdown_grace=0.3, term_grace=0.3)
+    with brood.Supervisor(chat_fn, limits=limits) as sup:
+        result = sup.run("fork bomb")
+    assert result.state == "completed", result
+    forks = int(result.answer.split()[0].removeprefix("forks="))
+    assert result.answer.endswith(f"errno={errno.EAGAIN}"), result.answer
+    assert forks <= 20 + CGROUP_HEADROOM, result.answer
+    assert _wait_dead([p for p in _descendants(os.getpid()) if p not in before]) == []
+    assert set(os.listdir(SUPPORT.cgroup_dir)) == listed  # brood-<zygote pid> is removed

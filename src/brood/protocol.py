@@ -44,6 +44,7 @@ class Exited(Msg):
     pid: int
     status: int
     group_empty: bool = False
+    cpu: float = 0.0  # seconds of CPU the worker used (user + system), from wait4
 
 
 class GroupGone(Msg):

@@ -213,6 +213,7 @@ class LocalBackend:
                 if conn is None:
                     self._early_exit[msg.pid] = msg.status
                 else:
+                    conn.cpu = msg.cpu
                     if msg.group_empty:
                         conn.gone.set()
                     conn.mark_exited(msg.status)

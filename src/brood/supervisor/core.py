@@ -777,8 +777,21 @@ class Core:
             await asyncio.sleep(0)
         if run.ending is not None or run.rec.state.terminal:
             return
+        used = run.conn.cpu if run.conn is not None else 0.0
+        await self.finish(run, RunState.FAILED, self._exit_reason(status, used))
+
+    def _exit_reason(self, status: int, cpu_used: float) -> str:
+        """Why a worker died, naming the limit when a limit killed it."""
         how = f"signal {-status}" if status < 0 else f"status {status}"
-        await self.finish(run, RunState.FAILED, f"worker exited with {how}")
+        cpu = self.limits.worker_cpu_seconds
+        # RLIMIT_CPU sends SIGXCPU at the limit and SIGKILL a second later (if the first
+        # was ignored); the CPU time the zygote read at the reap tells which killed it.
+        if cpu is not None and status in (-signal.SIGXCPU, -signal.SIGKILL) and cpu_used >= cpu:
+            return (
+                f"worker exited with {how}: it used its CPU time limit, "
+                f"Limits.worker_cpu_seconds={cpu:g} ({cpu_used:.1f} s used)"
+            )
+        return f"worker exited with {how}"
 
     # ---- driving a Session root --------------------------------------------------------
     async def exec_step(self, run: Run, code: str, req_id: int) -> StepResult:

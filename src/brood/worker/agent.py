@@ -67,6 +67,7 @@ class Agent:
         self.rt = rt
         self.repl = repl
         self.limits = limits
+        self.written = 0  # characters the last step printed, before the capture's cap
 
     def run_code(self, code: str) -> tuple[str, str, str | None]:
         """Run one block as a REPL step; journal it; returns (stdout, stderr, error)."""
@@ -85,6 +86,7 @@ class Agent:
             self.rt.link.send(
                 StepDone(self.rt.step, code, out.stdout, stderr, out.error, out.duration, pending)
             )
+        self.written = out.written + len(stderr) - len(out.stderr)
         return out.stdout, stderr, out.error
 
     def feedback(self, reply: str) -> str:
@@ -95,7 +97,8 @@ class Agent:
             stdout, stderr, _ = self.run_code(code)
             text = stdout + (stderr if stderr else "")
             label = f"block {i} of {len(blocks.code)}" if len(blocks.code) > 1 else "output"
-            parts.append(f"[{label}]\n" + (truncate(text, limit) if text else "(no output)"))
+            shown = truncate(text, limit, self.written) if text else "(no output)"
+            parts.append(f"[{label}]\n" + shown)
             if self.rt.final is not None:
                 break
         if blocks.problem:

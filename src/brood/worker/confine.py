@@ -1,8 +1,10 @@
-"""Kernel confinement of a worker: rlimits, Landlock, capability drop, private network.
+"""Kernel confinement of a worker: rlimits, Landlock, capability drop, private network,
+and a cgroup per worker (pids and memory limits, and a kill that reaches every process).
 
-Invariant: `apply` either enforces every mechanism `probe()` said this machine has, or
-raises `ConfinementError`; what the machine lacks is named by `gaps()`, never dropped
-silently. Worker side: imports only the standard library, msgspec and `brood.errors`.
+Invariant: `apply` (and `cgroup_enter`, where a cgroup is usable) either enforces every
+mechanism `probe()` said this machine has, or raises `ConfinementError`; what the machine
+lacks is named by `gaps()`, never dropped silently. Worker side: imports only the standard
+library, msgspec and `brood.errors`.
 
 Landlock, `PR_SET_NO_NEW_PRIVS` and the capability sets are per thread (threads started
 later inherit them), so `apply` runs in a freshly forked worker before any thread starts.
@@ -15,12 +17,16 @@ import errno
 import functools
 import os
 import platform
+import re
 import resource
+import secrets
+import signal
 import site
 import stat
 import sys
 import sysconfig
 import threading
+import time
 from collections.abc import Iterable
 
 import msgspec
@@ -266,8 +272,8 @@ def probe() -> Support:
 
     Forks one short-lived child to try `unshare(CLONE_NEWNET)`, and one that moves itself
     into a test cgroup (created under our own and removed again; on cgroup v2 this enables
-    the pids and memory controllers for our cgroup's children, which is what brood needs). Call it in the zygote
-    before forking workers so they inherit the cached answer.
+    the pids and memory controllers for our cgroup's children, which is what brood needs).
+    Call it in the zygote before forking workers so they inherit the cached answer.
     """
     try:
         abi, landlock_error = _probe_landlock()
@@ -343,16 +349,17 @@ def gaps(policy: Policy, support: Support, *, private_network: bool) -> list[str
             "capabilities: the bounding set is kept (no CAP_SETPCAP); effective, permitted and "
             "inheritable sets are cleared"
         )
-    if policy.processes is not None:
+    if policy.processes is not None and not support.cgroup:
+        nocg = f"no cgroup is used ({support.cgroup_error or 'none is usable'})"
         if support.uid == 0:
             out.append(
-                "processes: RLIMIT_NPROC does not apply to root (uid 0) and no cgroup is used, "
+                f"processes: RLIMIT_NPROC does not apply to root (uid 0) and {nocg}, "
                 "so the number of processes is not limited"
             )
         else:
             out.append(
                 f"processes: RLIMIT_NPROC counts all processes of the user (uid {support.uid}), "
-                "not this worker's; no cgroup is used"
+                f"not this worker's; {nocg}"
             )
     return out
 
@@ -602,3 +609,423 @@ def enter_private_network() -> bool:
     forks workers, when the network is off. Returns True if done, False if not permitted
     (`gaps()` then names what stays open); never raises."""
     return bool(_libc.unshare(_CLONE_NEWNET) == 0)
+
+
+# ---- cgroups ------------------------------------------------------------------------------
+# Layout: the zygote makes <our own cgroup>/brood-<zygote pid> once (in the pids hierarchy,
+# and on v1 also in the memory hierarchy), each worker makes and enters <that>/<its pid>
+# before `apply` (Landlock then keeps it from writing to /sys/fs/cgroup), and the zygote
+# kills and removes a worker's cgroup once its exit is confirmed.
+
+CGROUP_HEADROOM = 32
+"""Tasks added to `Policy.processes` in pids.max: brood's own threads in a worker (the main
+thread, the link reader, up to 16 batch-call threads) with room to spare."""
+
+_CGROUP_KILL_ROUNDS = 200
+_PIDFD_BATCH = 256
+
+
+def _unescape(field: str) -> str:
+    """A /proc/self/mountinfo field: spaces and the like are written as octal escapes."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def _cgroup_mounts() -> tuple[dict[str, tuple[str, str]], tuple[str, str] | None]:
+    """({v1 controller: (mount root, mount point)}, (root, point) of the cgroup2 mount)."""
+    v1: dict[str, tuple[str, str]] = {}
+    v2: tuple[str, str] | None = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, sep, right = line.partition(" - ")
+            fields, rest = left.split(), right.split()
+            if not sep or len(fields) < 5 or not rest:
+                continue
+            where = (_unescape(fields[3]), _unescape(fields[4]))
+            if rest[0] == "cgroup2" and v2 is None:
+                v2 = where
+            elif rest[0] == "cgroup" and len(rest) >= 3:
+                for opt in rest[2].split(","):
+                    v1.setdefault(opt, where)
+    return v1, v2
+
+
+def _own_cgroups() -> tuple[dict[str, str], str | None]:
+    """({v1 controller: our cgroup path}, our cgroup v2 path), from /proc/self/cgroup."""
+    v1: dict[str, str] = {}
+    v2: str | None = None
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            hierarchy, _, rest = line.rstrip("\n").partition(":")
+            controllers, _, path = rest.partition(":")
+            if hierarchy == "0" and not controllers:
+                v2 = path
+            else:
+                for name in controllers.split(","):
+                    v1[name] = path
+    return v1, v2
+
+
+def _cgroup_dir(mount: tuple[str, str], path: str) -> str | None:
+    root, point = mount
+    if root != "/":
+        if path != root and not path.startswith(root.rstrip("/") + "/"):
+            return None  # our cgroup is not visible through this mount
+        path = path[len(root) :]
+    return os.path.normpath(os.path.join(point, path.lstrip("/")))
+
+
+def _write(path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def _mkdir(leaf: str) -> None:
+    try:
+        os.mkdir(leaf, 0o755)
+    except FileExistsError:  # left by an earlier worker with this pid: reused
+        pass
+
+
+def _procs(leaf: str) -> list[int]:
+    with open(os.path.join(leaf, "cgroup.procs")) as f:
+        return [int(p) for p in f.read().split()]
+
+
+def _memory_leaf_parent(parent: str, support: Support) -> str | None:
+    """The v1 memory hierarchy's counterpart of `parent` (None on v2 or without memory)."""
+    if support.cgroup != "v1" or not support.cgroup_memory_dir:
+        return None
+    return os.path.join(support.cgroup_memory_dir, os.path.basename(parent))
+
+
+def _controllers(support: Support) -> list[str]:
+    return ["pids", "memory"] if support.cgroup_memory_dir else ["pids"]
+
+
+def _delegate(directory: str, controllers: list[str]) -> None:
+    """Enable `controllers` for the children of a v2 cgroup (cgroup.subtree_control)."""
+    with open(os.path.join(directory, "cgroup.subtree_control")) as f:
+        enabled = f.read().split()
+    missing = [c for c in controllers if c not in enabled]
+    if missing:
+        knob = os.path.join(directory, "cgroup.subtree_control")
+        _write(knob, " ".join("+" + c for c in missing))
+
+
+def _make_parent(support: Support, name: str) -> str:
+    parent = os.path.join(support.cgroup_dir, name)
+    made: list[str] = []
+    try:
+        if support.cgroup == "v2":
+            _delegate(support.cgroup_dir, _controllers(support))
+        for directory in (parent, _memory_leaf_parent(parent, support)):
+            if directory is not None:
+                os.mkdir(directory, 0o755)
+                made.append(directory)
+        if support.cgroup == "v2":
+            # brood-<pid> holds no process itself, so its children may have controllers.
+            _delegate(parent, _controllers(support))
+    except OSError:
+        for directory in reversed(made):
+            try:
+                os.rmdir(directory)
+            except OSError:
+                pass
+        raise
+    return parent
+
+
+def _why(what: str, exc: OSError, support: Support) -> str:
+    text = f"{what} failed ({_errno_text(exc.errno or 0)})"
+    if support.cgroup == "v2" and exc.errno == errno.EBUSY and "subtree_control" in what:
+        text += (
+            "; cgroup v2 allows no controllers below a cgroup that holds processes, and "
+            f"{support.cgroup_dir} holds brood's: start brood in a cgroup of its own below a "
+            "delegated one"
+        )
+    elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        text += "; the cgroup is not writable by this user (not delegated)"
+    return text
+
+
+_STALE = re.compile(r"brood-(?:probe-)?(\d+)(?:-[0-9a-f]+)?")
+
+
+def _sweep_stale(support: Support) -> None:
+    """Remove what zygotes that died without shutting down (SIGKILL) left: empty cgroups
+    named after a pid that no longer exists. A busy one stays (rmdir refuses it)."""
+    for base in (support.cgroup_dir, support.cgroup_memory_dir if support.cgroup == "v1" else ""):
+        try:
+            entries = list(os.scandir(base)) if base else []
+        except OSError:
+            continue
+        for entry in entries:
+            match = _STALE.fullmatch(entry.name)
+            if not match or not entry.is_dir(follow_symlinks=False):
+                continue
+            owner = int(match.group(1))
+            if owner == os.getpid() or os.path.exists(f"/proc/{owner}"):
+                continue
+            try:
+                leaves = [e.path for e in os.scandir(entry.path) if e.is_dir()]
+            except OSError:
+                continue
+            for leaf in leaves:
+                _rmdir(leaf)
+            _rmdir(entry.path)
+
+
+def cgroup_parent(support: Support | None = None) -> str | None:
+    """Create this process's (the zygote's) cgroup for its workers: `brood-<pid>` under our
+    own cgroup in the pids hierarchy (and, on v1, in the memory hierarchy too). Returns its
+    path (the pids one), or None when `support.cgroup` is empty. Raises `ConfinementError`
+    if the machine supports cgroups but this fails. Call once, before forking workers."""
+    support = probe() if support is None else support
+    if not support.cgroup:
+        return None
+    _sweep_stale(support)
+    name = f"brood-{os.getpid()}"
+    for _ in range(3):
+        try:
+            return _make_parent(support, name)
+        except FileExistsError:  # the same pid in another pid namespace, or a crashed zygote
+            name = f"brood-{os.getpid()}-{secrets.token_hex(4)}"
+        except OSError as exc:
+            what = f"creating the cgroup {os.path.join(support.cgroup_dir, name)}"
+            raise ConfinementError(f"confinement: {_why(what, exc, support)}") from exc
+    raise ConfinementError(f"confinement: cgroup names under {support.cgroup_dir} are taken")
+
+
+def cgroup_enter(parent: str, pid: int, policy: Policy, support: Support | None = None) -> None:
+    """Create `<parent>/<pid>`, set its limits (pids.max = `policy.processes` +
+    CGROUP_HEADROOM; the memory limit = `policy.memory` where the memory controller is
+    usable) and move process `pid` into it. Called by the worker itself, single-threaded,
+    before `apply`. Raises `ConfinementError` naming the step that failed."""
+    support = probe() if support is None else support
+    leaf = os.path.join(parent, str(pid))
+    mem_parent = _memory_leaf_parent(parent, support)
+    mem_leaf = leaf if support.cgroup == "v2" else None
+    if mem_parent is not None:
+        mem_leaf = os.path.join(mem_parent, str(pid))
+    if not support.cgroup_memory_dir:
+        mem_leaf = None
+    step = f"creating the cgroup {leaf}"
+    try:
+        _mkdir(leaf)
+        if policy.processes is not None:
+            step = f"setting pids.max of {leaf} to {policy.processes} + {CGROUP_HEADROOM}"
+            _write(os.path.join(leaf, "pids.max"), str(policy.processes + CGROUP_HEADROOM))
+        if mem_leaf is not None:
+            if mem_leaf != leaf:
+                step = f"creating the cgroup {mem_leaf}"
+                _mkdir(mem_leaf)
+            if policy.memory is not None:
+                knob = "memory.max" if support.cgroup == "v2" else "memory.limit_in_bytes"
+                step = f"setting {knob} of {mem_leaf} to {policy.memory}"
+                _write(os.path.join(mem_leaf, knob), str(policy.memory))
+            if mem_leaf != leaf:
+                step = f"moving process {pid} into {mem_leaf}"
+                _write(os.path.join(mem_leaf, "cgroup.procs"), str(pid))
+        step = f"moving process {pid} into {leaf}"
+        _write(os.path.join(leaf, "cgroup.procs"), str(pid))
+    except OSError as exc:
+        raise ConfinementError(f"confinement: cgroup: {_why(step, exc, support)}") from exc
+
+
+def _kill_listed(leaf: str, pids: list[int]) -> None:
+    """SIGKILL those of `pids` that are still in `leaf`: each is pinned with a pidfd first,
+    and signalled only if a later read of cgroup.procs still lists it (no reused pid)."""
+    for start in range(0, len(pids), _PIDFD_BATCH):
+        fds: dict[int, int] = {}
+        try:
+            for pid in pids[start : start + _PIDFD_BATCH]:
+                try:
+                    fds[pid] = os.pidfd_open(pid)
+                except ProcessLookupError:
+                    continue
+                except OSError:
+                    fds[pid] = -1  # no pidfd here (Linux < 5.3): plain kill below
+            try:
+                members = set(_procs(leaf))
+            except FileNotFoundError:
+                return
+            for pid, fd in fds.items():
+                if pid not in members:
+                    continue
+                try:
+                    if fd >= 0:
+                        signal.pidfd_send_signal(fd, signal.SIGKILL)
+                    else:
+                        os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        finally:
+            for fd in fds.values():
+                if fd >= 0:
+                    os.close(fd)
+
+
+def cgroup_kill(parent: str, pid: int, support: Support | None = None) -> None:
+    """SIGKILL every process in the cgroup of worker `pid`, whatever its session or process
+    group: cgroup.kill on v2 where the kernel has it (5.14+); otherwise rounds of reading
+    cgroup.procs and killing what is new until a round finds nothing new (a killed process
+    cannot fork). Does not wait for them to be reaped; never raises for a missing cgroup."""
+    support = probe() if support is None else support
+    leaf = os.path.join(parent, str(pid))
+    if support.cgroup == "v2":
+        try:
+            _write(os.path.join(leaf, "cgroup.kill"), "1")
+            return
+        except FileNotFoundError:
+            if not os.path.isdir(leaf):
+                return
+        except OSError:
+            pass  # fall back to the rounds below
+    killed: set[int] = set()
+    for _ in range(_CGROUP_KILL_ROUNDS):
+        try:
+            fresh = [p for p in _procs(leaf) if p not in killed]
+        except FileNotFoundError:
+            return
+        if not fresh:
+            return
+        _kill_listed(leaf, fresh)
+        killed.update(fresh)
+
+
+def _rmdir(directory: str) -> bool:
+    try:
+        os.rmdir(directory)
+    except FileNotFoundError:
+        pass
+    except OSError:  # EBUSY: processes (or a child cgroup) remain
+        return False
+    return True
+
+
+def cgroup_remove(parent: str, pid: int, support: Support | None = None) -> bool:
+    """Remove worker `pid`'s cgroup. False while it still holds a process (not reaped yet):
+    try again later. True when it is gone (or never existed)."""
+    support = probe() if support is None else support
+    ok = _rmdir(os.path.join(parent, str(pid)))
+    mem_parent = _memory_leaf_parent(parent, support)
+    if mem_parent is not None:
+        ok = _rmdir(os.path.join(mem_parent, str(pid))) and ok
+    return ok
+
+
+def cgroup_remove_parent(parent: str, support: Support | None = None) -> bool:
+    """Remove the zygote's cgroup, and any empty worker cgroup still in it. False if some
+    are still busy."""
+    support = probe() if support is None else support
+    ok = True
+    for directory in (parent, _memory_leaf_parent(parent, support)):
+        if directory is None:
+            continue
+        try:
+            entries = [e.path for e in os.scandir(directory) if e.is_dir(follow_symlinks=False)]
+        except FileNotFoundError:
+            continue
+        except OSError:
+            entries = []
+        for entry in entries:
+            ok = _rmdir(entry) and ok
+        ok = _rmdir(directory) and ok
+    return ok
+
+
+def _try_cgroup(support: Support) -> str:
+    """Make a parent and a worker cgroup as the zygote and a worker would, move a child in,
+    and remove both. "" if it all works, else why not."""
+    name = f"brood-probe-{os.getpid()}-{secrets.token_hex(3)}"
+    try:
+        parent = _make_parent(support, name)
+    except OSError as exc:
+        return _why(f"creating a cgroup under {support.cgroup_dir}", exc, support)
+    pid = -1
+    try:
+        memory = 1 << 30 if support.cgroup_memory_dir else None
+        policy = Policy(scratch="", processes=1, memory=memory)
+        r, w = os.pipe()
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            os.close(r)
+            os.close(w)
+            return f"could not fork to probe ({exc})"
+        if pid == 0:  # pragma: no cover - child
+            code = 0
+            try:
+                os.close(r)
+                cgroup_enter(parent, os.getpid(), policy, support)
+            except BaseException as exc:
+                os.write(w, str(exc).encode()[:4000])
+                code = 1
+            os._exit(code)
+        os.close(w)
+        with os.fdopen(r, "rb") as f:
+            message = f.read().decode(errors="replace")
+        _, status = os.waitpid(pid, 0)
+        if message:
+            return message.removeprefix("confinement: cgroup: ")
+        if os.waitstatus_to_exitcode(status) != 0:
+            return f"the probe child ended with status {os.waitstatus_to_exitcode(status)}"
+        return ""
+    finally:
+        if pid > 0:
+            for _ in range(100):  # a reaped task can linger in its cgroup for a moment
+                if cgroup_remove(parent, pid, support):
+                    break
+                time.sleep(0.001)
+        cgroup_remove_parent(parent, support)
+
+
+def _probe_cgroup(base: Support) -> Support:
+    mounts, unified = _cgroup_mounts()
+    own, own_unified = _own_cgroups()
+    candidates: list[tuple[str, str, str]] = []  # (version, pids dir, memory dir)
+    reasons: list[str] = []
+    if unified is not None and own_unified is not None:
+        path = _cgroup_dir(unified, own_unified)
+        if path is None:
+            reasons.append("v2: our cgroup is outside the mounted cgroup2 hierarchy")
+        else:
+            try:
+                with open(os.path.join(path, "cgroup.controllers")) as f:
+                    available = f.read().split()
+            except OSError as exc:
+                available = []
+                reasons.append(f"v2: reading {path}/cgroup.controllers failed ({exc})")
+            if "pids" in available:
+                candidates.append(("v2", path, path if "memory" in available else ""))
+            elif not reasons:
+                reasons.append(f"v2: the pids controller is not available in {path}")
+    if "pids" in mounts and "pids" in own:
+        path = _cgroup_dir(mounts["pids"], own["pids"])
+        memory = None
+        if "memory" in mounts and "memory" in own:
+            memory = _cgroup_dir(mounts["memory"], own["memory"])
+        if path is None:
+            reasons.append("v1: our cgroup is outside the mounted pids hierarchy")
+        else:
+            candidates.append(("v1", path, memory or ""))
+    else:
+        reasons.append("v1: no pids hierarchy is mounted")
+    for version, path, memory in candidates:
+        support = msgspec.structs.replace(
+            base, cgroup=version, cgroup_dir=path, cgroup_memory_dir=memory
+        )
+        why = _try_cgroup(support)
+        if not why:
+            return support
+        if memory:  # perhaps only the memory controller is refused
+            without = msgspec.structs.replace(support, cgroup_memory_dir="")
+            if not _try_cgroup(without):
+                return msgspec.structs.replace(
+                    without, cgroup_error=f"memory controller not used: {why}"
+                )
+        reasons.append(f"{version}: {why}")
+    return msgspec.structs.replace(base, cgroup_error="; ".join(reasons))

@@ -49,16 +49,18 @@ BLOCKED_BUILTINS = {
 }
 
 
-def truncate(text: str, limit: int) -> str:
-    """`text` cut to `limit` characters, keeping its head and tail, with a note that says so."""
+def truncate(text: str, limit: int, written: int = 0) -> str:
+    """`text` cut to `limit` characters, keeping its head and tail, with a note that says so.
+    `written` is how much was printed, when the capture already dropped some of it."""
+    n = written or len(text)
     if len(text) <= limit:
         return text
     half = limit // 2
     if half == 0:
-        return f"[output of {len(text):,} characters not shown: the output limit is {limit}]"
-    cut = len(text) - 2 * half
+        return f"[output of {n:,} characters not shown: the output limit is {limit}]"
+    cut = n - 2 * half
     return (
-        text[:half] + f"\n[... output truncated: {len(text):,} characters, {cut:,} not shown; "
+        text[:half] + f"\n[... output truncated: {n:,} characters, {cut:,} not shown; "
         "print less, or slice the value ...]\n" + text[-half:]
     )
 
@@ -75,6 +77,7 @@ class CappedText(io.TextIOBase):
         self._tail: deque[str] = deque()
         self._tail_len = 0
         self._dropped = 0
+        self.written = 0  # characters written, dropped ones included
 
     def writable(self) -> bool:
         return True
@@ -83,6 +86,7 @@ class CappedText(io.TextIOBase):
         if not isinstance(text, str):
             raise TypeError(f"write() argument must be str, not {type(text).__name__}")
         n = len(text)
+        self.written += n
         room = self._half - self._head_len
         if room > 0:
             self._head.append(text[:room])
@@ -166,6 +170,7 @@ class StepOutput:
     stderr: str
     error: str | None
     duration: float
+    written: int = 0  # characters printed to stdout and stderr, before any cap
 
 
 GUIDED_WHY = {
@@ -258,7 +263,13 @@ class Repl:
             except BaseException as exc:  # the model's code may raise anything
                 error = f"{type(exc).__name__}: {exc}"
                 err.write(_user_traceback(exc))
-        return StepOutput(out.getvalue(), err.getvalue(), error, time.perf_counter() - start)
+        return StepOutput(
+            out.getvalue(),
+            err.getvalue(),
+            error,
+            time.perf_counter() - start,
+            out.written + err.written,
+        )
 
     def _exec(self, code: str) -> None:
         tree = ast.parse(code, "<repl>", "exec")

@@ -30,6 +30,7 @@ import traceback
 
 import msgspec
 
+from brood.errors import ConfinementError
 from brood.protocol import HEADER, Exited, Fork, Forked, GroupGone, Msg, Quit, decode, encode
 from brood.worker import confine
 
@@ -75,9 +76,7 @@ def children() -> list[int]:
 
 
 class Zygote:
-    def __init__(
-        self, ctrl: socket.socket, scratch_root: str, policy: confine.Policy
-    ) -> None:
+    def __init__(self, ctrl: socket.socket, scratch_root: str, policy: confine.Policy) -> None:
         self.ctrl = ctrl
         self.scratch_root = scratch_root
         self.policy = policy
@@ -87,6 +86,16 @@ class Zygote:
         self.strays: set[int] = set()  # killed, not yet reaped: no exit is confirmed meanwhile
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
+        # brood-<our pid>: each worker makes and enters its own cgroup below it.
+        self.cgroup: str | None = None
+        self.cgroup_error = ""  # the parent could not be made: every worker reports it
+        self.cgroups: set[int] = set()  # workers whose cgroup may exist
+        self.cgroups_done: set[int] = set()  # gone workers whose cgroup is to be removed
+        if policy.confine:
+            try:
+                self.cgroup = confine.cgroup_parent(self.support)
+            except ConfinementError as exc:
+                self.cgroup_error = str(exc)
 
     def send(self, msg: Msg, fd: int | None = None) -> None:
         if fd is None:
@@ -117,6 +126,8 @@ class Zygote:
                 os._exit(1)
         theirs.close()
         self.groups.add(pid)
+        if self.cgroup is not None:
+            self.cgroups.add(pid)
         try:
             self.send(Forked(pid), mine.fileno())
         finally:
@@ -129,6 +140,10 @@ class Zygote:
         scratch = os.path.join(self.scratch_root, str(os.getpid()))
         _set_subreaper()  # what model code starts stays below the worker, even orphaned
         try:
+            if self.cgroup_error:
+                raise ConfinementError(self.cgroup_error)
+            if self.cgroup is not None:  # before apply: Landlock then closes /sys/fs/cgroup
+                confine.cgroup_enter(self.cgroup, os.getpid(), self.policy, self.support)
             os.mkdir(scratch, 0o700)
             os.chdir(scratch)
             os.environ.update(HOME=scratch, TMPDIR=scratch)
@@ -143,7 +158,7 @@ class Zygote:
     def reap(self) -> None:
         while True:
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+                pid, status, usage = os.wait4(-1, os.WNOHANG)
             except ChildProcessError:
                 break
             if pid == 0:
@@ -154,9 +169,11 @@ class Zygote:
                 empty = empty and not self.strays
                 if empty:
                     self.groups.discard(pid)
+                    self.release_cgroup(pid)
                 else:
                     self.reaped.add(pid)
-                self.send(Exited(pid, os.waitstatus_to_exitcode(status), empty))
+                cpu = usage.ru_utime + usage.ru_stime
+                self.send(Exited(pid, os.waitstatus_to_exitcode(status), empty, cpu))
             else:
                 self.strays.discard(pid)
         self.kill_strays()
@@ -165,6 +182,31 @@ class Zygote:
                 self.groups.discard(pgid)
                 self.reaped.discard(pgid)
                 self.send(GroupGone(pgid))
+                self.release_cgroup(pgid)
+        self.remove_cgroups()
+
+    def release_cgroup(self, pid: int) -> None:
+        """Worker `pid` is confirmed gone: kill anything still in its cgroup (a process that
+        left its session and process group) and remove the cgroup at this or a later reap."""
+        if pid in self.cgroups and self.cgroup is not None:
+            try:
+                confine.cgroup_kill(self.cgroup, pid, self.support)
+            except OSError:
+                pass
+            self.cgroups_done.add(pid)
+
+    def remove_cgroups(self) -> None:
+        """Remove the cgroups of gone workers; one still busy (EBUSY) waits for the next reap."""
+        if self.cgroup is None:
+            return
+        for pid in list(self.cgroups_done):
+            try:
+                removed = confine.cgroup_remove(self.cgroup, pid, self.support)
+            except OSError:
+                removed = False
+            if removed:
+                self.cgroups_done.discard(pid)
+                self.cgroups.discard(pid)
 
     def kill_strays(self) -> None:
         """Kill every child that is not a live worker: a process model code started,
@@ -180,6 +222,8 @@ class Zygote:
                     pass
 
     def shutdown(self) -> None:
+        for pid in self.cgroups:  # everything in a worker's cgroup, whatever its group
+            self.release_cgroup(pid)
         for pgid in list(self.groups):
             # The pid too: a worker forked a moment ago may not have called setsid() yet,
             # and then has no process group of its own to signal.
@@ -197,6 +241,12 @@ class Zygote:
                 break
             except InterruptedError:
                 continue
+        self.remove_cgroups()
+        if self.cgroup is not None:
+            try:
+                confine.cgroup_remove_parent(self.cgroup, self.support)
+            except OSError:
+                pass
 
     def serve(self) -> None:
         signal.set_wakeup_fd(self.wake_w)
