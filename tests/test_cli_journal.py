@@ -45,7 +45,7 @@ FENCE = "```"
 # A reply is a string, or {"reply", "signal", "gate", "record"}: a reply that records the
 # messages it was given, announces itself on a Signal fifo, then waits for a Gate fifo.
 HELPER = """
-import json, sys, threading
+import json, os, sys, threading
 import brood
 
 def held(spec):
@@ -69,7 +69,12 @@ script = {
 sup = brood.Supervisor(
     brood.ScriptedModel(script, tokens_per_call=(7, 3)),
     store=sys.argv[2],
-    limits=brood.Limits(shutdown_grace=0.3, term_grace=0.3),
+    # Model code meets the test through files beside the journal (the test's tmp_path).
+    limits=brood.Limits(
+        shutdown_grace=0.3,
+        term_grace=0.3,
+        fs_write=[os.path.dirname(sys.argv[2].removeprefix("sqlite:///"))],
+    ),
 )
 def flushes():
     for line in sys.stdin:

@@ -14,10 +14,12 @@ from brood import errors
 from brood.protocol import (
     HEADER,
     MAX_FRAME,
+    MAX_WORKER_FRAME,
     AnyMsg,
     Blocked,
     CancelReq,
     ChildUpdate,
+    CtlAuth,
     CtlCancel,
     CtlFlow,
     CtlSend,
@@ -31,7 +33,6 @@ from brood.protocol import (
     Fork,
     Forked,
     GroupGone,
-    CtlAuth,
     ModelReq,
     Msg,
     Notice,
@@ -46,8 +47,10 @@ from brood.protocol import (
     StepResult,
     Stop,
     SyncChannel,
+    WorkerMsg,
     check,
     decode,
+    decode_worker,
     encode,
     error_info,
     rebuild_error,
@@ -282,3 +285,58 @@ def test_check_refuses_a_request_its_receiver_could_not_decode_naming_the_field(
         check(SpawnReq(req_id=1, prompts=["p"], timeout="soon"))  # type: ignore[arg-type]
     with pytest.raises(errors.InvalidArgument, match=r"^prompts\[0\]: Expected `str`"):
         check(SpawnReq(req_id=1, prompts=[3]))  # type: ignore[list-item]
+
+
+# ---- what a worker may send: untrusted frames, checked at the boundary -----------------------
+WORKER_TYPES = set(typing.get_args(WorkerMsg))
+
+
+@pytest.mark.parametrize("msg", [m for m in SAMPLES if type(m) in WORKER_TYPES])
+def test_every_message_a_worker_may_send_decodes_as_a_worker_frame(msg: Msg) -> None:
+    assert decode_worker(encode(msg)[HEADER.size :]) == msg
+
+
+@pytest.mark.parametrize("msg", [m for m in SAMPLES if type(m) not in WORKER_TYPES])
+def test_a_message_only_the_supervisor_sends_is_refused_from_a_worker(msg: Msg) -> None:
+    with pytest.raises(ProtocolError, match="invalid frame"):
+        decode_worker(encode(msg)[HEADER.size :])
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"type": "SpawnReq", "req_id": -5, "prompts": []},
+        {"type": "SpawnReq", "req_id": 1, "prompts": [], "timeout": float("nan")},
+        {"type": "SpawnReq", "req_id": 1, "prompts": [], "timeout": -1.0},
+        {"type": "SpawnReq", "req_id": 1, "prompts": [], "step": -1},
+        {"type": "CancelReq", "req_id": 1, "child_id": "r-" + "x" * 500},
+        {"type": "ModelReq", "req_id": 1, "kind": "shell", "messages": []},
+        {"type": "ModelReq", "req_id": 1, "kind": "turn", "messages": [{"role": 5}]},
+        {"type": "FlowReq", "req_id": 1, "op": "delete"},
+        {
+            "type": "StepDone",
+            "step": 1,
+            "code": "",
+            "stdout": "",
+            "stderr": "",
+            "error": None,
+            "duration": -3.0,
+        },
+    ],
+)
+def test_a_worker_frame_with_a_bad_value_is_refused_naming_the_field(fields: dict) -> None:
+    with pytest.raises(ProtocolError, match=r"at `\$\."):
+        decode_worker(msgspec.msgpack.encode(fields))
+
+
+def test_garbage_and_oversized_worker_frames_are_refused() -> None:
+    with pytest.raises(ProtocolError, match="invalid frame of 4 bytes"):
+        decode_worker(b"\xc1\xc1\xc1\xc1")
+    with pytest.raises(ProtocolError, match="exceeds the 67108864-byte bound of a worker"):
+        decode_worker(b"\0" * (MAX_WORKER_FRAME + 1))
+
+
+def test_check_refuses_a_request_over_the_worker_frame_bound_before_it_is_sent() -> None:
+    big = SpawnReq(req_id=1, prompts=["p"], context=b"\0" * (MAX_WORKER_FRAME + 1))
+    with pytest.raises(errors.InvalidArgument, match="over the 67108864-byte bound"):
+        check(big)

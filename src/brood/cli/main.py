@@ -657,15 +657,13 @@ def flow_resume(run_id: RunArg, store: StoreOpt = None) -> None:
 @app.command()
 def doctor(as_json: JsonOpt = False) -> None:
     """Show which worker confinement this machine enforces, and what the default policy lacks."""
-    import tempfile
-
     import msgspec
 
-    from brood.worker.confine import Policy, gaps, probe
+    from brood.backends.confinement import unenforced, worker_settings
+    from brood.worker.confine import probe
 
     support = probe()
-    with tempfile.TemporaryDirectory(prefix="brood-doctor-") as scratch:
-        lines = gaps(Policy(scratch=scratch), support, private_network=support.netns)
+    lines = unenforced(worker_settings(brood.Limits()))
     if as_json:
         _print_json({"support": msgspec.to_builtins(support), "gaps": lines})
         return
@@ -684,9 +682,13 @@ def doctor(as_json: JsonOpt = False) -> None:
     row("capability drop", support.drop_caps or not held, "all sets" if held else "none held")
     row("network namespace", support.netns, support.netns_error or "only a down loopback")
     row("rlimits", True, "memory (AS), cpu, file size, open files")
-    root = support.uid == 0
-    row("  processes", False, "RLIMIT_NPROC: " + ("root is exempt" if root else "per user"))
-    row("cgroups", False, "not used")
+    if support.cgroup:
+        row("cgroups", True, f"{support.cgroup}: pids per worker, memory per worker")
+        row("  processes", True, "pids.max of the worker's cgroup")
+    else:
+        row("cgroups", False, support.cgroup_error or "not usable here")
+        why = "root is exempt" if support.uid == 0 else "counts every process of the user"
+        row("  processes", False, f"RLIMIT_NPROC: {why}")
     console = Console()
     console.print(f"[bold]worker confinement on this machine[/bold] (uid {support.uid})")
     console.print(table)

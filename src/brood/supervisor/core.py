@@ -252,9 +252,7 @@ class Core:
             raise InvalidArgument("prompt must be a non-empty str")
         rec = self._root_record(prompt, model_name or self.model_name)
         # A root's model_name only labels the journal row; the model object is the choice.
-        run = Run(
-            rec, model or self.model, context_blob, None, timeout, None, driven=driven
-        )
+        run = Run(rec, model or self.model, context_blob, None, timeout, None, driven=driven)
         await self._journal_new([run])
         if self.unenforced:  # said in the journal of every tree this supervisor runs
             self._event(run, "confinement", {"unenforced": self.unenforced})

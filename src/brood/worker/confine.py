@@ -361,6 +361,11 @@ def gaps(policy: Policy, support: Support, *, private_network: bool) -> list[str
                 f"processes: RLIMIT_NPROC counts all processes of the user (uid {support.uid}), "
                 f"not this worker's; {nocg}"
             )
+    if policy.confine and not seccomp_supported():
+        out.append(
+            "unix sockets: connecting to a socket bound to a path is not refused (Landlock does "
+            f"not govern it, and brood has no seccomp filter for {platform.machine()!r})"
+        )
     return out
 
 
@@ -599,8 +604,70 @@ def apply(policy: Policy, support: Support) -> None:
             _apply_landlock(policy, support.landlock_abi)
         if support.drop_caps or support.caps_held:
             _drop_caps(full=support.drop_caps)
+        if seccomp_supported():
+            _refuse_unix_sockets()  # after no_new_privs, which an unprivileged filter needs
     # Lifecycle, not security: orphans of model code reparent to the worker, not past it.
     _prctl("PR_SET_CHILD_SUBREAPER", _PR_SET_CHILD_SUBREAPER, 1)
+
+
+# ---- seccomp: no new AF_UNIX sockets, no io_uring -------------------------------------------
+# Landlock (up to ABI 7) does not govern connect() to a socket bound to a path, and a
+# worker runs as the supervisor's user: it could reach any such socket that user may
+# (a container engine's, another program's). A filter refuses socket(AF_UNIX, ...), so
+# model code cannot make a socket to connect with; socketpair(), which asyncio's
+# self-pipe uses, still works. io_uring could make sockets past the filter: refused too.
+_SECCOMP = {  # machine: (AUDIT_ARCH, socket, io_uring_setup, x32 bit or 0)
+    "x86_64": (0xC000003E, 41, 425, 0x40000000),
+    "aarch64": (0xC00000B7, 198, 425, 0),
+}
+_AF_UNIX = 1
+_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
+_RET_ALLOW, _RET_ERRNO = 0x7FFF0000, 0x00050000
+_LD_W_ABS, _JEQ_K, _JGE_K, _RET_K = 0x20, 0x15, 0x35, 0x06
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [
+        ("code", ctypes.c_uint16),
+        ("jt", ctypes.c_uint8),
+        ("jf", ctypes.c_uint8),
+        ("k", ctypes.c_uint32),
+    ]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def seccomp_supported() -> bool:
+    return platform.machine() in _SECCOMP
+
+
+def _refuse_unix_sockets() -> None:
+    arch, nr_socket, nr_uring, x32 = _SECCOMP[platform.machine()]
+    deny_access = _RET_ERRNO | errno.EACCES
+    # Offsets into struct seccomp_data: nr 0, arch 4, args[0] (low half) 16.
+    prog = [
+        (_LD_W_ABS, 0, 0, 4),
+        (_JEQ_K, 1, 0, arch),
+        (_RET_K, 0, 0, deny_access),  # another ABI (int 0x80): numbers differ, refuse it all
+        (_LD_W_ABS, 0, 0, 0),
+        (_JGE_K, 0, 1, x32) if x32 else (_JEQ_K, 0, 1, 0xFFFFFFFF),
+        (_RET_K, 0, 0, deny_access),
+        (_JEQ_K, 3, 0, nr_socket),
+        (_JEQ_K, 0, 1, nr_uring),
+        (_RET_K, 0, 0, _RET_ERRNO | errno.EPERM),
+        (_RET_K, 0, 0, _RET_ALLOW),
+        (_LD_W_ABS, 0, 0, 16),
+        (_JEQ_K, 0, 1, _AF_UNIX),
+        (_RET_K, 0, 0, deny_access),
+        (_RET_K, 0, 0, _RET_ALLOW),
+    ]
+    filters = (_SockFilter * len(prog))(*[_SockFilter(*ins) for ins in prog])
+    fprog = _SockFprog(len(prog), filters)
+    ctypes.set_errno(0)
+    if _libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.addressof(fprog), 0, 0) < 0:
+        raise _fail("seccomp filter", ctypes.get_errno())
 
 
 def enter_private_network() -> bool:

@@ -75,6 +75,17 @@ def children() -> list[int]:
     return found
 
 
+def _only_own_fds(keep: int) -> None:
+    """Leave the worker only its standard streams (on /dev/null: model code must not write
+    to the user's terminal) and its own socket. Landlock checks opens, not descriptors
+    already held, so nothing the zygote had open may cross into a worker."""
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.closerange(3, keep)
+    os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX"))
+
+
 class Zygote:
     def __init__(self, ctrl: socket.socket, scratch_root: str, policy: confine.Policy) -> None:
         self.ctrl = ctrl
@@ -147,6 +158,7 @@ class Zygote:
             os.mkdir(scratch, 0o700)
             os.chdir(scratch)
             os.environ.update(HOME=scratch, TMPDIR=scratch)
+            _only_own_fds(sock.fileno())
             # Before any thread exists: Landlock binds only the calling thread and the
             # threads it starts afterwards.
             confine.apply(msgspec.structs.replace(self.policy, scratch=scratch), self.support)
