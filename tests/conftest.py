@@ -9,8 +9,6 @@ import pytest
 
 from brood.testing import leftover_processes
 
-from tests.util import SHARED as FAST  # cleanup tunables shrunk, test files writable
-
 
 @pytest.fixture(autouse=True)
 def no_leftover_processes():

@@ -127,7 +127,11 @@ def crash_after(tmp_path, body: str, url: str) -> str:
             open({str(tmp_path / "never")!r}).read()
         def supervisor(model):
             return brood.Supervisor(
-                model, store={url!r}, limits=brood.Limits(shutdown_grace=0.3, term_grace=0.3)
+                model,
+                store={url!r},
+                limits=brood.Limits(
+                    shutdown_grace=0.3, term_grace=0.3, fs_write=[{str(tmp_path)!r}]
+                ),
             )
     """)
     os.mkfifo(tmp_path / "never")
@@ -282,7 +286,7 @@ def test_a_stop_under_way_at_the_crash_is_completed_by_the_resume(tmp_path):
         import threading
         sup = brood.Supervisor(
             brood.ScriptedModel({{"Slow": [{stubborn!r}]}}), store={url!r},
-            limits=brood.Limits(shutdown_grace=0.3, term_grace=600),
+            limits=brood.Limits(shutdown_grace=0.3, term_grace=600, fs_write=[{str(tmp_path)!r}]),
         )
         flow = sup.flow_run({spec!r})
         print(flow.id, flush=True)

@@ -49,7 +49,8 @@ def crashed_tree(tmp_path, root: list[str] = ROOT) -> tuple[str, str]:
             {{"root": ROOT, "child A": CHILD_A, "plain:": PLAIN, "child B": [child_b]}},
             log_path={str(tmp_path / "calls-before.jsonl")!r})
         sup = brood.Supervisor(model, store={url!r},
-                               limits=brood.Limits(shutdown_grace=0.3, term_grace=0.3))
+                               limits=brood.Limits(shutdown_grace=0.3, term_grace=0.3,
+                                                   fs_write=[{str(tmp_path)!r}]))
         print(sup.spawn("root task").id, flush=True)
         import signal; signal.pause()
     """)
@@ -255,7 +256,8 @@ def test_a_tree_cancelled_before_the_crash_stays_cancelled(tmp_path):
             "child:": [F + "repl\\n" + {child_code!r} + "\\n" + F],
         }})
         sup = brood.Supervisor(model, store={url!r},
-                               limits=brood.Limits(shutdown_grace=0.2, term_grace=600))
+                               limits=brood.Limits(shutdown_grace=0.2, term_grace=600,
+                                                   fs_write=[{str(tmp_path)!r}]))
         h = sup.spawn("root task")
         print(h.id, flush=True)
         open({blocked.path!r}).read()  # stands in for the model code's signal: forwarded

@@ -40,6 +40,7 @@ from brood.backends.local import processes_owned
 from brood.journal import Journal
 from brood.testing import leftover_processes
 from tests.test_resume import wait_gone
+from tests.util import TEST_FILES
 
 FENCE = "```"
 TICK_ENV = "BROOD_FAULT_TICK"  # the tick's source: set in the crashed process only
@@ -47,7 +48,7 @@ SEED = int(os.environ.get("BROOD_FAULT_SEED") or random.SystemRandom().randrange
 GROUPS, POINTS_PER_GROUP = 4, 13  # 52 kill points, split so each test stays well in its timeout
 MAX_KILL_DELAY_S = 0.005
 EXIT_TIMEOUT_S = 60
-LIMITS = dict(shutdown_grace=0.2, term_grace=0.2)  # max_depth is the default, 3
+LIMITS = dict(shutdown_grace=0.2, term_grace=0.2, fs_write=[TEST_FILES])  # max_depth: 3
 ROOT_PROMPT = "fault root: run the tree"
 
 

@@ -14,9 +14,11 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import threading
 import uuid
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -24,6 +26,7 @@ import pytest
 import brood
 from brood.protocol import MAX_WORKER_FRAME, CtlAuth, CtlCancel, encode
 from brood.supervisor.control import control_request, key_path
+from brood.supervisor.core import Core
 from brood.worker.confine import CGROUP_HEADROOM, probe
 from brood.worker.repl import CAPTURE_LIMIT
 from tests.trust_util import (
@@ -458,15 +461,31 @@ def test_14_control_socket_needs_the_secret(store, tmp_path):
         still_serves(sup, store, victim.id)
 
 
-def _unix_sockets(pid: int | str) -> list[tuple[int, str]]:
-    """(flags, path) of the unix sockets in the network namespace of `pid`."""
-    out = []
-    with open(f"/proc/{pid}/net/unix") as f:
-        next(f)
-        for line in f:
-            fields = line.split()
-            out.append((int(fields[3], 16), fields[7] if len(fields) > 7 else ""))
-    return out
+def _socket_inodes(pid: int) -> set[int]:
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(int(link[8:-1]))
+    return inodes
+
+
+def _bound_unix_sockets(pids: list[int]) -> list[tuple[int, str]]:
+    """(flags, path) of the path-bound unix sockets that `pids` hold, read in each of their
+    network namespaces (workers and the zygote may be in a private one)."""
+    held = set().union(*(_socket_inodes(p) for p in pids))
+    out = set()
+    for pid in pids:
+        with open(f"/proc/{pid}/net/unix") as f:
+            next(f)
+            for line in f:
+                fields = line.split()
+                if len(fields) > 7 and int(fields[6]) in held:
+                    out.add((int(fields[3], 16), fields[7]))
+    return sorted(out)
 
 
 def test_15_only_control_sockets_are_path_bound(store, tmp_path):
@@ -476,14 +495,16 @@ def test_15_only_control_sockets_are_path_bound(store, tmp_path):
         sup_of(f"sqlite:///{tmp_path}/other.db") as other,
     ):
         sibling, go = _blocked_sibling(sup, tmp_path)
-        worker = sup._core.runs[sibling.id].rec.pid
-        seen = set()
-        for pid in ("self", sup._backend._zygote.pid, worker, other._backend._zygote.pid):
-            for flags, path in _unix_sockets(pid):
-                if "brood" in path and flags & listening:
-                    seen.add(path)
-        assert {sup._control.path, other._control.path} <= seen
-        assert all(os.path.basename(p) == "ctl.sock" for p in seen), seen
+        brood_pids = [os.getpid()]
+        for s in (sup, other):
+            zygote = psutil.Process(s._backend._zygote.pid)
+            brood_pids += [zygote.pid, *(c.pid for c in zygote.children(recursive=True))]
+        assert sup._core.runs[sibling.id].rec.pid in brood_pids
+        bound = _bound_unix_sockets(brood_pids)
+        listeners = {path for flags, path in bound if flags & listening}
+        assert listeners == {sup._control.path, other._control.path}, bound
+        # Accepted connections show their listener's path; none is anything but ctl.sock.
+        assert all(os.path.basename(path) == "ctl.sock" for _, path in bound), bound
         go.open()
         assert sibling.wait() == "sibling done"
         still_serves(sup, store, sibling.id)
@@ -735,12 +756,29 @@ def test_25_worker_memory(store):
         still_serves(env._sup, store, env.run_id)
 
 
-def test_26_worker_cpu_seconds(store):
+CPU_REASON_BUG = (
+    "src bug: Core._exit_reason names Limits.worker_cpu_seconds only when the CPU time the "
+    "zygote read from wait4 is >= the limit, but a worker killed by SIGXCPU at RLIMIT_CPU=1 s "
+    "is in some runs reported with 0.998-0.9999 s (rusage accounting), so the run fails with "
+    "the bare 'worker exited with signal 24'"
+)
+
+
+# Not strict: the reason is right in most runs and wrong in some (see test_26b).
+@pytest.mark.xfail(strict=False, reason=CPU_REASON_BUG)
+def test_26a_worker_cpu_seconds(store):
     with sup_of(store, limits(worker_cpu_seconds=1, step_timeout=None)) as sup:
         result = sup.run(task("while True:\n    pass"))
         assert result.state == "failed", result
         assert "worker_cpu_seconds" in result.error, result.error
         still_serves(sup, store, result.run_id)
+
+
+@pytest.mark.xfail(strict=True, reason=CPU_REASON_BUG)
+def test_26b_sigxcpu_just_under_the_limit_names_it():
+    # What the zygote reported in failing runs of test_26a: SIGXCPU, 0.9994 s of CPU.
+    core = SimpleNamespace(limits=limits(worker_cpu_seconds=1))
+    assert "worker_cpu_seconds" in Core._exit_reason(core, -signal.SIGXCPU, 0.9994)
 
 
 def test_27_worker_file_size(store):
