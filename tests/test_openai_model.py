@@ -13,7 +13,7 @@ import pytest
 
 import brood
 from brood.testing import leftover_processes
-from conftest import FAST
+from tests.util import SHARED as FAST
 from fake_openai import FakeOpenAI, Reply
 
 MODEL = "fake-model"

@@ -14,11 +14,9 @@ import json
 import logging
 import os
 import shutil
-import signal
 import socket
 import threading
 import uuid
-from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -26,7 +24,6 @@ import pytest
 import brood
 from brood.protocol import MAX_WORKER_FRAME, CtlAuth, CtlCancel, encode
 from brood.supervisor.control import control_request, key_path
-from brood.supervisor.core import Core
 from brood.worker.confine import CGROUP_HEADROOM, probe
 from brood.worker.repl import CAPTURE_LIMIT
 from tests.trust_util import (
@@ -756,16 +753,6 @@ def test_25_worker_memory(store):
         still_serves(env._sup, store, env.run_id)
 
 
-CPU_REASON_BUG = (
-    "src bug: Core._exit_reason names Limits.worker_cpu_seconds only when the CPU time the "
-    "zygote read from wait4 is >= the limit, but a worker killed by SIGXCPU at RLIMIT_CPU=1 s "
-    "is in some runs reported with 0.998-0.9999 s (rusage accounting), so the run fails with "
-    "the bare 'worker exited with signal 24'"
-)
-
-
-# Not strict: the reason is right in most runs and wrong in some (see test_26b).
-@pytest.mark.xfail(strict=False, reason=CPU_REASON_BUG)
 def test_26a_worker_cpu_seconds(store):
     with sup_of(store, limits(worker_cpu_seconds=1, step_timeout=None)) as sup:
         result = sup.run(task("while True:\n    pass"))
@@ -774,11 +761,14 @@ def test_26a_worker_cpu_seconds(store):
         still_serves(sup, store, result.run_id)
 
 
-@pytest.mark.xfail(strict=True, reason=CPU_REASON_BUG)
-def test_26b_sigxcpu_just_under_the_limit_names_it():
-    # What the zygote reported in failing runs of test_26a: SIGXCPU, 0.9994 s of CPU.
-    core = SimpleNamespace(limits=limits(worker_cpu_seconds=1))
-    assert "worker_cpu_seconds" in Core._exit_reason(core, -signal.SIGXCPU, 0.9994)
+def test_26b_worker_cpu_seconds_when_sigxcpu_is_ignored(store):
+    # The kernel then sends SIGKILL at the hard limit; the CPU time read at the reap names it.
+    code = "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass"
+    with sup_of(store, limits(worker_cpu_seconds=1, step_timeout=None)) as sup:
+        result = sup.run(task(code))
+        assert result.state == "failed", result
+        assert "signal 9" in result.error and "worker_cpu_seconds" in result.error, result.error
+        still_serves(sup, store, result.run_id)
 
 
 def test_27_worker_file_size(store):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import email.utils
 import os
 import time
@@ -54,29 +55,44 @@ class OpenAIModel(Model):
         self.sleep = sleep
         self.create_kwargs = create_kwargs
         self._client: Any = None
+        self._async_client: Any = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_client"] = None  # each worker builds its own client
+        state["_client"] = state["_async_client"] = None  # clients do not travel
         return state
+
+    def _client_args(self) -> dict[str, Any]:
+        return {
+            "base_url": self.base_url or os.environ.get("OPENAI_BASE_URL"),
+            "api_key": self.api_key or os.environ.get("OPENAI_API_KEY") or "not-needed",
+            "timeout": self.timeout,
+            "max_retries": 0,  # brood retries itself, so the waits are its own and testable
+        }
 
     def _get_client(self) -> Any:
         if self._client is None:
             import openai
 
-            self._client = openai.OpenAI(
-                base_url=self.base_url or os.environ.get("OPENAI_BASE_URL"),
-                api_key=self.api_key or os.environ.get("OPENAI_API_KEY") or "not-needed",
-                timeout=self.timeout,
-                max_retries=0,  # brood retries itself, so the waits are its own and testable
-            )
+            self._client = openai.OpenAI(**self._client_args())
         return self._client
+
+    def _failure(self, exc: Exception, attempt: int, name: str | None) -> float:
+        """How long to wait before the next try; raises ModelError when none is left."""
+        wait = retry_wait(exc, attempt)
+        if wait is None or attempt == self.max_retries:
+            where = self.base_url or os.environ.get("OPENAI_BASE_URL") or "the default OpenAI URL"
+            tries = f" after {attempt + 1} tries" if attempt else ""
+            cause = f" ({exc.__cause__})" if exc.__cause__ else ""
+            raise ModelError(
+                f"model {name!r} at {where}: {type(exc).__name__}{tries}: {exc}{cause}"
+            ) from exc
+        return wait
 
     def complete(self, messages: Messages, model: str | None = None) -> Completion:
         import openai
 
         name = model or self.name
-        where = self.base_url or os.environ.get("OPENAI_BASE_URL") or "the default OpenAI URL"
         for attempt in range(self.max_retries + 1):
             try:
                 resp = self._get_client().chat.completions.create(
@@ -84,14 +100,32 @@ class OpenAIModel(Model):
                 )
                 break
             except openai.OpenAIError as exc:
-                wait = retry_wait(exc, attempt)
-                if wait is None or attempt == self.max_retries:
-                    tries = f" after {attempt + 1} tries" if attempt else ""
-                    cause = f" ({exc.__cause__})" if exc.__cause__ else ""
-                    raise ModelError(
-                        f"model {name!r} at {where}: {type(exc).__name__}{tries}: {exc}{cause}"
-                    ) from exc
-                self.sleep(wait)
+                self.sleep(self._failure(exc, attempt, name))
+        return self._completion(resp, name)
+
+    async def acomplete(self, messages: Messages, model: str | None = None) -> Completion:
+        """`complete` on the supervisor's loop, through one async client: many calls in
+        flight cost no threads, and a call whose run ends is cancelled, not left running."""
+        import openai
+
+        if self._async_client is None:
+            self._async_client = openai.AsyncOpenAI(**self._client_args())
+        name = model or self.name
+        for attempt in range(self.max_retries + 1):
+            try:
+                resp = await self._async_client.chat.completions.create(
+                    model=name, messages=messages, **self.create_kwargs
+                )
+                break
+            except openai.OpenAIError as exc:
+                wait = self._failure(exc, attempt, name)
+                if self.sleep is time.sleep:
+                    await asyncio.sleep(wait)
+                else:  # a clock the caller gave (tests): its sleep may block
+                    await asyncio.to_thread(self.sleep, wait)
+        return self._completion(resp, name)
+
+    def _completion(self, resp: Any, name: str | None) -> Completion:
         if not resp.choices:
             raise ModelError(f"model {name!r} returned no choices")
         text = check_text(resp.choices[0].message.content, f"model {name!r}")

@@ -62,6 +62,7 @@ DELIVER_ACK_S = 5.0  # how long a follow-up waits for the worker to confirm it i
 ID_DRAWS = 8  # fresh ids tried for a run whose id the journal already holds
 KILL_CONFIRM_S = 5.0  # after SIGKILL, a group still present this long is reported, not awaited
 DRAIN_ON_EXIT_S = 1.0  # read what a dead worker sent last before calling its exit a crash
+CPU_SLACK_S = 0.05  # rusage of a worker killed at its CPU limit can read just under it
 FLOW_MODEL = "flow"  # the model column of a flow's own run (it has no worker)
 
 Q, RUN, CANCELLING = RunState.QUEUED, RunState.RUNNING, RunState.CANCELLING
@@ -782,9 +783,13 @@ class Core:
         """Why a worker died, naming the limit when a limit killed it."""
         how = f"signal {-status}" if status < 0 else f"status {status}"
         cpu = self.limits.worker_cpu_seconds
-        # RLIMIT_CPU sends SIGXCPU at the limit and SIGKILL a second later (if the first
-        # was ignored); the CPU time the zygote read at the reap tells which killed it.
-        if cpu is not None and status in (-signal.SIGXCPU, -signal.SIGKILL) and cpu_used >= cpu:
+        # RLIMIT_CPU sends SIGXCPU at the limit (nothing else sends it to a worker) and
+        # SIGKILL a second later if that was ignored; for SIGKILL, the CPU time the zygote
+        # read at the reap tells whether the limit did it (rusage rounds: a little slack).
+        if cpu is not None and (
+            status == -signal.SIGXCPU
+            or (status == -signal.SIGKILL and cpu_used >= cpu - CPU_SLACK_S)
+        ):
             return (
                 f"worker exited with {how}: it used its CPU time limit, "
                 f"Limits.worker_cpu_seconds={cpu:g} ({cpu_used:.1f} s used)"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import queue
 import threading
 from collections.abc import Callable
@@ -100,6 +101,16 @@ def _settle(fut: asyncio.Future[Any], value: Any, failed: BaseException | None) 
         fut.set_result(value)
 
 
+@functools.cache
+def _is_async(cls: type) -> bool:
+    """Whether the gateway awaits `acomplete` for this class: only where it is defined no
+    higher up than `complete`, so a subclass that overrides `complete` is called there."""
+    mro = cls.__mro__
+    has_async = next((k for k in mro if "acomplete" in vars(k)), None)
+    has_sync = next((k for k in mro if "complete" in vars(k)), object)
+    return has_async is not None and issubclass(has_async, has_sync)
+
+
 class ModelGateway:
     """Makes model calls for workers; one per supervisor (one connection pool)."""
 
@@ -107,9 +118,8 @@ class ModelGateway:
         self.pool = CallPool(threads)
 
     async def complete(self, model: Model, messages: Messages, name: str | None) -> Completion:
-        acomplete = getattr(model, "acomplete", None)
-        if acomplete is not None:
-            done = await acomplete(messages, model=name)
+        if _is_async(type(model)):
+            done = await model.acomplete(messages, model=name)  # type: ignore[attr-defined]
         else:
             done = await self.pool.submit(model.complete, messages, name)
         if not isinstance(done, Completion):
