@@ -9,6 +9,8 @@ import typing
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from brood import errors
 from brood.protocol import (
@@ -340,3 +342,38 @@ def test_check_refuses_a_request_over_the_worker_frame_bound_before_it_is_sent()
     big = SpawnReq(req_id=1, prompts=["p"], context=b"\0" * (MAX_WORKER_FRAME + 1))
     with pytest.raises(errors.InvalidArgument, match="over the 67108864-byte bound"):
         check(big)
+
+
+@given(st.binary(max_size=512))
+@settings(max_examples=300, deadline=None)
+def test_any_bytes_from_a_worker_decode_or_raise_protocol_error_only(body: bytes) -> None:
+    try:
+        msg = decode_worker(body)
+    except ProtocolError:
+        return
+    assert type(msg) in WORKER_TYPES
+
+
+@given(
+    st.dictionaries(
+        st.sampled_from(["type", "req_id", "prompts", "kind", "messages", "op", "step", "x"]),
+        st.one_of(
+            st.sampled_from([t.__name__ for t in WORKER_TYPES] + ["Start", "CtlCancel"]),
+            st.integers(),
+            st.floats(),
+            st.text(max_size=20),
+            st.lists(st.text(max_size=5), max_size=3),
+            st.none(),
+        ),
+        max_size=6,
+    )
+)
+@settings(max_examples=300, deadline=None)
+def test_any_msgpack_map_from_a_worker_decodes_or_raises_protocol_error_only(
+    fields: dict,
+) -> None:
+    try:
+        msg = decode_worker(msgspec.msgpack.encode(fields))
+    except ProtocolError:
+        return
+    assert type(msg) in WORKER_TYPES

@@ -8,7 +8,7 @@ trainer, not the root, that computes.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +34,8 @@ class Observation:
 
 class Session:
     """An environment: `reset(prompt, context)` starts an episode, `step(code)` runs code in
-    the root's REPL, `close()` ends it. Handles from an earlier episode raise StaleHandle."""
+    the root's REPL, `close()` ends it. Handles from an earlier episode raise StaleHandle.
+    `worker_env` and `keep_scratch` are those of `Supervisor`."""
 
     def __init__(
         self,
@@ -42,8 +43,12 @@ class Session:
         *,
         limits: Limits | None = None,
         store: str | None = None,
+        worker_env: Mapping[str, str] | Iterable[str] | None = None,
+        keep_scratch: bool = False,
     ) -> None:
-        self._sup = Supervisor(model, limits=limits, store=store)
+        self._sup = Supervisor(
+            model, limits=limits, store=store, worker_env=worker_env, keep_scratch=keep_scratch
+        )
         self._root: Run | None = None
         self._episode = 0
         self._req = itertools.count(1)

@@ -118,7 +118,8 @@ class ModelGateway:
         self.pool = CallPool(threads)
 
     async def complete(self, model: Model, messages: Messages, name: str | None) -> Completion:
-        if _is_async(type(model)):
+        cls: type = type(model)
+        if _is_async(cls):
             done = await model.acomplete(messages, model=name)  # type: ignore[attr-defined]
         else:
             done = await self.pool.submit(model.complete, messages, name)
