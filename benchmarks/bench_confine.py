@@ -208,9 +208,6 @@ def main() -> None:
             "idle worker USS, confine off",
             mem["off"],
             "B",
-            None,
-            f"< {TARGET_BYTES // MIB} MiB",
-            max(idle["off"]) < TARGET_BYTES,
         ),
     ]
     finish(BENCH, rows, left, args.json)

@@ -122,6 +122,7 @@ class Supervisor:
             self._core.flow_handler = self._flow_request
             self._core.flow_resumer = self._resume_flow
             self._core.unenforced = unenforced(settings)
+            self._core.keep_scratch = settings.keep_scratch
             announce(self._core.unenforced)
             self._loop.call(self._start())
         except BaseException:

@@ -176,6 +176,7 @@ class Core:
         self.model_name = model_name
         self.gateway = ModelGateway()
         self.unenforced: list[str] = []  # what confinement this machine does not enforce
+        self.keep_scratch = False  # runs' scratch directories outlive them (journaled)
         self.limits = limits
         self.store = store
         self.backend = backend
@@ -436,6 +437,8 @@ class Core:
         conn.attach(lambda msg: self._on_msg(run, msg))
         conn.on_exit = lambda status: self._task(self._on_exit(run, status))
         run.rec.pid = conn.pid
+        if self.keep_scratch:  # the user keeps it: say where it is
+            self._event(run, "scratch", {"path": conn.scratch, "pid": conn.pid})
 
         def send_start() -> None:
             r = run.rec
