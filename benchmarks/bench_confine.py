@@ -37,6 +37,7 @@ from _common import (
     run_completed,
     spread_ms,
     wait_until,
+    zygote_pid,
 )
 from bench_spawn import CHILD_REPLY, child_series, parent_reply
 from brood.backends.local import WARM_WORKERS
@@ -73,9 +74,7 @@ def pool_ready(sup: brood.Supervisor) -> bool:
     before the worker starts its first thread, the reader of its link)."""
     pids = idle_worker_pids(sup)
     try:
-        return len(pids) >= WARM_WORKERS and all(
-            psutil.Process(p).num_threads() >= 2 for p in pids
-        )
+        return len(pids) >= WARM_WORKERS and all(psutil.Process(p).num_threads() >= 2 for p in pids)
     except psutil.NoSuchProcess:
         return False
 
@@ -91,16 +90,36 @@ def idle_uss(sup: brood.Supervisor) -> list[int]:
     return [uss(pid) for pid in idle_worker_pids(sup)]
 
 
-def fan_out(sup: brood.Supervisor, key: str) -> tuple[float, float]:
-    """Seconds inside the root's code from the call to the last answer, and of sup.run."""
+def cpu(proc: psutil.Process, *, children: bool) -> tuple[float, float]:
+    """User and system CPU seconds of `proc` (with its reaped children when `children`)."""
+    t = proc.cpu_times()
+    if children:
+        return t.user + t.children_user, t.system + t.children_system
+    return t.user, t.system
+
+
+def fan_out(sup: brood.Supervisor, key: str) -> dict[str, float]:
+    """Seconds inside the root's code from the call to the last answer, of sup.run, and the
+    CPU seconds (user, system) of the supervisor and of the zygote with its workers."""
     wait_pool(sup)
+    me, zygote = psutil.Process(), psutil.Process(zygote_pid(sup))
+    sup0, zyg0 = cpu(me, children=False), cpu(zygote, children=True)
     t0 = time.perf_counter()
     res = run_completed(sup, f"{key}: fan out")
     wall = time.perf_counter() - t0
+    wait_pool(sup)  # the last workers reaped, the pool refilled: their CPU is counted
+    sup1, zyg1 = cpu(me, children=False), cpu(zygote, children=True)
     inside, count, answers = ast.literal_eval(res.answer or "")
     if count != (WARM_UP if key.startswith("warm-up") else FANOUT) or answers != ["x"]:
         raise RuntimeError(f"the {key} root collected {count} answers {answers}")
-    return inside, wall
+    return {
+        "inside": inside,
+        "wall": wall,
+        "sup_user": sup1[0] - sup0[0],
+        "sup_sys": sup1[1] - sup0[1],
+        "zyg_user": zyg1[0] - zyg0[0],
+        "zyg_sys": zyg1[1] - zyg0[1],
+    }
 
 
 def spawn_series(sup: brood.Supervisor, key: str) -> list[float]:
@@ -134,8 +153,7 @@ def main() -> None:
         )
 
     spawn: dict[str, list[float]] = {m: [] for m in MODES}
-    inside: dict[str, list[float]] = {m: [] for m in MODES}
-    wall: dict[str, list[float]] = {m: [] for m in MODES}
+    fans: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
     with (
         brood.Supervisor(model=model, limits=limits(True)) as on,
         brood.Supervisor(model=model, limits=limits(False)) as off,
@@ -150,29 +168,39 @@ def main() -> None:
                 spawn[m] += spawn_series(sups[m], f"spawns {m} {r}")
         for r in range(FANOUT_ROUNDS):
             for m in MODES if r % 2 == 0 else MODES[::-1]:
-                t_in, t_wall = fan_out(sups[m], f"fan-out {m} {r}")
-                inside[m].append(t_in)
-                wall[m].append(t_wall)
+                fans[m].append(fan_out(sups[m], f"fan-out {m} {r}"))
         for m, s in sups.items():
             idle[m] += idle_uss(s)
     left = no_leftovers(BENCH)
 
     sp = {m: median(spawn[m]) for m in MODES}
+    inside = {m: [f["inside"] for f in fans[m]] for m in MODES}
     fo = {m: median(inside[m]) for m in MODES}
+
+    def per_child(m: str, what: str) -> float:
+        return median([f[what] for f in fans[m]]) / FANOUT
+
     mem = {m: median(idle[m]) for m in MODES}
     for m in MODES:
         print(f"spawn -> running, confine {m:<3}  {spread_ms(spawn[m])}")
     print(f"  on/off {sp['on'] / sp['off']:.2f}x")
     for m in MODES:
+        walls = [f["wall"] for f in fans[m]]
         print(
             f"fan-out of {FANOUT}, confine {m:<3}  "
             f"{', '.join(f'{x * MS:.0f}' for x in inside[m])} ms inside the root "
-            f"(sup.run wall {', '.join(f'{x * MS:.0f}' for x in wall[m])} ms); "
+            f"(sup.run wall {', '.join(f'{w * MS:.0f}' for w in walls)} ms); "
             f"{median(inside[m]) / FANOUT * MS:.2f} ms per child"
+        )
+        print(
+            f"  CPU per child: supervisor {per_child(m, 'sup_user') * MS:.2f} user + "
+            f"{per_child(m, 'sup_sys') * MS:.2f} sys ms; zygote + workers "
+            f"{per_child(m, 'zyg_user') * MS:.2f} user + {per_child(m, 'zyg_sys') * MS:.2f} sys ms"
         )
     print(f"  on/off {fo['on'] / fo['off']:.2f}x")
     for m in MODES:
-        print(f"idle worker USS, confine {m:<3}  {', '.join(f'{b / MIB:.2f}' for b in idle[m])} MiB")
+        sizes = ", ".join(f"{b / MIB:.2f}" for b in idle[m])
+        print(f"idle worker USS, confine {m:<3}  {sizes} MiB")
     print(f"  on/off {mem['on'] / mem['off']:.2f}x")
 
     rows = [
@@ -193,6 +221,20 @@ def main() -> None:
             fo["off"],
             f"<= {TARGET_RATIO:g}x off",
             fo["on"] / fo["off"] <= TARGET_RATIO,
+        ),
+        Row(
+            BENCH,
+            "  zygote + worker CPU per child, on vs off",
+            per_child("on", "zyg_user") + per_child("on", "zyg_sys"),
+            "s",
+            per_child("off", "zyg_user") + per_child("off", "zyg_sys"),
+        ),
+        Row(
+            BENCH,
+            "  supervisor CPU per child, on vs off",
+            per_child("on", "sup_user") + per_child("on", "sup_sys"),
+            "s",
+            per_child("off", "sup_user") + per_child("off", "sup_sys"),
         ),
         Row(
             BENCH,

@@ -177,6 +177,7 @@ def main() -> None:
         f"(runs: {', '.join(f'{x * US:.1f}' for x in batched)})"
     )
     print(f"  supervisor CPU                           {median(batched_cpu) * US:8.3f} us/call")
+
     def us(x: float) -> float:
         return round(x * US, 3)
 

@@ -25,6 +25,8 @@ BENCHMARKS = (
     "bench_journal",
     "bench_resume",
     "bench_flow",
+    "bench_gateway",
+    "bench_confine",
 )
 TIMEOUT_S = 300.0  # each is meant to take under a minute; this only stops a hung one
 

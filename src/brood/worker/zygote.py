@@ -220,12 +220,19 @@ class Zygote:
                 self.cgroups_done.discard(pid)
                 self.cgroups.discard(pid)
 
-    def kill_strays(self) -> None:
-        """Kill every child that is not a live worker: a process model code started,
-        reparented here because its worker (and so its run) is gone. It is our child, so
-        its pid cannot be reused before we reap it."""
+    def kill_strays(self, everything: bool = False) -> None:
+        """Kill every child that is not a live worker and left its worker's process group
+        (setsid): a process model code started, reparented here because its worker (and so
+        its run) is gone. One still in its worker's group is left to the escalation, which
+        signals the group (SIGTERM first); `everything` kills those too. It is our child,
+        so its pid cannot be reused before we reap it."""
         for pid in children():
             stray = pid not in self.groups or pid in self.reaped
+            if stray and not everything:
+                try:
+                    stray = os.getpgid(pid) not in self.groups
+                except OSError:
+                    stray = False  # already gone
             if stray and pid not in self.strays:
                 self.strays.add(pid)
                 try:
@@ -246,7 +253,7 @@ class Zygote:
                     pass
         self.groups.clear()
         while True:
-            self.kill_strays()  # workers' orphans land here as the workers die
+            self.kill_strays(everything=True)  # workers' orphans land here as they die
             try:
                 os.waitpid(-1, 0)
             except ChildProcessError:
