@@ -133,10 +133,11 @@ def test_worker_side_modules_import_nothing_of_the_supervisor_side() -> None:
     assert not bad
 
 
-def test_worker_side_modules_do_not_reach_the_supervisor_side_through_others() -> None:
-    """Follow brood imports from the worker side (not through the package __init__)."""
+def reachable(modules: list[str]) -> set[str]:
+    """Every brood module `modules` import, transitively (not through the package
+    __init__, which re-exports the API)."""
     seen: set[str] = set()
-    todo = [module_name(p) for p in worker_side_files()]
+    todo = list(modules)
     while todo:
         name = todo.pop()
         if name in seen or name == "brood":
@@ -145,10 +146,23 @@ def test_worker_side_modules_do_not_reach_the_supervisor_side_through_others() -
         rel = Path(*name.split("."))
         for candidate in (SRC.parent / rel.with_suffix(".py"), SRC.parent / rel / "__init__.py"):
             if candidate.exists():
-                assert not forbidden(name), f"the worker side reaches {name}"
                 todo += [m for m in imports_of(candidate) if m.startswith("brood")]
                 break
+    return seen
+
+
+def test_worker_side_modules_do_not_reach_the_supervisor_side_through_others() -> None:
+    seen = reachable([module_name(p) for p in worker_side_files()])
+    assert not [name for name in seen if forbidden(name)]
     assert "brood.protocol" in seen
+
+
+def test_workers_never_import_models() -> None:
+    """Model objects, clients and credentials stay in the supervisor (its model gateway):
+    no worker module reaches brood.models, directly or through another module."""
+    seen = reachable([module_name(p) for p in sorted((SRC / "worker").glob("*.py"))])
+    assert not [name for name in seen if name.startswith("brood.models")]
+    assert "brood.worker.confine" in seen
 
 
 def test_the_import_parser_sees_relative_and_nested_imports() -> None:
