@@ -10,7 +10,9 @@ in alternating order, so drift of the machine falls on both alike. Confine off i
            time.time() inside model code). Target: median on <= 1.2x off.
   fan-out  a root starts 200 children at once with rlm_query_batched and collects their
            answers (max_concurrency=16), timed inside its own code. Target: median on
-           <= 1.2x off.
+           <= 1.2x off. CPU per child is split as in bench_fanout: this process (loop,
+           journal) and the zygote with every worker it forked and reaped (where the
+           confinement itself is paid), user and system time.
   memory   USS of warm idle workers in each supervisor's pool, once every worker has
            confined itself and started its reader thread, before and after the runs. The
            design target for an idle worker is under 12 MiB; the on/off ratio is reported.

@@ -359,7 +359,7 @@ def test_any_bytes_from_a_worker_decode_or_raise_protocol_error_only(body: bytes
         st.sampled_from(["type", "req_id", "prompts", "kind", "messages", "op", "step", "x"]),
         st.one_of(
             st.sampled_from([t.__name__ for t in WORKER_TYPES] + ["Start", "CtlCancel"]),
-            st.integers(),
+            st.integers(min_value=-(2**63), max_value=2**64 - 1),
             st.floats(),
             st.text(max_size=20),
             st.lists(st.text(max_size=5), max_size=3),
