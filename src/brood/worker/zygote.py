@@ -319,6 +319,8 @@ def main() -> None:
     ctrl = socket.socket(fileno=fd)
     ctrl.setblocking(True)
     zygote = Zygote(ctrl, scratch_root, policy)
+    if policy.confine:
+        confine.default_read_paths()  # computed once here, not again in every worker
     gc.collect()
     gc.freeze()  # forked workers then share this heap instead of copying it on first GC
     zygote.serve()
