@@ -919,23 +919,23 @@ BETA_STEPS = [("print('beta here')\nFINAL('B')", "beta here\n")]
 
 def _tree_script(calls_dir: Path) -> dict[str, list[Any]]:
     """The tree: a root starts two children in one batch; one of them asks a plain model.
-    Every reply records the messages the model received, per worker process."""
+    Every reply records the messages the model received, per run (alpha asks gamma)."""
 
-    def said(text: str) -> Any:
+    def said(text: str, run: str) -> Any:
         folder = str(calls_dir)
 
         def reply(messages: list[dict[str, Any]]) -> str:
-            with open(os.path.join(folder, f"{os.getpid()}.jsonl"), "a") as f:
+            with open(os.path.join(folder, f"{run}.jsonl"), "a") as f:
                 f.write(json.dumps({"messages": messages, "reply": text}) + "\n")
             return text
 
         return reply
 
     return {
-        "TASK-ROOT": [said(repl(code)) for code, _ in ROOT_STEPS],
-        "TASK-ALPHA": [said(repl(code)) for code, _ in ALPHA_STEPS],
-        "TASK-BETA": [said(repl(code)) for code, _ in BETA_STEPS],
-        "TASK-GAMMA": [said("hi")],
+        "TASK-ROOT": [said(repl(code), "root") for code, _ in ROOT_STEPS],
+        "TASK-ALPHA": [said(repl(code), "alpha") for code, _ in ALPHA_STEPS],
+        "TASK-BETA": [said(repl(code), "beta") for code, _ in BETA_STEPS],
+        "TASK-GAMMA": [said("hi", "alpha")],
     }
 
 
@@ -1014,19 +1014,19 @@ def test_a_real_tree_is_reproduced_exactly_from_the_journal(target: Target, tmp_
         assert sorted(journal.run(root["id"])["children"]) == sorted([alpha["id"], beta["id"]])
         assert journal.roots()[0]["id"] == root["id"] and journal.roots()[0]["runs"] == 3
 
-        # What each worker's model received, in order, against what the export says.
-        received: dict[int, list[dict[str, Any]]] = {}
+        # What the model received for each run, in order, against what the export says.
+        received: dict[str, list[dict[str, Any]]] = {}
         for path in glob.glob(str(calls_dir / "*.jsonl")):
             with open(path) as f:
-                received[int(Path(path).stem)] = [json.loads(line) for line in f]
-        pid_of = {r["id"]: r["pid"] for r in runs.values()}
-        assert set(received) == set(pid_of.values())
+                received[Path(path).stem] = [json.loads(line) for line in f]
+        name_of = {r["id"]: name for name, r in runs.items()}
+        assert set(received) == set(runs)
         exported: dict[str, list[dict[str, Any]]] = {}
         for rec in journal.export(root["id"]):
             exported.setdefault(rec["run_id"], []).append(rec)
-        assert set(exported) == set(pid_of)
+        assert set(exported) == set(name_of)
         for run_id, records in exported.items():
-            calls = received[pid_of[run_id]]
+            calls = received[name_of[run_id]]
             assert [r["messages"] for r in records] == [c["messages"] for c in calls]
             assert [r["response"] for r in records] == [c["reply"] for c in calls]
             assert all(r["usage"] == {"input_tokens": 7, "output_tokens": 3} for r in records)
