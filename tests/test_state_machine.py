@@ -35,6 +35,7 @@ announcement the machine waits for is sure to come), follow-up messages and budg
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import os
 import select
@@ -245,7 +246,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         # and the checks after close read the journal.
         return brood.Supervisor(
             make_chat_fn(self.dir),
-            limits=LIMITS,
+            # Model code writes what the machine must check into the machine's folder.
+            limits=dataclasses.replace(LIMITS, fs_write=(self.dir,)),
             store=f"sqlite:///{self.db}",
             on_start=self.starts.append,
             on_end=self.ends.append,
