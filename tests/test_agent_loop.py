@@ -266,3 +266,34 @@ def test_step_errors_are_reported_and_the_namespace_survives():
         assert obs.done and obs.answer == "5"
         with pytest.raises(brood.BroodError, match="the episode has ended"):
             env.step("print(1)")
+
+
+def test_a_model_that_cannot_be_pickled_serves_every_run():
+    """The gateway calls the model in the supervisor: it need not pickle, and its state
+    (here a lock and a count) is one object shared by every run of the tree."""
+    import threading
+
+    import cloudpickle
+
+    class Counting:
+        def __init__(self) -> None:
+            self.lock = threading.Lock()  # not picklable
+            self.calls = 0
+
+        def __call__(self, messages: list[dict]) -> str:
+            with self.lock:
+                self.calls += 1
+            task = messages[-1]["content"]
+            if task == "plain":
+                return "plain answer"
+            if task.startswith("child task"):
+                return repl("FINAL('from child')")
+            return repl("FINAL(rlm_query('child task') + ' ' + llm_query('plain'))")
+
+    chat = Counting()
+    with pytest.raises(TypeError, match="lock"):
+        cloudpickle.dumps(chat)
+    with brood.Supervisor(chat, limits=FAST) as sup:
+        result = sup.run("root task")
+    assert (result.state, result.answer) == ("completed", "from child plain answer")
+    assert chat.calls == 3
