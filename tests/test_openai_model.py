@@ -13,8 +13,8 @@ import pytest
 
 import brood
 from brood.testing import leftover_processes
-from tests.util import SHARED as FAST
 from fake_openai import FakeOpenAI, Reply
+from tests.util import SHARED as FAST
 
 MODEL = "fake-model"
 SAY_HI = "```repl\nFINAL(llm_query('say hi'))\n```"
