@@ -11,11 +11,30 @@ import pytest
 from brood.errors import BroodError, InvalidArgument, LimitExceeded
 from brood.limits import Limits
 
-FIELDS = [f.name for f in dataclasses.fields(Limits)]
-OPTIONAL = {"child_timeout", "step_timeout", "token_budget", "cost_budget"}
+FLAGS = {"confine", "network", "read_only"}
+PATHS = {"fs_read", "fs_write"}
+# The numeric fields: the tests below go through each of them.
+FIELDS = [
+    f.name
+    for f in dataclasses.fields(Limits)
+    if f.name not in FLAGS | PATHS | {"blocked_builtins"}
+]
+WORKER = {
+    "worker_memory",
+    "worker_cpu_seconds",
+    "worker_processes",
+    "worker_file_size",
+    "worker_open_files",
+}
+OPTIONAL = {"child_timeout", "step_timeout", "token_budget", "cost_budget"} | WORKER
 AT_LEAST_ONE = {"max_depth", "max_concurrency", "max_iterations"}
 POSITIVE = {"child_timeout", "step_timeout"}  # 0 s would mean "already expired"
-FLOOR = {name: 1 for name in AT_LEAST_ONE} | {"output_limit": 100}
+FLOOR = (
+    {name: 1 for name in AT_LEAST_ONE}
+    | {"output_limit": 100, "answer_limit": 100}
+    | {"worker_memory": 64 * 2**20, "worker_cpu_seconds": 1, "worker_processes": 1}
+    | {"worker_file_size": 1, "worker_open_files": 16}
+)
 INT_FIELDS = {
     "max_depth",
     "max_children",
@@ -24,12 +43,13 @@ INT_FIELDS = {
     "max_iterations",
     "token_budget",
     "output_limit",
-}
+    "answer_limit",
+} | WORKER
 
 
 def test_defaults_are_valid_and_round_trip_through_to_dict() -> None:
     limits = Limits()
-    assert set(limits.to_dict()) == set(FIELDS)
+    assert set(limits.to_dict()) == set(FIELDS) | FLAGS | PATHS | {"blocked_builtins"}
     assert Limits(**limits.to_dict()) == limits
     custom = Limits(max_depth=2, max_children=64, max_concurrency=8, child_timeout=None)
     assert Limits(**custom.to_dict()) == custom
@@ -64,6 +84,41 @@ def test_a_negative_value_is_refused_naming_the_field_and_floor(name: str) -> No
     floor = FLOOR.get(name, 0)
     with pytest.raises(InvalidArgument, match=rf"Limits\.{name} must be >= {floor}, got -1"):
         Limits(**{name: -1})
+
+
+@pytest.mark.parametrize("name", sorted(FLAGS))
+@pytest.mark.parametrize("bad", [0, "yes", None])
+def test_a_flag_must_be_true_or_false(name: str, bad: object) -> None:
+    with pytest.raises(InvalidArgument, match=rf"Limits\.{name} must be True or False"):
+        Limits(**{name: bad})
+
+
+@pytest.mark.parametrize("name", sorted(PATHS))
+def test_paths_are_a_list_made_absolute_and_a_bad_one_is_refused(name: str) -> None:
+    import os
+
+    assert getattr(Limits(**{name: ["data", "/srv"]}), name) == (
+        os.path.abspath("data"),
+        "/srv",
+    )
+    assert getattr(Limits(**{name: "/srv"}), name) == ("/srv",)
+    with pytest.raises(InvalidArgument, match=rf"Limits\.{name} must be a list of paths"):
+        Limits(**{name: [3]})
+
+
+def test_blocked_builtins_take_names_or_the_pi_rlm_preset() -> None:
+    assert Limits(blocked_builtins="pi-rlm").blocked_builtins == (
+        "eval",
+        "exec",
+        "compile",
+        "globals",
+        "locals",
+    )
+    assert Limits(blocked_builtins=["open"]).blocked_builtins == ("open",)
+    with pytest.raises(InvalidArgument, match="preset 'strict' is unknown"):
+        Limits(blocked_builtins="strict")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="list of builtin names"):
+        Limits(blocked_builtins=["not a name"])
 
 
 @pytest.mark.parametrize("name", sorted(POSITIVE))

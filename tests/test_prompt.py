@@ -131,7 +131,6 @@ def test_the_first_message_has_the_task_the_context_and_parent_messages() -> Non
         depth=1,
         prompt="Count the sightings",
         context=None,
-        model=b"",
         limits={},
         messages=["hurry"],
     )
