@@ -15,9 +15,7 @@ FLAGS = {"confine", "network", "read_only"}
 PATHS = {"fs_read", "fs_write"}
 # The numeric fields: the tests below go through each of them.
 FIELDS = [
-    f.name
-    for f in dataclasses.fields(Limits)
-    if f.name not in FLAGS | PATHS | {"blocked_builtins"}
+    f.name for f in dataclasses.fields(Limits) if f.name not in FLAGS | PATHS | {"blocked_builtins"}
 ]
 WORKER = {
     "worker_memory",
