@@ -10,6 +10,7 @@ import os
 import resource
 import signal
 import socket
+import sys
 import sysconfig
 import threading
 import time
@@ -361,8 +362,10 @@ def test_default_read_paths() -> None:
     assert any(STDLIB_FILE.startswith(p + "/") for p in map(os.path.realpath, paths))
     for forbidden in ("/proc", "/tmp", "/etc/passwd", "/etc/shadow", "/", os.getcwd()):
         assert forbidden not in paths
-    package_root = str(Path(brood.__file__).resolve().parent.parent)
-    others = [p for p in paths if p != package_root]  # a checkout may live anywhere
+    # A checkout and its venv may live anywhere, /tmp included; nothing else may.
+    anywhere = {str(Path(brood.__file__).resolve().parent.parent)}
+    anywhere |= {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    others = [p for p in paths if not any(p == a or p.startswith(a + "/") for a in anywhere)]
     assert not any(p.startswith(("/proc", "/tmp")) for p in others), paths
 
 
