@@ -548,6 +548,32 @@ def test_17_forged_value(store, forged):
         still_serves(sup, store, result.run_id)
 
 
+def test_17b_repeated_unblocks_do_not_take_more_slots(store, tmp_path):
+    # A worker gives up its compute slot, then asks for it back 50 times while another
+    # run holds the only one (valid frames, hostile use), then ends. None of its queued
+    # asks may take the slot later, or the supervisor would never start anything again.
+    go, other_go = Gate(tmp_path, "go"), Gate(tmp_path, "other")
+    with sup_of(store, limits(max_concurrency=1, fs_write=[str(tmp_path)])) as sup:
+        code = (
+            CHANNEL
+            + go.wait_code
+            + "\nframe({'type': 'Blocked', 'req_id': 0, 'blocked': True})\n"
+            + "for i in range(50):\n"
+            + "    frame({'type': 'Blocked', 'req_id': 10**6 + i, 'blocked': False})\n"
+            + "FINAL('asked 50 times')"
+        )
+        attacker = sup.spawn(task(code))
+        other = sup.spawn(task(other_go.wait_code + "\nR['ok'] = 1"))
+        go.open()  # the other run is queued behind the attacker by now
+        assert attacker.wait_result(timeout=60).state == "completed"
+        other_go.open()
+        assert other.wait_result(timeout=60).state == "completed"
+        after = sup.spawn(task("R['after'] = 1")).wait_result(timeout=60)
+        assert after.state == "completed", after
+        assert sup.statistics()["free_slots"] == 1
+        still_serves(sup, store, attacker.id, other.id)
+
+
 def test_18_oversized_frame(store):
     with sup_of(store) as sup:
         code = CHANNEL + "raw(struct.pack('>I', 2**30) + b'abcd')\nFINAL('oversized accepted')"

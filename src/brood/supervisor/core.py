@@ -404,6 +404,11 @@ class Core:
                 run, fut = self.resume_queue.popleft()
                 if fut.done():
                     continue
+                # Asked twice (a worker's frames are not trusted), or ended while it
+                # waited: it takes no slot, or the slot would never come back.
+                if run.holds_slot or run.ending is not None or run.rec.state.terminal:
+                    fut.set_result(None)
+                    continue
                 run.holds_slot = True
                 self.free_slots -= 1
                 fut.set_result(None)
