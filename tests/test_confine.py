@@ -59,6 +59,20 @@ class Outcome(msgspec.Struct):
     message: str = ""
 
 
+def _attempt(confine: Callable[[], object], action: Callable[[], Any]) -> Outcome:
+    """Confine this (forked) process, then try `action`; what happened, as an Outcome."""
+    try:
+        confine()
+        return Outcome(ok=True, value=action())
+    except BaseException as exc:
+        return Outcome(
+            ok=False,
+            error=type(exc).__name__,
+            errno=getattr(exc, "errno", None),
+            message=str(exc),
+        )
+
+
 def _report(fd: int, outcome: Outcome) -> None:
     data = msgspec.json.encode(outcome)
     while data:
@@ -79,18 +93,7 @@ def run_child(
         code = 0
         try:
             os.close(r)
-            try:
-                if policy is not None:
-                    apply(policy, support)
-                outcome = Outcome(ok=True, value=action())
-            except BaseException as exc:
-                outcome = Outcome(
-                    ok=False,
-                    error=type(exc).__name__,
-                    errno=getattr(exc, "errno", None),
-                    message=str(exc),
-                )
-            _report(w, outcome)
+            _report(w, _attempt(lambda: apply(policy, support) if policy else None, action))
         except BaseException:
             code = 70
         finally:
@@ -449,18 +452,12 @@ def start_in_cgroup(parent: str, policy: Policy, action: Callable[[], Any]) -> t
     if pid == 0:  # pragma: no cover - child
         try:
             os.close(r)
-            try:
+
+            def confine() -> None:
                 cgroup_enter(parent, os.getpid(), policy, SUPPORT)
                 apply(policy, SUPPORT)
-                outcome = Outcome(ok=True, value=action())
-            except BaseException as exc:
-                outcome = Outcome(
-                    ok=False,
-                    error=type(exc).__name__,
-                    errno=getattr(exc, "errno", None),
-                    message=str(exc),
-                )
-            _report(w, outcome)
+
+            _report(w, _attempt(confine, action))
             os.write(w, b"\n")
             os.close(w)
             while True:

@@ -669,38 +669,33 @@ def test_20b_token_budget_holds_whatever_the_code_does(store):
 
 
 # ---- 21-27: processes and resources ---------------------------------------------------------
-def test_21a_setsid_double_fork_with_empty_env_is_gone(store):
-    with sup_of(store) as sup:
-        code = (
-            "import subprocess\n"
-            "p = subprocess.Popen(['/bin/sh', '-c', \"setsid sh -c 'sleep 1000 & echo $!'\"], "
-            "env={}, stdout=subprocess.PIPE, text=True)\n"
-            "FINAL(p.stdout.readline().strip())"
-        )
-        result = sup.run(task(code))
-        assert result.state == "completed", result
-        escaped = int(result.answer)
-        assert not pid_alive(escaped)
-        still_serves(sup, store, result.run_id)
-    assert not pid_alive(escaped)
+ESCAPES = {
+    "shell-setsid-empty-env": (
+        "import subprocess\n"
+        "p = subprocess.Popen(['/bin/sh', '-c', \"setsid sh -c 'sleep 1000 & echo $!'\"], "
+        "env={}, stdout=subprocess.PIPE, text=True)\n"
+        "FINAL(p.stdout.readline().strip())"
+    ),
+    "python-double-fork-setsid": (
+        "import os, signal\nr, w = os.pipe()\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        "        os.write(w, str(os.getpid()).encode())\n"
+        "        os.close(w)\n"
+        "        while True:\n            signal.pause()\n"
+        "    os._exit(0)\n"
+        "os.close(w)\nFINAL(os.read(r, 32).decode())"
+    ),
+}
 
 
-def test_21b_python_double_fork_setsid_is_gone(store):
+@pytest.mark.parametrize("code", list(ESCAPES.values()), ids=list(ESCAPES))
+def test_21_a_process_that_left_its_worker_is_gone_with_the_run(store, code):
     with sup_of(store) as sup:
-        code = (
-            "import os, signal\nr, w = os.pipe()\n"
-            "if os.fork() == 0:\n"
-            "    os.setsid()\n"
-            "    if os.fork() == 0:\n"
-            "        os.write(w, str(os.getpid()).encode())\n"
-            "        os.close(w)\n"
-            "        while True:\n            signal.pause()\n"
-            "    os._exit(0)\n"
-            "os.close(w)\nFINAL(os.read(r, 32).decode())"
-        )
         result = sup.run(task(code))
         assert result.state == "completed", result
-        escaped = int(result.answer)
+        escaped = int(result.answer)  # its pid, which the code printed
         assert not pid_alive(escaped)
         still_serves(sup, store, result.run_id)
     assert not pid_alive(escaped)
