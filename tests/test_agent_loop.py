@@ -297,3 +297,34 @@ def test_a_model_that_cannot_be_pickled_serves_every_run():
         result = sup.run("root task")
     assert (result.state, result.answer) == ("completed", "from child plain answer")
     assert chat.calls == 3
+
+
+def test_a_step_error_a_worker_limit_causes_names_the_limit():
+    limits = fast(worker_memory=256 * 2**20, worker_file_size=10_000)
+    with brood.Session(brood.ScriptedModel([]), limits=limits) as env:
+        env.reset("limits")
+        obs = env.step("x = bytearray(1024 * 2**20)")
+        assert obs.error.startswith("MemoryError"), obs.error
+        assert f"Limits.worker_memory={256 * 2**20} bytes of address space" in obs.stderr
+        obs = env.step("open('big', 'wb').write(b'x' * 100_000)")
+        assert obs.error.startswith("OSError: [Errno 27]"), obs.error
+        assert "Limits.worker_file_size=10000 bytes per file" in obs.stderr
+        assert env.step("print('still here')").stdout == "still here\n"
+
+
+def test_a_worker_the_kernel_killed_at_its_memory_limit_says_so():
+    """The zygote reads the worker's cgroup OOM count at the reap (cgroup_oom_kills); the
+    reason names the limit. (Reaching the cgroup limit before RLIMIT_AS is not reliable to
+    provoke, so the reason is checked from what the zygote would report.)"""
+    import signal
+    from types import SimpleNamespace
+
+    from brood.supervisor.core import Core
+
+    core = SimpleNamespace(limits=fast(worker_memory=2**28))
+    reason = Core._exit_reason(core, -signal.SIGKILL, 0.1, 1)  # type: ignore[arg-type]
+    assert reason == (
+        "worker exited with signal 9: the kernel killed it at its memory limit, "
+        f"Limits.worker_memory={2**28}"
+    )
+    assert Core._exit_reason(core, -signal.SIGKILL, 0.1, 0) == "worker exited with signal 9"  # type: ignore[arg-type]

@@ -30,6 +30,7 @@ from brood.worker.confine import (
     apply,
     cgroup_enter,
     cgroup_kill,
+    cgroup_oom_kills,
     cgroup_parent,
     cgroup_remove,
     cgroup_remove_parent,
@@ -571,6 +572,27 @@ def test_cgroup_sets_the_memory_limit(scratch: Path, cgroup: str) -> None:
             assert pid in [int(p) for p in f.read().split()]
     finally:
         _kill_and_reap(cgroup, pid, [])
+
+
+def test_a_process_killed_at_the_cgroup_memory_limit_is_counted(scratch: Path, cgroup: str) -> None:
+    if not SUPPORT.cgroup_memory_dir:
+        pytest.skip(f"the memory controller is not used here: {SUPPORT.cgroup_error}")
+    policy = Policy(scratch=str(scratch), memory=64 << 20)
+    assert cgroup_oom_kills(cgroup, 1, SUPPORT) == 0  # no such worker: nothing counted
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child: the cgroup's limit only (no RLIMIT_AS)
+        try:
+            cgroup_enter(cgroup, os.getpid(), policy, SUPPORT)
+            chunks = [bytearray(16 << 20) for _ in range(32)]  # 512 MiB, touched
+            os._exit(len(chunks) and 3)
+        finally:
+            os._exit(70)
+    _, status = os.waitpid(pid, 0)
+    try:
+        assert os.waitstatus_to_exitcode(status) == -signal.SIGKILL
+        assert cgroup_oom_kills(cgroup, pid, SUPPORT) >= 1
+    finally:
+        assert cgroup_remove(cgroup, pid, SUPPORT)  # reaped above: its cgroup is empty
 
 
 def test_cgroup_enter_failure_raises(scratch: Path, cgroup: str) -> None:

@@ -45,6 +45,7 @@ class Exited(Msg):
     status: int
     group_empty: bool = False
     cpu: float = 0.0  # seconds of CPU the worker used (user + system), from wait4
+    oom_kills: int = 0  # processes of its cgroup the kernel killed at its memory limit
 
 
 class GroupGone(Msg):

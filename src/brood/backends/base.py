@@ -26,6 +26,7 @@ class WorkerConn:
         self.handler: Callable[[Msg], None] | None = None
         self.early: list[Msg] = []  # sent before a run was attached (a confinement failure)
         self.cpu = 0.0  # CPU seconds the worker used, known once it is reaped
+        self.oom_kills = 0  # processes the kernel killed at its memory limit (its cgroup)
         self.on_exit: Callable[[int], object] | None = None
         loop = asyncio.get_running_loop()
         self.exited: asyncio.Future[int] = loop.create_future()

@@ -213,7 +213,7 @@ class LocalBackend:
                 if conn is None:
                     self._early_exit[msg.pid] = msg.status
                 else:
-                    conn.cpu = msg.cpu
+                    conn.cpu, conn.oom_kills = msg.cpu, msg.oom_kills
                     if msg.group_empty:
                         conn.gone.set()
                     conn.mark_exited(msg.status)

@@ -784,12 +784,18 @@ class Core:
             await asyncio.sleep(0)
         if run.ending is not None or run.rec.state.terminal:
             return
-        used = run.conn.cpu if run.conn is not None else 0.0
-        await self.finish(run, RunState.FAILED, self._exit_reason(status, used))
+        conn = run.conn
+        used, oom = (conn.cpu, conn.oom_kills) if conn is not None else (0.0, 0)
+        await self.finish(run, RunState.FAILED, self._exit_reason(status, used, oom))
 
-    def _exit_reason(self, status: int, cpu_used: float) -> str:
+    def _exit_reason(self, status: int, cpu_used: float, oom_kills: int = 0) -> str:
         """Why a worker died, naming the limit when a limit killed it."""
         how = f"signal {-status}" if status < 0 else f"status {status}"
+        if status == -signal.SIGKILL and oom_kills:
+            return (
+                f"worker exited with {how}: the kernel killed it at its memory limit, "
+                f"Limits.worker_memory={self.limits.worker_memory}"
+            )
         cpu = self.limits.worker_cpu_seconds
         # RLIMIT_CPU sends SIGXCPU at the limit (nothing else sends it to a worker) and
         # SIGKILL a second later if that was ignored; for SIGKILL, the CPU time the zygote

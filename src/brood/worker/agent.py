@@ -25,6 +25,27 @@ ANSWER_NOW = (
 )
 
 
+# A step error that a worker limit causes, and the limit to name: (error prefix, field, unit).
+LIMIT_ERRORS = (
+    ("MemoryError", "worker_memory", "bytes of address space"),
+    ("OSError: [Errno 27]", "worker_file_size", "bytes per file"),  # EFBIG
+    ("OSError: [Errno 24]", "worker_open_files", "open files"),  # EMFILE
+    ("BlockingIOError: [Errno 11]", "worker_processes", "processes (and threads, +32)"),
+)
+
+
+def limit_hint(error: str, limits: dict[str, Any]) -> str | None:
+    """A note naming the worker limit a step's error may come from, with its value."""
+    for prefix, field, unit in LIMIT_ERRORS:
+        value = limits.get(field)
+        if error.startswith(prefix) and value is not None:
+            return (
+                f"note: this worker is limited to Limits.{field}={value} {unit}; "
+                "do the work in smaller pieces"
+            )
+    return None
+
+
 @dataclass
 class Blocks:
     code: list[str]
@@ -77,6 +98,8 @@ class Agent:
             code, self.limits.get("step_timeout"), max(CAPTURE_LIMIT, CAPTURE_PER_SHOWN * shown)
         )
         stderr = out.stderr
+        if out.error and (hint := limit_hint(out.error, self.limits)):
+            stderr += hint + "\n"
         if self.rt.notes:
             stderr += "".join(n + "\n" for n in self.rt.notes)
             self.rt.notes.clear()

@@ -40,6 +40,7 @@ __all__ = [
     "apply",
     "cgroup_enter",
     "cgroup_kill",
+    "cgroup_oom_kills",
     "cgroup_parent",
     "cgroup_remove",
     "cgroup_remove_parent",
@@ -900,6 +901,30 @@ def cgroup_enter(parent: str, pid: int, policy: Policy, support: Support | None 
         _write(os.path.join(leaf, "cgroup.procs"), str(pid))
     except OSError as exc:
         raise ConfinementError(f"confinement: cgroup: {_why(step, exc, support)}") from exc
+
+
+def cgroup_oom_kills(parent: str, pid: int, support: Support | None = None) -> int:
+    """How many processes the kernel killed in worker `pid`'s cgroup for passing its memory
+    limit (0 when unknown): read at the worker's reap, so its end can name the limit."""
+    support = probe() if support is None else support
+    if not support.cgroup_memory_dir:
+        return 0
+    if support.cgroup == "v2":
+        path = os.path.join(parent, str(pid), "memory.events")
+    else:
+        mem_parent = _memory_leaf_parent(parent, support)
+        if mem_parent is None:
+            return 0
+        path = os.path.join(mem_parent, str(pid), "memory.oom_control")
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def _kill_listed(leaf: str, pids: list[int]) -> None:

@@ -185,7 +185,12 @@ class Zygote:
                 else:
                     self.reaped.add(pid)
                 cpu = usage.ru_utime + usage.ru_stime
-                self.send(Exited(pid, os.waitstatus_to_exitcode(status), empty, cpu))
+                oom = (
+                    confine.cgroup_oom_kills(self.cgroup, pid, self.support)
+                    if (self.cgroup is not None and pid in self.cgroups)
+                    else 0
+                )
+                self.send(Exited(pid, os.waitstatus_to_exitcode(status), empty, cpu, oom))
             else:
                 self.strays.discard(pid)
         self.kill_strays()
