@@ -1029,6 +1029,27 @@ transitions: [{from: draft, to: again}]
     assert again.retries == 2 and again.prompt == "go" and not again.entry
 
 
+def test_a_yaml_alias_bomb_is_refused_before_it_expands(tmp_path: Path) -> None:
+    # 425 bytes whose aliases, nested eight deep, would expand to 9**9 values.
+    lines = ['a0: &a0 ["x","x","x","x","x","x","x","x","x"]']
+    lines += [f"a{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 9)]
+    bomb = "\n".join([*lines, "states: *a8"])
+    path = tmp_path / "bomb.yaml"
+    path.write_text(bomb)
+    for source in (bomb, path):
+        with pytest.raises(InvalidSpec, match="expands to over 100,000 values"):
+            load_spec(source)
+
+
+def test_a_spec_over_the_size_bound_is_refused_unread(tmp_path: Path) -> None:
+    big = "# padding\n" * 200_000 + "states: []\n"
+    path = tmp_path / "big.yaml"
+    path.write_text(big)
+    for source in (big, path):
+        with pytest.raises(InvalidSpec, match=r"over the 1,048,576-byte bound of a spec"):
+            load_spec(source)
+
+
 def test_a_json_output_is_the_last_block_labelled_with_its_name() -> None:
     assert read_output(ANSWER, "verdict", "json") == {"ok": True, "score": 7}
     assert read_output("```verdict\n[1, 2]\n```", "verdict", "json") == [1, 2]

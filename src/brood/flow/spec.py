@@ -423,10 +423,43 @@ class Machine:
 # ---- loading -------------------------------------------------------------------------------
 
 
+MAX_SPEC_BYTES: Final = 1 << 20  # a spec's text; a real one is a few KB
+# Nodes of a spec once its YAML aliases are expanded: aliases nested a few levels deep
+# (an "alias bomb" of a few hundred bytes) would otherwise expand to billions.
+MAX_SPEC_NODES: Final = 100_000
+
+
 class _SpecLoader(yaml.SafeLoader):
     """PyYAML's safe loader made closer to JSON and YAML 1.2: only true/false are booleans,
     timestamps stay strings, and a key given twice in one mapping is an error (PyYAML would
-    silently keep the last)."""
+    silently keep the last). Aliases are counted as what they expand to, and a document
+    that would expand past MAX_SPEC_NODES is refused before anything is built from it."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self._sizes: dict[int, int] = {}  # id(node) -> its size once aliases are expanded
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        node = super().compose_node(parent, index)
+        if id(node) in self._sizes:  # an alias: the same node again
+            return node
+        if isinstance(node, yaml.SequenceNode):
+            children = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        else:
+            children = []
+        size = 1 + sum(self._sizes.get(id(child), 1) for child in children)
+        if size > MAX_SPEC_NODES:
+            raise yaml.composer.ComposerError(
+                None,
+                None,
+                f"the document expands to over {MAX_SPEC_NODES:,} values (YAML aliases "
+                "repeat what they name); write the spec out, or make it smaller",
+                node.start_mark,
+            )
+        self._sizes[id(node)] = size
+        return node
 
     def construct_mapping(self, node: Any, deep: bool = False) -> Any:
         seen: set[str] = set()
@@ -491,6 +524,7 @@ def _read_source(source: str | Path | Mapping[str, Any]) -> tuple[str, Any]:
     if isinstance(source, Mapping):
         return "(dict)", source
     if isinstance(source, str) and not _looks_like_path(source):
+        _check_size(len(source.encode()), "(text)")
         return "(text)", _parse_json_or_yaml(source, "(text)", "fix the syntax")
     if not isinstance(source, str | Path):
         raise InvalidSpec(
@@ -499,6 +533,7 @@ def _read_source(source: str | Path | Mapping[str, Any]) -> tuple[str, Any]:
     path = Path(source)
     label = str(source)
     try:
+        _check_size(path.stat().st_size, label)
         raw = path.read_bytes()
     except FileNotFoundError:
         raise InvalidSpec(f"invalid flow spec {label}: no such file") from None
@@ -523,6 +558,15 @@ def _read_source(source: str | Path | Mapping[str, Any]) -> tuple[str, Any]:
         kind = "JSON" if suffix == ".json" else "YAML"
         raise InvalidSpec(f"invalid flow spec {label}: not valid {kind}: {exc}") from None
     return label, _parse_json_or_yaml(text, label, "a spec is a .yaml, .yml or .json file")
+
+
+def _check_size(size: int, label: str) -> None:
+    if size > MAX_SPEC_BYTES:
+        raise InvalidSpec(
+            f"invalid flow spec {label}: {size:,} bytes, over the {MAX_SPEC_BYTES:,}-byte "
+            "bound of a spec; a spec describes states, it does not carry data (pass data as "
+            "inputs)"
+        )
 
 
 def _parse_json_or_yaml(text: str, label: str, fix: str) -> Any:
