@@ -328,3 +328,11 @@ def test_a_worker_the_kernel_killed_at_its_memory_limit_says_so():
         f"Limits.worker_memory={2**28}"
     )
     assert Core._exit_reason(core, -signal.SIGKILL, 0.1, 0) == "worker exited with signal 9"  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [-1, 0, float("nan"), float("inf"), "soon", True])
+def test_a_root_timeout_that_is_no_duration_is_refused_naming_it(bad):
+    with brood.Supervisor(brood.ScriptedModel([]), limits=FAST) as sup:
+        with pytest.raises(brood.InvalidArgument, match="timeout must be a number of seconds"):
+            sup.spawn("task", timeout=bad)
+        assert sup.statistics()["runs"] == {}

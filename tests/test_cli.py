@@ -79,3 +79,16 @@ def test_bad_input_gets_a_clear_error_and_exit_code_2(tmp_path):
     assert out.returncode == 2 and "no model" in out.stderr
     out = brood("run", "x", "--model", "openai:m", "--max-depth", "0", "--store", store)
     assert out.returncode == 2 and "max_depth must be >= 1" in out.stderr
+
+
+def test_a_binary_context_or_a_timeout_that_is_no_duration_is_refused(tmp_path):
+    store = f"sqlite:///{tmp_path}/j.db"
+    binary = tmp_path / "data.bin"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")
+    out = brood("run", "x", "--model", "scripted:demo", "--context", str(binary))
+    assert out.returncode == 2
+    assert f"--context {binary}: not UTF-8 text (byte 0)" in out.stderr
+    for bad in ("-1", "0", "nan", "inf"):
+        out = brood("run", "x", "--model", "scripted:demo", "--timeout", bad, "--store", store)
+        assert out.returncode == 2, (bad, out.stderr)
+        assert "timeout must be a number of seconds > 0" in out.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import socket
 from collections.abc import Callable, Iterable, Mapping
@@ -54,6 +55,20 @@ class RunResult(NamedTuple):
     answer: str | None
     error: str | None
     usage: dict[str, Any]
+
+
+def _check_timeout(timeout: object) -> None:
+    if timeout is None:
+        return
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or not math.isfinite(timeout)
+        or timeout <= 0
+    ):
+        raise InvalidArgument(
+            f"timeout must be a number of seconds > 0, or None for no limit; got {timeout!r}"
+        )
 
 
 def _context_blob(context: object) -> bytes | None:
@@ -150,9 +165,11 @@ class Supervisor:
         timeout: float | None = None,
         model: str | Callable[..., Any] | Model | None = None,
     ) -> RunHandle:
-        """Start a root run and return its handle at once."""
+        """Start a root run and return its handle at once. `timeout` is the root's
+        wall-clock seconds (a number > 0, or None for no limit)."""
         if self._closed:
             raise SupervisorClosed("the supervisor is closed; make a new one")
+        _check_timeout(timeout)
         run = self._loop.call(self._create(prompt, context, timeout, model, driven=False))
         return RunHandle(self, run)
 

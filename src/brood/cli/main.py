@@ -214,9 +214,14 @@ def run(
     text = None
     if context is not None:
         try:
-            text = context.read_text()
+            text = context.read_bytes().decode("utf-8")
         except OSError as exc:
             _fail(f"--context {context}: {exc.strerror}")
+        except UnicodeDecodeError as exc:
+            _fail(
+                f"--context {context}: not UTF-8 text (byte {exc.start}); `context` is text: "
+                "pass a text file, or decode the data first"
+            )
     given: dict[str, Any] = {
         "max_depth": max_depth,
         "max_children": max_children,
