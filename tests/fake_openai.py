@@ -46,6 +46,7 @@ class Reply:
     delay: float = 0.0
     finish_reason: str = "stop"
     headers: tuple[tuple[str, str], ...] = ()  # extra response headers, e.g. Retry-After
+    raw: bytes | None = None  # a 200 whose body is these bytes, not a chat completion
 
 
 @dataclass
@@ -216,6 +217,9 @@ class _Handler(BaseHTTPRequestHandler):
         if reply.status != 200:
             self._send(reply.status, _error_body(reply.error), reply.headers)
             return
+        if reply.raw is not None:
+            self._send(200, reply.raw)
+            return
         usage = {
             "prompt_tokens": reply.prompt_tokens,
             "completion_tokens": reply.completion_tokens,
@@ -242,9 +246,12 @@ class _Handler(BaseHTTPRequestHandler):
         )
 
     def _send(
-        self, status: int, payload: dict[str, Any], headers: tuple[tuple[str, str], ...] = ()
+        self,
+        status: int,
+        payload: dict[str, Any] | bytes,
+        headers: tuple[tuple[str, str], ...] = (),
     ) -> None:
-        data = json.dumps(payload).encode()
+        data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
         try:
             self.send_response(status)
             for name, value in headers:

@@ -83,3 +83,19 @@ def test_a_client_error_is_not_retried(tmp_path):
             result = sup.run("task")
         assert len(server.requests) == 1
     assert result.state == "failed" and "BadRequestError" in result.error
+
+
+def test_a_reply_that_is_not_a_chat_completion_is_retried_then_named(tmp_path):
+    garbage = Reply(raw=b"<html>gateway error</html>")
+    log = tmp_path / "sleeps"
+    with FakeOpenAI({"task": [garbage, FINAL_OK], "other": [garbage] * 2}) as server:
+        url = server.base_url
+        model = brood.OpenAIModel("m", base_url=url, max_retries=1, sleep=recording_sleep(log))
+        with brood.Supervisor(model, limits=FAST) as sup:
+            recovered = sup.run("task")
+            failed = sup.run("other")
+    assert recovered.answer == "ok"
+    assert waits(log) == [0.5, 0.5]  # each retried once, like a 5xx
+    assert failed.state == "failed"
+    assert f"model 'm' at {url}: JSONDecodeError after 2 tries" in failed.error
+    assert "the reply is not a chat completion" in failed.error

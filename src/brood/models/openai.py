@@ -84,8 +84,9 @@ class OpenAIModel(Model):
             where = self.base_url or os.environ.get("OPENAI_BASE_URL") or "the default OpenAI URL"
             tries = f" after {attempt + 1} tries" if attempt else ""
             cause = f" ({exc.__cause__})" if exc.__cause__ else ""
+            what = "the reply is not a chat completion: " if isinstance(exc, ValueError) else ""
             raise ModelError(
-                f"model {name!r} at {where}: {type(exc).__name__}{tries}: {exc}{cause}"
+                f"model {name!r} at {where}: {type(exc).__name__}{tries}: {what}{exc}{cause}"
             ) from exc
         return wait
 
@@ -99,7 +100,7 @@ class OpenAIModel(Model):
                     model=name, messages=messages, **self.create_kwargs
                 )
                 break
-            except openai.OpenAIError as exc:
+            except (openai.OpenAIError, ValueError) as exc:  # ValueError: an unreadable reply
                 self.sleep(self._failure(exc, attempt, name))
         return self._completion(resp, name)
 
@@ -117,7 +118,7 @@ class OpenAIModel(Model):
                     model=name, messages=messages, **self.create_kwargs
                 )
                 break
-            except openai.OpenAIError as exc:
+            except (openai.OpenAIError, ValueError) as exc:  # ValueError: an unreadable reply
                 wait = self._failure(exc, attempt, name)
                 if self.sleep is time.sleep:
                     await asyncio.sleep(wait)
@@ -147,8 +148,8 @@ def retry_wait(exc: Exception, attempt: int) -> float | None:
         asked = _retry_after(exc.response.headers)
         if asked is not None:
             return min(max(asked, 0.0), BACKOFF_MAX_S)
-    elif not isinstance(exc, openai.APIConnectionError):  # includes timeouts
-        return None
+    elif not isinstance(exc, openai.APIConnectionError | ValueError):
+        return None  # APIConnectionError includes timeouts; ValueError is an unreadable body
     return float(min(BACKOFF_FIRST_S * 2**attempt, BACKOFF_MAX_S))
 
 
