@@ -336,3 +336,46 @@ def test_a_root_timeout_that_is_no_duration_is_refused_naming_it(bad):
         with pytest.raises(brood.InvalidArgument, match="timeout must be a number of seconds"):
             sup.spawn("task", timeout=bad)
         assert sup.statistics()["runs"] == {}
+
+
+def test_a_token_budget_is_overshot_by_one_call_at_most_with_many_in_flight():
+    """16 plain calls run at once; the gateway admits a call only while the budget left
+    covers those in flight (each estimated by the largest call seen)."""
+
+    import threading
+
+    together = threading.Barrier(16)  # plain calls answer 16 at once where they can
+    lock = threading.Lock()
+
+    class Fifty(brood.Model):  # every call: 30 + 20 tokens
+        name = "fifty"
+
+        made = 0  # calls made, whether their usage was counted or abandoned
+        now = peak = 0
+
+        def complete(self, messages, model=None):
+            with lock:
+                Fifty.made += 1
+                Fifty.now += 1
+                Fifty.peak = max(Fifty.peak, Fifty.now)
+            if messages[-1]["content"] == "q":
+                try:
+                    together.wait(timeout=0.05)  # fewer in flight: each goes on alone
+                except threading.BrokenBarrierError:
+                    together.reset()
+                with lock:
+                    Fifty.now -= 1
+                return brood.Completion("a", input_tokens=30, output_tokens=20)
+            code = "for _ in range(100):\n    llm_query_batched(['q'] * 100)\nFINAL('unbounded')"
+            return brood.Completion(repl(code), input_tokens=30, output_tokens=20)
+
+    with brood.Supervisor(Fifty(), limits=fast(token_budget=4400)) as sup:
+        result = sup.run("spend")
+        tokens = sum(
+            r["usage"].get("input_tokens", 0) + r["usage"].get("output_tokens", 0)
+            for r in sup.store.runs(root_id=result.run_id)
+        )
+    assert (result.state, result.error) == ("cancelled", "budget: tokens")
+    assert 4400 < tokens <= 4400 + 50, tokens
+    # What was spent, not only what was counted: calls the cancel abandoned cost too.
+    assert Fifty.made <= 4400 // 50 + 1, Fifty.made

@@ -131,6 +131,12 @@ class Run:
     flows_started: int = 0  # flows its code started (their runs' keys: flow:N)
     prompts: set[str] = field(default_factory=set)  # roots only: system prompts journaled
     calls: set[asyncio.Task[Any]] = field(default_factory=set)  # model calls under way
+    # Roots only, for budgets: calls of the tree in flight, answered, and the largest.
+    calls_in_flight: int = 0
+    calls_seen: int = 0
+    largest_tokens: int = 0
+    largest_cost: float = 0.0
+    budget_waiters: list[asyncio.Future[None]] = field(default_factory=list)
 
     @property
     def launchable(self) -> bool:
@@ -603,6 +609,13 @@ class Core:
         task = asyncio.current_task()
         assert task is not None
         run.calls.add(task)
+        root = self.runs[run.rec.root_id]
+        try:
+            await self._budget_admits(root)
+        except BaseException:
+            run.calls.discard(task)  # ended while it waited: no call was made
+            raise
+        root.calls_in_flight += 1
         started = time.perf_counter()
         done: Completion | None = None
         error: str | None = None
@@ -622,6 +635,7 @@ class Core:
             ) from exc
         finally:
             run.calls.discard(task)
+            root.calls_in_flight -= 1
             self._account(
                 run,
                 kind=msg.kind,
@@ -631,6 +645,46 @@ class Core:
                 error=error,
                 request=msg.messages[msg.new_from :],
             )
+            waiting, root.budget_waiters = root.budget_waiters, []
+            for fut in waiting:  # the budget left and the calls in flight have changed
+                if not fut.done():
+                    fut.set_result(None)
+
+    async def _budget_admits(self, root: Run) -> None:
+        """Wait until the tree's budget left covers this call on top of those in flight,
+        each estimated by the largest call seen so far, so a budget is overshot by one call
+        at most, not by as many as run at once. Until a call has been seen, one at a time."""
+        while not self._budget_covers(root):
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            root.budget_waiters.append(fut)
+            await fut
+
+    def _budget_covers(self, root: Run) -> bool:
+        lim = self.limits
+        if lim.token_budget is None and lim.cost_budget is None:
+            return True
+        if self._over_budget(root, 0) or root.ending is not None:
+            return False  # spent: the tree is being cancelled, this call waits for that
+        if root.calls_in_flight == 0:
+            return True  # the one call a budget may be overshot by
+        if root.calls_seen == 0:
+            return False  # nothing to estimate by yet
+        return not self._over_budget(root, root.calls_in_flight + 1)
+
+    def _over_budget(self, root: Run, calls: int) -> str | None:
+        """Which budget the tree's usage breaks with `calls` more of its largest call."""
+        lim, t = self.limits, root.tree_usage
+        if (
+            lim.token_budget is not None
+            and t.get("tokens", 0) + calls * root.largest_tokens > lim.token_budget
+        ):
+            return "tokens"
+        if (
+            lim.cost_budget is not None
+            and t.get("cost", 0.0) + calls * root.largest_cost > lim.cost_budget
+        ):
+            return "cost"
+        return None
 
     def _account(
         self,
@@ -670,11 +724,11 @@ class Core:
         t = root.tree_usage
         t["tokens"] = t.get("tokens", 0) + tokens_in + tokens_out
         t["cost"] = t.get("cost", 0.0) + cost
-        over = None
-        if self.limits.token_budget is not None and t["tokens"] > self.limits.token_budget:
-            over = "tokens"
-        elif self.limits.cost_budget is not None and t["cost"] > self.limits.cost_budget:
-            over = "cost"
+        if done is not None:
+            root.calls_seen += 1
+            root.largest_tokens = max(root.largest_tokens, tokens_in + tokens_out)
+            root.largest_cost = max(root.largest_cost, cost)
+        over = self._over_budget(root, 0)
         if over and root.ending is None:
             self._task(self.finish(root, RunState.CANCELLED, f"budget: {over}"))
 
