@@ -92,3 +92,20 @@ def test_a_binary_context_or_a_timeout_that_is_no_duration_is_refused(tmp_path):
         out = brood("run", "x", "--model", "scripted:demo", "--timeout", bad, "--store", store)
         assert out.returncode == 2, (bad, out.stderr)
         assert "timeout must be a number of seconds > 0" in out.stderr
+
+
+def test_model_timeout_bounds_each_try_of_a_call_to_a_server_that_hangs(tmp_path):
+    from tests.fake_openai import Reply
+
+    hang = Reply("```repl\nFINAL('late')\n```", delay=60)
+    store = f"sqlite:///{tmp_path}/j.db"
+    with FakeOpenAI({"slow": [hang] * 3}) as server:
+        url = server.base_url
+        spec = f"openai:tiny@{url}"
+        out = brood("run", "slow", "--model", spec, "--model-timeout", "0.3", "--store", store)
+        tries = len(server.requests)
+    assert out.returncode == 1, out.stderr
+    assert f"model 'tiny' at {url}: APITimeoutError after 3 tries" in out.stderr
+    assert tries == 3  # the default: one try and two retries
+    out = brood("run", "x", "--model", "scripted:demo", "--model-timeout", "5", "--store", store)
+    assert out.returncode == 2 and "--model-timeout applies to openai: models" in out.stderr

@@ -333,3 +333,19 @@ def test_an_empty_or_non_text_openai_reply_is_a_model_error() -> None:
     model = with_fake_client(OpenAIModel("m"), FakeCompletions(response(None)))
     with pytest.raises(ModelError, match="model 'm' returned NoneType, not text"):
         model.complete([])
+
+
+def test_an_openai_spec_sets_the_timeout_and_tries_of_each_call() -> None:
+    model = resolve_model("openai:m@http://127.0.0.1:9/v1?timeout=30&tries=5")
+    assert isinstance(model, OpenAIModel)
+    assert (model.name, model.base_url, model.timeout, model.max_retries) == (
+        "m",
+        "http://127.0.0.1:9/v1",
+        30.0,
+        4,
+    )
+    default = resolve_model("openai:m")
+    assert (default.timeout, default.max_retries) == (120.0, 2)  # type: ignore[attr-defined]
+    for bad in ("openai:m?timeout=0", "openai:m?timeout=nan", "openai:m?tries=0", "openai:m?x=1"):
+        with pytest.raises(InvalidArgument, match="timeout"):
+            resolve_model(bad)

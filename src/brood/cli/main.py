@@ -69,6 +69,27 @@ ConfineOpt = Annotated[
 ]
 
 
+ModelTimeoutOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--model-timeout", help="seconds of one try of a model call (default 120, 3 tries)"
+    ),
+]
+
+
+def _model(spec: str | None, timeout: float | None) -> str | None:
+    """The model spec (or BROOD_MODEL), with --model-timeout folded into it."""
+    spec = spec or os.environ.get("BROOD_MODEL")
+    if timeout is None or spec is None:
+        return spec
+    if not spec.startswith("openai:"):
+        raise brood.InvalidArgument(
+            f"--model-timeout applies to openai: models, not {spec!r}; a chat_fn bounds "
+            "its own calls"
+        )
+    return f"{spec}{'&' if '?' in spec else '?'}timeout={timeout!r}"
+
+
 def _confinement(
     fs_read: list[Path] | None, fs_write: list[Path] | None, network: bool, confine: bool
 ) -> dict[str, Any]:
@@ -207,6 +228,7 @@ def run(
     fs_write: FsWriteOpt = None,
     network: NetworkOpt = False,
     confine: ConfineOpt = True,
+    model_timeout: ModelTimeoutOpt = None,
     live: Annotated[bool, typer.Option(help="show the live tree on stderr")] = True,
     as_json: JsonOpt = False,
 ) -> None:
@@ -237,7 +259,7 @@ def run(
             **_confinement(fs_read, fs_write, network, confine),
         )
         with brood.Supervisor(
-            model or os.environ.get("BROOD_MODEL"), limits=limits, store=url
+            _model(model, model_timeout), limits=limits, store=url
         ) as sup:
             result = _watch(sup.spawn(prompt, context=text, timeout=timeout), url, live)
     except brood.BroodError as exc:
@@ -257,6 +279,7 @@ def resume(
     fs_write: FsWriteOpt = None,
     network: NetworkOpt = False,
     confine: ConfineOpt = True,
+    model_timeout: ModelTimeoutOpt = None,
     live: Annotated[bool, typer.Option(help="show the live tree on stderr")] = True,
     as_json: JsonOpt = False,
 ) -> None:
@@ -266,7 +289,7 @@ def resume(
     try:
         limits = brood.Limits(**_confinement(fs_read, fs_write, network, confine))
         with brood.Supervisor(
-            model or os.environ.get("BROOD_MODEL"), limits=limits, store=url
+            _model(model, model_timeout), limits=limits, store=url
         ) as sup:
             handle = sup.resume(run_id)
             if handle.id in sup.flows():  # a flow's own tree: say where it stands
@@ -572,6 +595,7 @@ def flow_run(
     fs_write: FsWriteOpt = None,
     network: NetworkOpt = False,
     confine: ConfineOpt = True,
+    model_timeout: ModelTimeoutOpt = None,
     live: Annotated[bool, typer.Option(help="show the live tree on stderr")] = True,
     as_json: JsonOpt = False,
 ) -> None:
@@ -583,7 +607,7 @@ def flow_run(
     try:
         limits = brood.Limits(**given, **_confinement(fs_read, fs_write, network, confine))
         with brood.Supervisor(
-            model or os.environ.get("BROOD_MODEL"), limits=limits, store=url
+            _model(model, model_timeout), limits=limits, store=url
         ) as sup:
             flow = sup.flow_run(spec, inputs=params)
             if not as_json:

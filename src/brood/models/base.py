@@ -75,18 +75,17 @@ def _callable_name(fn: Callable[..., Any]) -> str:
 def resolve_model(model: object) -> Model:
     """A `Model` for a callable, a spec string or a Model object.
 
-    Spec strings: `openai:MODEL`, `openai:MODEL@BASE_URL`, `scripted:demo`.
+    Spec strings: `openai:MODEL`, `openai:MODEL@BASE_URL`, either with `?timeout=S&tries=N`
+    (one try's seconds, tries in all), and `scripted:demo`.
     """
     if isinstance(model, Model):
         return model
     if isinstance(model, str):
         kind, _, rest = model.partition(":")
         if kind == "openai" and rest:
-            from brood.models.openai import OpenAIModel
+            from brood.models.openai import from_spec
 
-            name, _, url = rest.partition("@")
-            if name.strip():
-                return OpenAIModel(name.strip(), base_url=url or None)
+            return from_spec(rest)
         if kind == "scripted" and rest == "demo":
             from brood.models.scripted import demo_model
 

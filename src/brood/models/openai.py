@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import math
 import os
 import time
 from collections.abc import Callable
@@ -12,7 +13,8 @@ from typing import Any
 from brood.errors import InvalidArgument, ModelError
 from brood.models.base import Completion, Messages, Model, check_text
 
-DEFAULT_TIMEOUT_S = 600.0  # a long generation on a slow local server still fits
+DEFAULT_TIMEOUT_S = 120.0  # one try; a server that hangs costs minutes, not an hour
+DEFAULT_TRIES = 3  # the first try and two retries
 BACKOFF_FIRST_S = 0.5  # first wait before a retry, doubled each time
 BACKOFF_MAX_S = 30.0  # no single wait is longer, whatever the server asks
 RETRY_STATUSES = frozenset({408, 409, 429}) | frozenset(range(500, 600))
@@ -37,7 +39,7 @@ class OpenAIModel(Model):
         base_url: str | None = None,
         api_key: str | None = None,
         timeout: float = DEFAULT_TIMEOUT_S,
-        max_retries: int = 4,
+        max_retries: int = DEFAULT_TRIES - 1,
         sleep: Callable[[float], object] = time.sleep,
         **create_kwargs: Any,
     ) -> None:
@@ -46,6 +48,16 @@ class OpenAIModel(Model):
         if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
             raise InvalidArgument(
                 f"OpenAIModel(max_retries=...) must be an int >= 0, got {max_retries!r}"
+            )
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not math.isfinite(timeout)
+            or timeout <= 0
+        ):
+            raise InvalidArgument(
+                f"OpenAIModel(timeout=...) must be seconds > 0, got {timeout!r}; it bounds "
+                "one try of a call"
             )
         self.name = model
         self.base_url = base_url
@@ -136,6 +148,41 @@ class OpenAIModel(Model):
             input_tokens=getattr(usage, "prompt_tokens", 0) or 0,
             output_tokens=getattr(usage, "completion_tokens", 0) or 0,
         )
+
+
+def from_spec(rest: str) -> OpenAIModel:
+    """The model an `openai:` spec names: `MODEL[@BASE_URL][?timeout=S&tries=N]`."""
+    from urllib.parse import parse_qsl
+
+    target, _, query = rest.partition("?")
+    name, _, url = target.partition("@")
+    if not name.strip():
+        raise InvalidArgument(f"model spec 'openai:{rest}' names no model; write openai:MODEL")
+    options: dict[str, Any] = {}
+    try:
+        pairs = parse_qsl(query, strict_parsing=True) if query else []
+    except ValueError:
+        raise InvalidArgument(
+            f"model spec 'openai:{rest}': cannot read the options {query!r}; "
+            "write ?timeout=SECONDS (> 0) and/or &tries=N (>= 1)"
+        ) from None
+    for key, value in pairs:
+        try:
+            if key == "timeout":
+                options["timeout"] = float(value)
+            elif key == "tries":
+                tries = int(value)
+                if tries < 1:
+                    raise ValueError
+                options["max_retries"] = tries - 1
+            else:
+                raise KeyError(key)
+        except (KeyError, ValueError):
+            raise InvalidArgument(
+                f"model spec 'openai:{rest}': option {key}={value!r} is not one brood takes; "
+                "write ?timeout=SECONDS (> 0) and/or &tries=N (>= 1)"
+            ) from None
+    return OpenAIModel(name.strip(), base_url=url or None, **options)
 
 
 def retry_wait(exc: Exception, attempt: int) -> float | None:
