@@ -109,3 +109,29 @@ def test_model_timeout_bounds_each_try_of_a_call_to_a_server_that_hangs(tmp_path
     assert tries == 3  # the default: one try and two retries
     out = brood("run", "x", "--model", "scripted:demo", "--model-timeout", "5", "--store", store)
     assert out.returncode == 2 and "--model-timeout applies to openai: models" in out.stderr
+
+
+def test_a_journal_on_a_read_only_filesystem_is_named_so_not_damaged(tmp_path):
+    import shutil
+
+    journal = tmp_path / "ro"
+    journal.mkdir()
+    store = f"sqlite:///{journal}/j.db"
+    assert brood("demo", "--store", store).returncode == 0  # a journal, then made read-only
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        import pytest
+
+        pytest.skip("needs root and unshare to mount a folder read-only in a private namespace")
+    cli = " ".join(BROOD)
+    script = (
+        f"mount --bind {journal} {journal} && mount -o remount,ro,bind {journal} {journal} && "
+        f"{cli} run x --model scripted:demo --store {store}; echo exit=$?; "
+        f"{cli} run x --model scripted:demo --store sqlite:///{journal}/new.db; echo exit=$?; "
+        f"{cli} ps --store {store} --json >/dev/null; echo exit=$?"
+    )
+    out = subprocess.run(
+        ["unshare", "--mount", "sh", "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert out.stdout.split() == ["exit=2", "exit=2", "exit=0"], out
+    assert out.stderr.count("cannot be written") == 2, out.stderr
+    assert "read-only filesystem" in out.stderr and "damaged" not in out.stderr

@@ -82,6 +82,16 @@ class SQLStore:
     errors: tuple[type[BaseException], ...] = ()
     where = ""  # how messages name this journal
 
+    def _unopenable(self, exc: BaseException) -> StoreError:
+        """Why the journal cannot be opened; a store that knows better says more."""
+        return StoreError(
+            f"{self.where} cannot be read as a brood journal: {exc}; if the file is "
+            "damaged, move it aside and brood starts a new one"
+        )
+
+    def _write_failed(self, exc: BaseException) -> StoreError:
+        return StoreError(f"journal write to {self.where} failed: {exc}")
+
     def __init__(self, url: str, *, readonly: bool = False) -> None:
         self.url = url
         self.readonly = readonly
@@ -120,10 +130,7 @@ class SQLStore:
             raise
         except self.errors as exc:
             conn.close()
-            raise StoreError(
-                f"{self.where} cannot be read as a brood journal: {exc}; if the file is "
-                "damaged, move it aside and brood starts a new one"
-            ) from exc
+            raise self._unopenable(exc) from exc
         if version > SCHEMA_VERSION:
             conn.close()
             raise StoreError(
@@ -199,7 +206,7 @@ class SQLStore:
                 for item in batch:
                     self._commit(conn, [item])
                 return
-            batch[0][1].set_exception(StoreError(f"journal write to {self.where} failed: {exc}"))
+            batch[0][1].set_exception(self._write_failed(exc))
             return
         self._stats["batches"] += 1
         self._stats["writes"] += len(batch)

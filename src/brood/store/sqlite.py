@@ -49,7 +49,7 @@ class SQLiteStore(SQLStore):
                 conn.close()
                 raise self._damaged(exc) from exc
         except sqlite3.Error as exc:
-            raise StoreError(
+            raise self._unwritable(exc) or StoreError(
                 f"cannot open {self.where}: {exc}; check the path and its permissions"
             ) from exc
         return conn
@@ -74,9 +74,34 @@ class SQLiteStore(SQLStore):
         return conn
 
     def _damaged(self, exc: Exception) -> StoreError:
+        return self._unopenable(exc)
+
+    def _unopenable(self, exc: BaseException) -> StoreError:
+        return self._unwritable(exc) or super()._unopenable(exc)
+
+    def _write_failed(self, exc: BaseException) -> StoreError:
+        return self._unwritable(exc) or super()._write_failed(exc)
+
+    def _unwritable(self, exc: BaseException) -> StoreError | None:
+        """The error for a journal this supervisor cannot write (a reader needs not)."""
+        if self.readonly or self._writable():
+            return None
         return StoreError(
-            f"{self.where} cannot be read as a brood journal: {exc}; if the file is damaged, "
-            "move it aside and brood starts a new one"
+            f"{self.where} cannot be written: {exc}; it is on a read-only filesystem or in "
+            "a folder this user may not write; a supervisor writes its journal, so pass "
+            "--store (or BROOD_STORE) with a writable place (read commands such as "
+            "`brood ps` open it read-only)"
+        )
+
+    def _writable(self) -> bool:
+        folder = os.path.dirname(os.path.abspath(self.path))
+        try:
+            if os.statvfs(folder).f_flag & os.ST_RDONLY:
+                return False
+        except OSError:
+            return True  # cannot tell: the plain message
+        return os.access(folder, os.W_OK) and (
+            not os.path.exists(self.path) or os.access(self.path, os.W_OK)
         )
 
     @contextlib.contextmanager
