@@ -379,3 +379,24 @@ def test_a_token_budget_is_overshot_by_one_call_at_most_with_many_in_flight():
     assert 4400 < tokens <= 4400 + 50, tokens
     # What was spent, not only what was counted: calls the cancel abandoned cost too.
     assert Fifty.made <= 4400 // 50 + 1, Fifty.made
+
+
+def test_statistics_count_the_live_workers_and_their_own_memory(tmp_path):
+    from tests.util import Signal
+
+    go, child_running = Gate(tmp_path, "go"), Signal(tmp_path, "child-running")
+    never = Gate(tmp_path, "never")
+    model = brood.ScriptedModel(
+        {
+            "parent": [repl("h = rlm_spawn('child: wait')\n" + go.wait_code + "\nFINAL('ok')")],
+            "child:": [repl(child_running.code + "\n" + never.wait_code)],
+        }
+    )
+    with brood.Supervisor(model, limits=FAST) as sup:
+        handle = sup.spawn("parent")
+        child_running.wait()  # the parent is waiting on its gate, the child on its own
+        workers = sup.statistics()["workers"]
+        assert workers["runs"] == 2 and workers["warm"] >= 1
+        assert 0 < workers["memory_bytes"] < (workers["runs"] + workers["warm"]) * 64 * 2**20
+        go.open()
+        assert handle.wait(timeout=60) == "ok"

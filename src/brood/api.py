@@ -57,6 +57,20 @@ class RunResult(NamedTuple):
     usage: dict[str, Any]
 
 
+def _own_memory(pid: int) -> int:
+    """Bytes of memory process `pid` holds alone (Private_Clean + Private_Dirty); 0 once
+    it is gone."""
+    total = 0
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                    total += int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0
+    return total
+
+
 def _check_timeout(timeout: object) -> None:
     if timeout is None:
         return
@@ -324,16 +338,28 @@ class Supervisor:
         return self._store
 
     def statistics(self) -> dict[str, Any]:
-        """A snapshot: runs by state, free slots, queued starts."""
+        """A snapshot: runs by state, free slots, queued starts, and the live workers:
+        `workers` = {"runs": workers serving a run (a parent waiting on its children
+        included), "warm": ready in the pool, "memory_bytes": their own memory (USS, what
+        is not shared with the template they were forked from)}."""
 
         async def snap() -> dict[str, Any]:
             states: dict[str, int] = {}
+            serving: list[int] = []
             for r in self._core.runs.values():
                 states[r.rec.state.value] = states.get(r.rec.state.value, 0) + 1
+                if r.conn is not None and not r.conn.exited.done():
+                    serving.append(r.conn.pid)
+            warm = self._backend.idle_pids()
             return {
                 "runs": states,
                 "free_slots": self._core.free_slots,
                 "queued": len(self._core.start_queue),
+                "workers": {
+                    "runs": len(serving),
+                    "warm": len(warm),
+                    "memory_bytes": sum(map(_own_memory, serving + warm)),
+                },
             }
 
         return self._loop.call(snap())

@@ -84,6 +84,10 @@ class Backend(Protocol):
 
     def group_pids(self, conn: WorkerConn) -> list[int]: ...
 
+    def idle_pids(self) -> list[int]:
+        """The warm workers waiting for a run."""
+        ...
+
     def discard_scratch(self, conn: WorkerConn) -> None:
         """Remove the worker's scratch directory (its run has ended and it has exited)."""
         ...

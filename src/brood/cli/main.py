@@ -258,9 +258,7 @@ def run(
             **{k: v for k, v in given.items() if v is not None},
             **_confinement(fs_read, fs_write, network, confine),
         )
-        with brood.Supervisor(
-            _model(model, model_timeout), limits=limits, store=url
-        ) as sup:
+        with brood.Supervisor(_model(model, model_timeout), limits=limits, store=url) as sup:
             result = _watch(sup.spawn(prompt, context=text, timeout=timeout), url, live)
     except brood.BroodError as exc:
         _fail(str(exc))
@@ -288,9 +286,7 @@ def resume(
     url = store or default_store_url()
     try:
         limits = brood.Limits(**_confinement(fs_read, fs_write, network, confine))
-        with brood.Supervisor(
-            _model(model, model_timeout), limits=limits, store=url
-        ) as sup:
+        with brood.Supervisor(_model(model, model_timeout), limits=limits, store=url) as sup:
             handle = sup.resume(run_id)
             if handle.id in sup.flows():  # a flow's own tree: say where it stands
                 status = sup.flow(handle.id).status()["status"]
@@ -606,9 +602,7 @@ def flow_run(
     given: dict[str, Any] = {"max_concurrency": max_concurrency} if max_concurrency else {}
     try:
         limits = brood.Limits(**given, **_confinement(fs_read, fs_write, network, confine))
-        with brood.Supervisor(
-            _model(model, model_timeout), limits=limits, store=url
-        ) as sup:
+        with brood.Supervisor(_model(model, model_timeout), limits=limits, store=url) as sup:
             flow = sup.flow_run(spec, inputs=params)
             if not as_json:
                 Console(stderr=True).print(f"flow {flow.id} started: {', '.join(flow.started)}")
