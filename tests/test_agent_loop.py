@@ -400,3 +400,16 @@ def test_statistics_count_the_live_workers_and_their_own_memory(tmp_path):
         assert 0 < workers["memory_bytes"] < (workers["runs"] + workers["warm"]) * 64 * 2**20
         go.open()
         assert handle.wait(timeout=60) == "ok"
+
+
+def test_a_chat_fn_that_raises_system_exit_fails_its_run_not_the_supervisor():
+    def chat(messages):
+        if "exit" in messages[-1]["content"]:
+            raise SystemExit(3)
+        return repl("FINAL('fine')")
+
+    with brood.Supervisor(chat, limits=FAST) as sup:
+        failed = sup.run("exit please")
+        assert failed.state == "failed"
+        assert "SystemExit: 3" in failed.error, failed.error
+        assert sup.run("go on").answer == "fine"

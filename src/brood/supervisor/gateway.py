@@ -76,8 +76,10 @@ class CallPool:
             if not fut.cancelled():
                 try:
                     value, failed = fn(*args), None
-                except BaseException as exc:
+                except Exception as exc:
                     value, failed = None, exc
+                except BaseException as exc:  # SystemExit and the like must not reach the loop
+                    value, failed = None, RuntimeError(f"{type(exc).__name__}: {exc}")
                 with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
                     loop.call_soon_threadsafe(_settle, fut, value, failed)
 
