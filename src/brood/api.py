@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
 import os
 import socket
 from collections.abc import Callable, Iterable, Mapping
@@ -28,7 +27,7 @@ from brood.errors import (
 from brood.flow.executor import FlowExecutor
 from brood.flow.spec import FlowSpec, compile_spec, load_spec
 from brood.lifecycle import RunState
-from brood.limits import Limits
+from brood.limits import Limits, is_duration
 from brood.models.base import Model, resolve_model
 from brood.protocol import FlowReq, Notice
 from brood.store.base import Store, open_store
@@ -72,14 +71,7 @@ def _own_memory(pid: int) -> int:
 
 
 def _check_timeout(timeout: object) -> None:
-    if timeout is None:
-        return
-    if (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, int | float)
-        or not math.isfinite(timeout)
-        or timeout <= 0
-    ):
+    if timeout is not None and not is_duration(timeout):
         raise InvalidArgument(
             f"timeout must be a number of seconds > 0, or None for no limit; got {timeout!r}"
         )

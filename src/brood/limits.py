@@ -61,6 +61,16 @@ PI_RLM_BLOCKED_BUILTINS = ("eval", "exec", "compile", "globals", "locals")
 BUILTIN_PRESETS = {"pi-rlm": PI_RLM_BLOCKED_BUILTINS}
 
 
+def is_duration(value: object) -> bool:
+    """Whether `value` is a number of seconds a timeout can be: finite and > 0 (not a bool)."""
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, int | float)
+        and math.isfinite(value)
+        and value > 0
+    )
+
+
 @dataclass(frozen=True, kw_only=True)
 class Limits:
     """Bounds on a whole tree of runs (DESIGN.md section 5).

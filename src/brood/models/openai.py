@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
-import math
 import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 from brood.errors import InvalidArgument, ModelError
+from brood.limits import is_duration
 from brood.models.base import Completion, Messages, Model, check_text
 
 DEFAULT_TIMEOUT_S = 120.0  # one try; a server that hangs costs minutes, not an hour
@@ -49,12 +49,7 @@ class OpenAIModel(Model):
             raise InvalidArgument(
                 f"OpenAIModel(max_retries=...) must be an int >= 0, got {max_retries!r}"
             )
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, int | float)
-            or not math.isfinite(timeout)
-            or timeout <= 0
-        ):
+        if not is_duration(timeout):
             raise InvalidArgument(
                 f"OpenAIModel(timeout=...) must be seconds > 0, got {timeout!r}; it bounds "
                 "one try of a call"
