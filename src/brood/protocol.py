@@ -257,36 +257,6 @@ class CtlFlow(Msg):
     op: str
 
 
-AnyMsg = (
-    Fork
-    | Forked
-    | Exited
-    | GroupGone
-    | Quit
-    | SpawnReq
-    | CancelReq
-    | SendReq
-    | Blocked
-    | ModelReq
-    | StepDone
-    | FlowReq
-    | Notice
-    | Remember
-    | Final
-    | Failed
-    | StepResult
-    | Start
-    | Reply
-    | ChildUpdate
-    | Deliver
-    | Exec
-    | Stop
-    | CtlAuth
-    | CtlCancel
-    | CtlSend
-    | CtlFlow
-)
-
 # What a worker may send; anything else from a worker ends its run.
 WorkerMsg = (
     SpawnReq
@@ -301,6 +271,26 @@ WorkerMsg = (
     | Failed
     | StepResult
     | Reply
+)
+
+# Every message: what workers send, and what the supervisor, the zygote and the CLI send.
+AnyMsg = (
+    WorkerMsg
+    | Fork
+    | Forked
+    | Exited
+    | GroupGone
+    | Quit
+    | Notice
+    | Start
+    | ChildUpdate
+    | Deliver
+    | Exec
+    | Stop
+    | CtlAuth
+    | CtlCancel
+    | CtlSend
+    | CtlFlow
 )
 
 _encoder = msgspec.msgpack.Encoder()
