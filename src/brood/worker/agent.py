@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from brood.protocol import Failed, Final, StepDone, StepResult
 from brood.worker.helpers import Runtime
 from brood.worker.link import TERMINAL_STATES
-from brood.worker.repl import CAPTURE_LIMIT, Repl, truncate
+from brood.worker.repl import CAPTURE_LIMIT, Repl, StepOutput, truncate
 
 CAPTURE_PER_SHOWN = 50  # a step keeps (and journals) 50 times what the model is shown
 
@@ -88,10 +88,10 @@ class Agent:
         self.rt = rt
         self.repl = repl
         self.limits = limits
-        self.written = 0  # characters the last step printed, before the capture's cap
 
-    def run_code(self, code: str) -> tuple[str, str, str | None]:
-        """Run one block as a REPL step; journal it; returns (stdout, stderr, error)."""
+    def run_code(self, code: str) -> StepOutput:
+        """Run one block as a REPL step and journal it; its output, with brood's notes added
+        to stderr."""
         self.rt.step += 1
         shown = int(self.limits.get("output_limit", 20_000))
         out = self.repl.run(
@@ -109,18 +109,17 @@ class Agent:
             self.rt.link.send(
                 StepDone(self.rt.step, code, out.stdout, stderr, out.error, out.duration, pending)
             )
-        self.written = out.written + len(stderr) - len(out.stderr)
-        return out.stdout, stderr, out.error
+        return replace(out, stderr=stderr, written=out.written + len(stderr) - len(out.stderr))
 
     def feedback(self, reply: str) -> str:
         blocks = extract_blocks(reply)
         parts: list[str] = []
         limit = int(self.limits.get("output_limit", 20_000))
         for i, code in enumerate(blocks.code, 1):
-            stdout, stderr, _ = self.run_code(code)
-            text = stdout + (stderr if stderr else "")
+            out = self.run_code(code)
+            text = out.stdout + out.stderr
             label = f"block {i} of {len(blocks.code)}" if len(blocks.code) > 1 else "output"
-            shown = truncate(text, limit, self.written) if text else "(no output)"
+            shown = truncate(text, limit, out.written) if text else "(no output)"
             parts.append(f"[{label}]\n" + shown)
             if self.rt.final is not None:
                 break
@@ -195,13 +194,14 @@ class Agent:
         rt = self.rt
         while True:
             ex = rt.link.execs.get()
-            stdout, stderr, error = self.run_code(ex.code)
+            out = self.run_code(ex.code)
             if rt.final is None:
-                rt.link.send(StepResult(ex.req_id, stdout, stderr, error, False, None))
+                rt.link.send(StepResult(ex.req_id, out.stdout, out.stderr, out.error, False, None))
                 continue
             end = self.final(rt.final)
-            answer = end.answer if isinstance(end, Final) else None
-            error = error if isinstance(end, Final) else end.reason
-            rt.link.send(StepResult(ex.req_id, stdout, stderr, error, True, answer))
+            answer, error = (
+                (end.answer, out.error) if isinstance(end, Final) else (None, end.reason)
+            )
+            rt.link.send(StepResult(ex.req_id, out.stdout, out.stderr, error, True, answer))
             rt.link.send(end)
             return
