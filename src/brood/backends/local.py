@@ -40,6 +40,7 @@ from brood.protocol import (
     encode,
     read_frame,
 )
+from brood.worker import confine
 
 WARM_WORKERS = 2  # ready workers kept forked; each idles at about 1 MiB of its own memory
 ZYGOTE_START_TIMEOUT_S = 60.0  # a cold import on a loaded machine can take seconds
@@ -151,6 +152,7 @@ class LocalBackend:
                     self.scratch_root,
                     os.pathsep.join(sys.path),
                     msgspec.json.encode(self.settings.policy).decode(),
+                    msgspec.json.encode(confine.probe()).decode(),
                 ],
                 pass_fds=[zyg_end.fileno()],
                 stdin=subprocess.DEVNULL,

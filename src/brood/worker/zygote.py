@@ -1,8 +1,8 @@
 """The zygote: a pre-imported process that forks workers on request and reaps them.
 
 Started once per supervisor with `python -m brood.worker.zygote FD SCRATCH_ROOT SYS_PATH
-POLICY`, in the clean environment workers get. It imports the worker code, freezes the heap
-(so forked workers share it copy-on-write) and then only forks, reaps and reports.
+POLICY SUPPORT`, in the clean environment workers get. It imports the worker code, freezes
+the heap (so forked workers share it copy-on-write) and then only forks, reaps and reports.
 
 Each worker gets its own socketpair; the supervisor's end travels back with `Forked` over
 the control socket (SCM_RIGHTS), so no path exists that another process could connect to.
@@ -87,11 +87,17 @@ def _only_own_fds(keep: int) -> None:
 
 
 class Zygote:
-    def __init__(self, ctrl: socket.socket, scratch_root: str, policy: confine.Policy) -> None:
+    def __init__(
+        self,
+        ctrl: socket.socket,
+        scratch_root: str,
+        policy: confine.Policy,
+        support: confine.Support,
+    ) -> None:
         self.ctrl = ctrl
         self.scratch_root = scratch_root
         self.policy = policy
-        self.support = confine.probe()
+        self.support = support
         self.groups: set[int] = set()  # worker pids (= their process group ids) not yet gone
         self.reaped: set[int] = set()
         self.strays: set[int] = set()  # killed, not yet reaped: no exit is confirmed meanwhile
@@ -312,6 +318,9 @@ def main() -> None:
         p for p in sys.path if p not in sys.argv[3].split(os.pathsep)
     ]
     policy = msgspec.json.decode(sys.argv[4], type=confine.Policy)
+    # What this machine enforces, as the supervisor probed it (same host, user and cgroup):
+    # probing again would cost every supervisor's start a few forks.
+    support = msgspec.json.decode(sys.argv[5], type=confine.Support)
     if policy.confine and not policy.network:
         confine.enter_private_network()  # every worker forked from here inherits it
     import brood.worker.main  # noqa: F401  - pre-import what every worker runs
@@ -323,7 +332,7 @@ def main() -> None:
     _set_subreaper()
     ctrl = socket.socket(fileno=fd)
     ctrl.setblocking(True)
-    zygote = Zygote(ctrl, scratch_root, policy)
+    zygote = Zygote(ctrl, scratch_root, policy, support)
     if policy.confine:
         confine.default_read_paths()  # computed once here, not again in every worker
     gc.collect()
