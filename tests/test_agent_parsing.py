@@ -6,7 +6,7 @@ import io
 from typing import Any
 
 from brood.models import ScriptedModel
-from brood.protocol import Deliver, Final, ModelReq, Msg, StepDone, SyncChannel
+from brood.protocol import Deliver, Final, ModelReq, Msg, StepBegan, StepDone, SyncChannel
 from brood.worker.agent import ANSWER_NOW, NO_CODE, Agent, Blocks, extract_blocks
 from brood.worker.helpers import Runtime, make_helpers
 from brood.worker.link import Link
@@ -121,6 +121,9 @@ class GatewayLink(Link):
         if isinstance(msg, ModelReq):
             self.chan.send(msg)
             return self.model.complete(msg.messages, msg.model).text
+        if isinstance(msg, StepBegan):  # journaled and clocked by the supervisor
+            self.chan.send(msg)
+            return None
         return super().request(msg)
 
 
@@ -199,7 +202,7 @@ def test_the_loop_feeds_output_back_until_final() -> None:
     final = agent.loop("Count the characters.", "system prompt")
     assert final == Final("12 characters")
     kinds = [type(m).__name__ for m in messages_sent(sent)]
-    assert kinds == ["ModelReq", "StepDone", "ModelReq", "StepDone"]
+    assert kinds == ["ModelReq", "StepBegan", "StepDone", "ModelReq", "StepBegan", "StepDone"]
 
 
 def test_the_model_sees_its_output_in_the_next_turn() -> None:

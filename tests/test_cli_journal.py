@@ -30,8 +30,8 @@ from typing import Any
 import pytest
 
 from brood import Limits, ScriptedModel, Supervisor
-from brood.backends.local import processes_owned
 from brood.journal import Journal
+from brood.testing import processes_of
 from tests.util import Gate, Signal, pid_alive
 
 BROOD = [sys.executable, "-m", "brood.cli.main"]
@@ -183,9 +183,8 @@ class Reader:
 
 def owned_by(owner_pid: int) -> list[int]:
     """Pids of the processes (zygote, workers, their grandchildren) that the supervisor in
-    process `owner_pid` started: they carry BROOD_OWNER=<owner_pid>:..."""
-    prefix = f"{owner_pid}:"
-    return sorted(pid for pid, token in processes_owned().items() if token.startswith(prefix))
+    process `owner_pid` started (their owner mark is recorded with that pid)."""
+    return processes_of(owner_pid)
 
 
 def wait_gone(owner_pid: int) -> list[int]:

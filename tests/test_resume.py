@@ -14,7 +14,7 @@ import pytest
 
 import brood
 import brood.journal
-from brood.backends.local import processes_owned
+from brood.testing import processes_of
 from tests.util import FAST, Signal, pid_alive
 
 FENCE = "```"
@@ -70,9 +70,7 @@ def crashed_tree(tmp_path, root: list[str] = ROOT) -> tuple[str, str]:
 def wait_gone(owner_pid: int) -> None:
     """Kill what the crashed supervisor left (its zygote usually has) and wait until each
     process has died (a pidfd becomes readable when its process exits)."""
-    for pid, token in processes_owned().items():
-        if not token.startswith(f"{owner_pid}:"):
-            continue
+    for pid in processes_of(owner_pid):
         try:
             fd = os.pidfd_open(pid)
         except ProcessLookupError:
@@ -84,9 +82,7 @@ def wait_gone(owner_pid: int) -> None:
             pass
         finally:
             os.close(fd)
-    assert not [
-        p for p, t in processes_owned().items() if t.startswith(f"{owner_pid}:") and pid_alive(p)
-    ]
+    assert not [p for p in processes_of(owner_pid) if pid_alive(p)]
 
 
 def journaled_calls(url: str, root_id: str) -> dict[str, int]:

@@ -36,9 +36,8 @@ from typing import Any
 import pytest
 
 import brood
-from brood.backends.local import processes_owned
 from brood.journal import Journal
-from brood.testing import leftover_processes
+from brood.testing import leftover_processes, processes_of
 from tests.test_resume import wait_gone
 from tests.util import TEST_FILES
 
@@ -193,10 +192,9 @@ def exited_within(owner_pid: int, timeout: float) -> list[int]:
     readable when its process does); returns those still alive after `timeout` s. When its
     supervisor dies, the zygote kills every worker group and exits, so none should be."""
     fds = {}
-    for pid, token in processes_owned().items():
-        if token.startswith(f"{owner_pid}:"):
-            with contextlib.suppress(ProcessLookupError):
-                fds[os.pidfd_open(pid)] = pid
+    for pid in processes_of(owner_pid):
+        with contextlib.suppress(ProcessLookupError):
+            fds[os.pidfd_open(pid)] = pid
     deadline = time.monotonic() + timeout
     try:
         waiting = set(fds)

@@ -14,7 +14,7 @@ import cloudpickle
 
 from brood.backends.base import make_backend
 from brood.backends.confinement import announce, unenforced, worker_settings
-from brood.backends.local import owner_alive, owner_token
+from brood.backends.owners import owner_alive, owner_token
 from brood.errors import (
     BroodError,
     ChildFailed,
@@ -22,6 +22,7 @@ from brood.errors import (
     InvalidArgument,
     ReplayDiverged,
     StaleHandle,
+    StoreError,
     SupervisorClosed,
 )
 from brood.flow.executor import FlowExecutor
@@ -32,7 +33,7 @@ from brood.models.base import Model, resolve_model
 from brood.protocol import FlowReq, Notice
 from brood.store.base import Store, open_store
 from brood.supervisor.control import ControlServer
-from brood.supervisor.core import Core, Run, RunInfo
+from brood.supervisor.core import STORE_FAILED, Core, Run, RunInfo
 from brood.supervisor.loop import LoopThread
 from brood.supervisor.observers import Observers
 
@@ -129,7 +130,7 @@ class Supervisor:
         self._loop = LoopThread()
         owner = owner_token()
         try:
-            self._backend = make_backend(backend, owner, settings)
+            self._backend = make_backend(backend, settings)
             self._core = Core(
                 model=resolved,
                 model_name=resolved.name,
@@ -140,6 +141,7 @@ class Supervisor:
                 owner=owner,
             )
             self._control = ControlServer(self._core)
+            self._store.on_failure = self._store_failed
             self._core.flow_handler = self._flow_request
             self._core.flow_resumer = self._resume_flow
             self._core.unenforced = unenforced(settings)
@@ -152,6 +154,11 @@ class Supervisor:
             self._shutdown()
             raise
         self._closed = False
+
+    def _store_failed(self, exc: StoreError) -> None:
+        """From the journal's writer thread: the supervisor's loop ends the runs."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing runs any more
+            self._loop.loop.call_soon_threadsafe(self._core.store_failed, exc)
 
     async def _start(self) -> None:
         await self._backend.start()
@@ -371,11 +378,16 @@ class Supervisor:
             self._shutdown()
         if self._core.broken is not None:
             raise self._core.broken
+        if self._store.failure is not None:
+            raise self._store.failure
 
     async def _close(self) -> None:
+        """Every worker and the zygote are stopped even when the journal has failed; the
+        journal's error is raised once, by close(), after that."""
         await self._core.close()
         await self._control.close()
-        await asyncio.wrap_future(self._store.close_supervisor(self._core.owner))
+        with contextlib.suppress(StoreError):  # kept on the store: close() raises it
+            await asyncio.wrap_future(self._store.close_supervisor(self._core.owner))
 
     def _shutdown(self) -> None:
         self._loop.stop()
@@ -451,6 +463,8 @@ class RunHandle:
         diverged = self._sup._core.diverged.get(self.id)
         if diverged is not None:
             raise ReplayDiverged(f"the resume of tree {self.id} stopped: {diverged}")
+        if rec.state is RunState.FAILED and (rec.reason or "").startswith(STORE_FAILED):
+            raise StoreError(f"run {self.id} failed: {rec.reason}")
         if rec.state is RunState.COMPLETED:
             return rec.answer or ""
         raise ChildFailed(

@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from brood.backends.local import owner_alive
+from brood.backends.owners import owner_alive
 from brood.errors import BroodError
 from brood.lifecycle import TERMINAL
 from brood.protocol import CtlCancel, CtlFlow, CtlSend

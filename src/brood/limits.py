@@ -82,7 +82,10 @@ class Limits:
         hold a slot, so a waiting parent never starves its children).
     child_timeout: wall-clock seconds per child run; expiry ends it `timed_out`.
     max_iterations: model turns per run. step_timeout: one REPL step's own compute seconds
-        (time spent waiting on children is not counted).
+        (time spent waiting on children is not counted). step_grace: seconds past
+        step_timeout after which the supervisor's own clock of the step ends a step that
+        did not end itself (its code swallowed or disarmed the timeout): the run fails
+        with reason `step timeout ignored`.
     token_budget / cost_budget: whole tree; a breach cancels the tree with reason `budget`.
     shutdown_grace / term_grace: seconds of the cleanup escalation (cooperative stop, then
         SIGTERM, then SIGKILL); tests shrink them.
@@ -114,6 +117,7 @@ class Limits:
     cost_budget: float | None = None
     shutdown_grace: float = 1.0
     term_grace: float = 2.0
+    step_grace: float = 5.0
     output_limit: int = 20_000
     answer_limit: int = 1_000_000
     confine: bool = True

@@ -134,6 +134,15 @@ class FlowReq(Msg):
     replaying: bool = False  # asked by a journaled step a resumed run replays
 
 
+class StepBegan(Msg):
+    """A REPL step is about to run. Answered once the supervisor has journaled it (so a
+    step during which the host dies is known on resume) and started its own clock of it."""
+
+    req_id: ReqId
+    step: Count
+    replaying: bool = False  # a step the journal holds, run again to rebuild the REPL
+
+
 class StepDone(Msg):
     step: Count
     code: str
@@ -144,6 +153,7 @@ class StepDone(Msg):
     # Plain calls still in flight when the step ended (started with spawn): a replay of
     # this step may find no journaled reply for them, and then asks the model live.
     pending: list[str] = []
+    replayed: bool = False  # a replayed step's end: it stops the clock, it is not journaled
 
 
 class Final(Msg):
@@ -223,6 +233,7 @@ class Notice(Msg):
 class Exec(Msg):
     req_id: int
     code: str
+    timeout: float | None = None  # Session.step(timeout=): this step's compute limit
 
 
 class Stop(Msg):
@@ -264,6 +275,7 @@ WorkerMsg = (
     | SendReq
     | Blocked
     | ModelReq
+    | StepBegan
     | StepDone
     | FlowReq
     | Remember
@@ -370,17 +382,20 @@ def rebuild_error(info: ErrorInfo) -> BaseException:
 class SyncChannel:
     """Blocking framed messages over a socket or a pair of pipe fds; sends are thread-safe."""
 
-    def __init__(self, rfile: Any, wfile: Any) -> None:
+    def __init__(self, rfile: Any, wfile: Any, *, limit: int = MAX_FRAME) -> None:
         self._r = rfile
         self._w = wfile
         self._lock = threading.Lock()
+        self.limit = limit  # the largest frame body this side may send
 
     @classmethod
-    def over_socket(cls, sock: socket.socket, *, buffered: bool = True) -> SyncChannel:
+    def over_socket(
+        cls, sock: socket.socket, *, buffered: bool = True, limit: int = MAX_FRAME
+    ) -> SyncChannel:
         """A channel over `sock`. Pass buffered=False when the reader waits in select():
         a buffered reader could hold a whole frame that select() no longer sees."""
         rfile = sock.makefile("rb", buffering=65536 if buffered else 0)
-        return cls(rfile, sock.makefile("wb", buffering=0))
+        return cls(rfile, sock.makefile("wb", buffering=0), limit=limit)
 
     def close(self) -> None:
         for f in (self._r, self._w):
@@ -389,7 +404,15 @@ class SyncChannel:
                 close()
 
     def send(self, msg: Msg) -> None:
+        """Send `msg`; one over this side's frame cap is refused here, before any byte is
+        sent, with the sizes (the channel stays usable)."""
         data = encode(msg)
+        if len(data) - HEADER.size > self.limit:
+            raise errors.InvalidArgument(
+                f"{type(msg).__name__} of {len(data) - HEADER.size:,} bytes is over the "
+                f"{self.limit:,}-byte cap of one message to the supervisor; send less "
+                "(a smaller context, prompt or answer)"
+            )
         with self._lock:
             self._w.write(data)
             flush = getattr(self._w, "flush", None)

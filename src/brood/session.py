@@ -15,7 +15,7 @@ from typing import Any
 from brood.api import RunHandle, Supervisor
 from brood.errors import BroodError, InvalidArgument
 from brood.lifecycle import RunState
-from brood.limits import Limits
+from brood.limits import Limits, is_duration
 from brood.models.base import Model
 from brood.supervisor.core import Run
 
@@ -72,12 +72,20 @@ class Session:
         await run.started.wait()
         return run
 
-    def step(self, code: str) -> Observation:
+    def step(self, code: str, *, timeout: float | None = None) -> Observation:
         """Run `code` in the root's REPL and return what it printed. When the code calls
-        FINAL, `done` is True, `answer` is set and the root's children are cancelled."""
+        FINAL, `done` is True, `answer` is set and the root's children are cancelled.
+
+        `timeout` bounds this step's compute seconds instead of Limits.step_timeout. A step
+        that ignores its timeout is ended from outside: the episode ends, `done` is True
+        and `error` says why (as for any step whose worker dies)."""
         self._check_open()
         if not isinstance(code, str):
             raise InvalidArgument(f"step(code): code must be str, got {type(code).__name__}")
+        if timeout is not None and not is_duration(timeout):
+            raise InvalidArgument(
+                f"step(timeout=): must be a number of seconds > 0 or None, got {timeout!r}"
+            )
         root = self._root
         if root is None:
             raise BroodError("no episode: call reset(prompt) before step()")
@@ -88,12 +96,22 @@ class Session:
         core = self._sup._core
 
         async def step() -> Any:
-            res = await core.exec_step(root, code, next(self._req))
+            try:
+                res = await core.exec_step(root, code, next(self._req), timeout)
+            except BroodError:
+                if not root.rec.state.terminal and root.ending is None:
+                    raise
+                await root.done.wait()  # ended during the step: say how, as an observation
+                return None
             if res.done:
                 await root.done.wait()
             return res
 
         res = self._sup._loop.call(step())
+        if res is None:
+            r = root.rec
+            why = f"the episode ended {r.state.value}: {r.reason}"
+            return Observation("", "", why, True, None, self.children())
         return Observation(res.stdout, res.stderr, res.error, res.done, res.answer, self.children())
 
     def children(self) -> list[dict[str, str]]:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import os
 
-from brood.backends.local import OWNER_ENV, processes_owned
+from brood.backends.owners import OWNER_ENV, processes_of
 
-__all__ = ["OWNER_ENV", "leftover_processes"]
+__all__ = ["OWNER_ENV", "leftover_processes", "processes_of"]
 
 
 def leftover_processes() -> list[int]:
     """Pids of brood processes (zygotes, workers, their grandchildren) owned by this process."""
-    mine = f"{os.getpid()}:"
-    return sorted(pid for pid, token in processes_owned().items() if token.startswith(mine))
+    return processes_of(os.getpid())

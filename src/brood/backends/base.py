@@ -11,6 +11,9 @@ from brood.errors import InvalidArgument
 from brood.protocol import Msg, encode
 from brood.worker.confine import Policy
 
+# The exit status of a worker that no process could reap for brood (its zygote was lost).
+STATUS_UNKNOWN = -(2**15)
+
 
 class WorkerConn:
     """The supervisor's end of one worker: send messages, learn of its exit.
@@ -70,6 +73,10 @@ class WorkerSettings:
 
 
 class Backend(Protocol):
+    # Told when the backend lost its worker factory (its pid and exit status) and is making
+    # a new one: the supervisor journals it.
+    on_lost: Callable[[int, int], None] | None
+
     async def start(self) -> None: ...
 
     async def acquire(self) -> WorkerConn:
@@ -95,9 +102,9 @@ class Backend(Protocol):
     async def close(self) -> None: ...
 
 
-def make_backend(name: str, owner: str, settings: WorkerSettings) -> Backend:
+def make_backend(name: str, settings: WorkerSettings) -> Backend:
     if name == "local":
         from brood.backends.local import LocalBackend
 
-        return LocalBackend(owner, settings)
+        return LocalBackend(settings)
     raise InvalidArgument(f"unknown backend {name!r}; brood has 'local'")

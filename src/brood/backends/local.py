@@ -5,8 +5,8 @@ environment workers get, which forks workers into their own sessions. Each worke
 the supervisor over its own socketpair, whose supervisor end the zygote passes back with
 `Forked` (SCM_RIGHTS over a SOCK_SEQPACKET control socket): there is no path another
 process could connect to. Workers wait in a small warm pool, so starting a run is one
-message. Every process brood starts carries BROOD_OWNER in its environment, which lets a
-later supervisor find and kill what a dead one left behind.
+message. Every process brood starts carries an owner mark in its environment, which lets a
+later supervisor find and kill what a dead one left behind (brood.backends.owners).
 """
 
 from __future__ import annotations
@@ -14,17 +14,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 
 import msgspec
 
-from brood.backends.base import WorkerConn, WorkerSettings
+from brood.backends.base import STATUS_UNKNOWN, WorkerConn, WorkerSettings
+from brood.backends.owners import OWNER_ENV, register_owner, sweep_orphans, unregister_owner
 from brood.errors import BackendError
 from brood.protocol import (
     HEADER,
@@ -43,68 +44,13 @@ from brood.protocol import (
 from brood.worker import confine
 
 WARM_WORKERS = 2  # ready workers kept forked; each idles at about 1 MiB of its own memory
+ORPHAN_POLL_S = 0.05  # how often the workers of a lost zygote are looked at until gone
 ZYGOTE_START_TIMEOUT_S = 60.0  # a cold import on a loaded machine can take seconds
-OWNER_ENV = "BROOD_OWNER"
 
 
-def owner_token() -> str:
-    """`PID:STARTTIME:NONCE`: names this process even after its pid is reused, and one
-    supervisor among several in the same process."""
-    return f"{os.getpid()}:{_start_time(os.getpid())}:{secrets.token_hex(4)}"
-
-
-def _start_time(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return "?"
-
-
-def owner_alive(token: str) -> bool:
-    """Whether the process an owner token names is still that same process."""
-    pid, _, rest = token.partition(":")
-    start = rest.partition(":")[0]
-    try:
-        return _start_time(int(pid)) == start
-    except ValueError:
-        return False
-
-
-def processes_owned() -> dict[int, str]:
-    """{pid: owner token} of every process that carries BROOD_OWNER."""
-    found: dict[int, str] = {}
-    prefix = (OWNER_ENV + "=").encode()
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                env = f.read()
-        except OSError:
-            continue
-        for item in env.split(b"\0"):
-            if item.startswith(prefix):
-                found[int(entry)] = item[len(prefix) :].decode(errors="replace")
-                break
-    return found
-
-
-def sweep_orphans(owner: str | None = None) -> list[int]:
-    """Kill processes left by supervisors that died (or, given `owner`, every process that
-    supervisor started); returns their pids."""
-    killed = []
-    for pid, token in processes_owned().items():
-        if pid == os.getpid() or (token != owner if owner else owner_alive(token)):
-            continue
-        for kill in (os.killpg, os.kill):
-            with contextlib.suppress(OSError):
-                kill(pid, signal.SIGKILL)
-        killed.append(pid)
-    return killed
-
-
-def pids_in_group(pgid: int) -> list[int]:
+def pids_in_group(pgid: int, *, live: bool = False) -> list[int]:
+    """The processes of group `pgid`; with `live`, not those that have exited and wait to be
+    reaped (zombies)."""
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -112,16 +58,24 @@ def pids_in_group(pgid: int) -> list[int]:
         try:
             with open(f"/proc/{entry}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid:
+            if int(fields[2]) == pgid and not (live and fields[0] in "ZX"):
                 pids.append(int(entry))
         except (OSError, IndexError, ValueError):
             continue
     return pids
 
 
+def _exited(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in "ZX"
+    except (OSError, IndexError):
+        return True
+
+
 class LocalBackend:
-    def __init__(self, owner: str, settings: WorkerSettings) -> None:
-        self.owner = owner
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.owner = ""  # this backend's owner mark, from start()
         self.settings = settings
         # Workers' scratch directories live here, one per worker (its pid), each reachable
         # by that worker alone (Landlock); removed when their run ends.
@@ -136,9 +90,18 @@ class LocalBackend:
         self._closed = False
         self.escaped: list[int] = []
         self._all: set[WorkerConn] = set()  # every connection, to close them all at the end
+        self.on_lost: Callable[[int, int], None] | None = None
+        self._orphans: set[WorkerConn] = set()  # workers of a lost zygote, not yet gone
+        self._replacing = False  # a lost zygote's successor is starting
+        self._owed = 0  # forks asked for meanwhile, made once it is up
 
     async def start(self) -> None:
         sweep_orphans()
+        self.owner = register_owner()
+        await self._start_zygote()
+
+    async def _start_zygote(self) -> None:
+        self._ready.clear()
         sup_end, zyg_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = dict(self.settings.env, **{OWNER_ENV: self.owner})
         try:
@@ -181,6 +144,9 @@ class LocalBackend:
         task.add_done_callback(self._tasks.discard)
 
     def _fork(self, count: int) -> None:
+        if self._replacing:
+            self._owed += count
+            return
         if self._ctrl is None or self._closed:
             return
         try:
@@ -228,9 +194,48 @@ class LocalBackend:
         assert self._ctrl is not None
         with contextlib.suppress(Exception):
             asyncio.get_running_loop().remove_reader(self._ctrl)
-        # Nothing can be confirmed any more for workers not yet reaped.
-        for conn in self.conns.values():
-            conn.mark_exited(-signal.SIGKILL)
+        if self._closed:  # close() stopped it: every worker went with it
+            for conn in self.conns.values():
+                conn.mark_exited(-signal.SIGKILL)
+            return
+        # Lost (killed from outside, or by model code): its workers go on without it, and
+        # a new zygote serves what comes next.
+        self._orphans.update(self.conns.values())
+        self.conns.clear()
+        for conn in self._orphans:
+            if conn.handler is None:  # warm, with no run: no run may get it now
+                conn.mark_exited(STATUS_UNKNOWN)
+                self.signal_group(conn, signal.SIGKILL)
+        self._replacing = True
+        self._track(self._replace_zygote())
+
+    async def _replace_zygote(self) -> None:
+        old = self._zygote
+        assert old is not None and self._ctrl is not None
+        status = await asyncio.to_thread(old.wait)
+        self._ctrl.close()
+        if self.on_lost is not None:
+            self.on_lost(old.pid, status)
+        self._track(self._watch_orphans())
+        self._replacing = False
+        try:
+            await self._start_zygote()
+        except BackendError:
+            return
+        owed, self._owed = self._owed, 0
+        self._fork(owed)
+
+    async def _watch_orphans(self) -> None:
+        """No process reaps the workers of a lost zygote for brood, so they are looked at
+        until each has exited and no process of its group is left (a rare path: polling)."""
+        while self._orphans:
+            for conn in list(self._orphans):
+                if not conn.exited.done() and _exited(conn.pid):
+                    conn.mark_exited(STATUS_UNKNOWN)
+                if conn.exited.done() and not pids_in_group(conn.pid, live=True):
+                    conn.gone.set()
+                    self._orphans.discard(conn)
+            await asyncio.sleep(ORPHAN_POLL_S)
 
     def _add_worker(self, pid: int, fd: int) -> None:
         conn = WorkerConn(pid, None, os.path.join(self.scratch_root, str(pid)))
@@ -305,7 +310,11 @@ class LocalBackend:
                 conn.writer.close()
         # The last net: a process that left its worker's process group (setsid) is not
         # covered by group signals, but it still carries this supervisor's owner token.
-        self.escaped = sweep_orphans(self.owner)
+        self.escaped = sweep_orphans(self.owner) if self.owner else []
+        if self.owner and not self.escaped:
+            unregister_owner(self.owner)
+        for conn in self._orphans:  # a lost zygote's workers: nothing else stops them now
+            self.signal_group(conn, signal.SIGKILL)
         for task in list(self._tasks):
             task.cancel()
         if self.settings.keep_scratch:  # keep what runs used; drop what no run got

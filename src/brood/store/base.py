@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
 
@@ -18,6 +19,8 @@ class Store(Protocol):
 
     url: str
     readonly: bool
+    failure: StoreError | None  # the first failed write: every later write raises it too
+    on_failure: Callable[[StoreError], None] | None  # told once, from the writer thread
 
     def insert_supervisor(
         self, token: str, pid: int, host: str, control: str | None

@@ -30,6 +30,7 @@ class PostgresStore(SQLStore):
                 f"store {redact(url)!r} needs psycopg: pip install 'rlm-brood[postgres]'"
             )
         self.errors = (psycopg.Error,)
+        self.refusals = (psycopg.IntegrityError,)
         self.where = f"journal {redact(url)}"
         super().__init__(url, readonly=readonly)
 

@@ -2,7 +2,12 @@
 
 Writes go through one writer thread that commits everything queued so far in one
 transaction (a batch), and return futures that resolve once that commit is done: the
-supervisor waits on a transition's future before it tells anyone of the transition. Reads
+supervisor waits on a transition's future before it tells anyone of the transition.
+
+A write that fails (a damaged file, a full disk, a journal file deleted or replaced) fails
+the journal: that write's future and every later one raise the same StoreError, and
+`on_failure` is called once, so no event is ever dropped without a word. A write the
+journal refuses by design (a second child under the same key) is not a failure. Reads
 use one connection per reading thread. A store opened read-only (the CLI's read commands)
 starts no writer and never changes the journal.
 """
@@ -80,6 +85,7 @@ class SQLStore:
     real = "REAL"
     serial = "INTEGER PRIMARY KEY"
     errors: tuple[type[BaseException], ...] = ()
+    refusals: tuple[type[BaseException], ...] = ()  # a constraint refused the write
     where = ""  # how messages name this journal
 
     def _unopenable(self, exc: BaseException) -> StoreError:
@@ -101,6 +107,9 @@ class SQLStore:
         self._stats = {"writes": 0, "batches": 0, "busy_s": 0.0}
         self._readers: list[Conn] = []
         self._readers_lock = threading.Lock()
+        # The first failed write, for good; `on_failure` hears of it once (writer thread).
+        self.failure: StoreError | None = None
+        self.on_failure: Callable[[StoreError], None] | None = None
         conn = self._open(readonly)
         if readonly:
             self._local.conn = conn
@@ -113,6 +122,11 @@ class SQLStore:
     # ---- subclass hooks ------------------------------------------------------------------
     def _connect(self, readonly: bool) -> Conn:
         raise NotImplementedError
+
+    def _lost(self) -> StoreError | None:
+        """Why the journal can no longer be written though no write failed yet (SQLite: its
+        file was deleted or replaced); None when it can."""
+        return None
 
     def _transaction(self, conn: Conn) -> AbstractContextManager[Any]:
         raise NotImplementedError
@@ -196,23 +210,38 @@ class SQLStore:
         conn.close()
 
     def _commit(self, conn: Conn, batch: list[tuple[Write, Future[Any]]]) -> None:
+        if self.failure is None and (lost := self._lost()) is not None:
+            self._fail(lost)
+        if self.failure is not None:
+            for _, fut in batch:
+                fut.set_exception(self.failure)
+            return
         start = time.perf_counter()
         try:
             with self._transaction(conn) as cur:
                 results = [write(cur) for write, _ in batch]
         except self.errors as exc:
             if len(batch) > 1:
-                # One bad write must not take the others down with it: commit each alone.
+                # One refused write must not take the others down with it: each alone.
                 for item in batch:
                     self._commit(conn, [item])
                 return
-            batch[0][1].set_exception(self._write_failed(exc))
+            if isinstance(exc, self.refusals):
+                batch[0][1].set_exception(StoreError(f"journal refused a write: {exc}"))
+                return
+            self._fail(self._write_failed(exc))
+            batch[0][1].set_exception(self.failure)
             return
         self._stats["batches"] += 1
         self._stats["writes"] += len(batch)
         self._stats["busy_s"] += time.perf_counter() - start
         for (_, fut), result in zip(batch, results, strict=True):
             fut.set_result(result)
+
+    def _fail(self, exc: StoreError) -> None:
+        self.failure = exc
+        if self.on_failure is not None:
+            self.on_failure(exc)
 
     def statistics(self) -> dict[str, float]:
         """Writes and batches committed so far, and the writer thread's time spent on them."""

@@ -15,6 +15,7 @@ from brood.store.sql import SQLStore
 
 class SQLiteStore(SQLStore):
     errors = (sqlite3.Error,)
+    refusals = (sqlite3.IntegrityError,)
 
     def __init__(
         self, path: str, *, url: str, readonly: bool = False, remove_dir: str | None = None
@@ -34,6 +35,18 @@ class SQLiteStore(SQLStore):
             except OSError as exc:
                 raise StoreError(f"cannot create the folder of journal {path}: {exc}") from exc
         super().__init__(url, readonly=readonly)
+        self._identity = None if readonly else _identity(path)
+
+    def _lost(self) -> StoreError | None:
+        now = _identity(self.path)
+        if now == self._identity:
+            return None
+        what = "deleted" if now is None else "replaced by another file"
+        return StoreError(
+            f"{self.where} was {what} while brood was writing it; writes from then on "
+            "cannot be journaled. Put the journal back (or move it aside) and resume the "
+            "trees (brood resume) with a new supervisor"
+        )
 
     def _connect(self, readonly: bool) -> sqlite3.Connection:
         try:
@@ -122,3 +135,12 @@ class SQLiteStore(SQLStore):
         super().close()
         if self._remove_dir:
             shutil.rmtree(self._remove_dir, ignore_errors=True)
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    """Which file `path` is (device and inode); None when there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino

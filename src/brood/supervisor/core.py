@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from brood.backends.base import Backend, WorkerConn
+from brood.backends.base import STATUS_UNKNOWN, Backend, WorkerConn
 from brood.errors import (
     BroodError,
     ChildCleanupError,
@@ -27,6 +27,7 @@ from brood.errors import (
     LimitExceeded,
     ModelError,
     ReplayDiverged,
+    StoreError,
     SupervisorClosed,
 )
 from brood.lifecycle import RunRecord, RunState, move
@@ -49,6 +50,7 @@ from brood.protocol import (
     SendReq,
     SpawnReq,
     Start,
+    StepBegan,
     StepDone,
     StepResult,
     Stop,
@@ -64,6 +66,7 @@ KILL_CONFIRM_S = 5.0  # after SIGKILL, a group still present this long is report
 DRAIN_ON_EXIT_S = 1.0  # read what a dead worker sent last before calling its exit a crash
 CPU_SLACK_S = 0.05  # rusage of a worker killed at its CPU limit can read just under it
 FLOW_MODEL = "flow"  # the model column of a flow's own run (it has no worker)
+STORE_FAILED = "StoreError: "  # how the reason of a run ended by a failed journal begins
 
 Q, RUN, CANCELLING = RunState.QUEUED, RunState.RUNNING, RunState.CANCELLING
 
@@ -137,6 +140,12 @@ class Run:
     largest_tokens: int = 0
     largest_cost: float = 0.0
     budget_waiters: list[asyncio.Future[None]] = field(default_factory=list)
+    # The supervisor's own clock of the step under way, paused while the run waits on the
+    # supervisor (`holds`: requests being answered, and a block on children).
+    watch: StepWatch | None = None
+    holds: int = 0
+    blocked: bool = False
+    exec_timeout: float | None = None  # Session.step(timeout=) of the driven step under way
 
     @property
     def launchable(self) -> bool:
@@ -164,6 +173,33 @@ class Run:
             r.duration,
             dict(r.usage),
         )
+
+
+class StepWatch:
+    """The supervisor's clock of one step: the step's compute time, as the worker's own
+    StepClock counts it (waits on the supervisor are not counted), plus a grace. It calls
+    `on_late` if the step has not ended by then: model code that swallowed StepTimeout or
+    disarmed the worker's timer cannot stop this clock."""
+
+    def __init__(self, budget: float, on_late: Callable[[], object], running: bool) -> None:
+        self.left = budget
+        self.on_late = on_late
+        self.handle: asyncio.TimerHandle | None = None
+        self.since = 0.0
+        if running:
+            self.go()
+
+    def go(self) -> None:
+        if self.handle is None:
+            loop = asyncio.get_running_loop()
+            self.since = loop.time()
+            self.handle = loop.call_later(max(0.0, self.left), self.on_late)
+
+    def pause(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
+            self.left -= asyncio.get_running_loop().time() - self.since
 
 
 class Core:
@@ -194,6 +230,7 @@ class Core:
         self.resume_queue: deque[tuple[Run, asyncio.Future[None]]] = deque()
         self.closing = False
         self.broken: ChildCleanupError | None = None
+        self.store_error: StoreError | None = None  # the journal failed: no new work
         self._deliveries = itertools.count(1 << 30)  # Deliver ids, apart from Exec ids
         self.diverged: dict[str, str] = {}  # root id -> why its resume stopped
         self.flows: dict[str, Any] = {}  # flow run id -> its executor (brood.flow)
@@ -202,6 +239,7 @@ class Core:
         self.flow_handler: Callable[[Run, FlowReq], Awaitable[Any]] | None = None
         self.flow_resumer: Callable[[Run], None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        backend.on_lost = self._zygote_lost
 
     # ---- bookkeeping -------------------------------------------------------------------
     def _task(self, coro: Any) -> asyncio.Task[Any]:
@@ -224,18 +262,36 @@ class Core:
         committed = asyncio.wrap_future(self.store.transition(run.rec, frm.value, to.value))
         if meanwhile is not None:
             meanwhile()
-        await committed
+        try:
+            await committed
+        except StoreError as exc:
+            self.store_failed(exc)  # every run is ending with the journal's error
+            if to.terminal:  # an end the journal does not hold is not the end it says
+                run.rec.state, run.rec.reason = RunState.FAILED, f"{STORE_FAILED}{exc}"
         parent = run.parent
         if parent is not None and parent.conn is not None and not parent.rec.state.terminal:
             r = run.rec
-            parent.conn.send(ChildUpdate(r.id, to.value, r.answer, r.reason, r.error))
+            parent.conn.send(ChildUpdate(r.id, r.state.value, r.answer, r.reason, r.error))
 
     def _event(
         self, run: Run, kind: str, data: dict[str, Any], progress: str | None = None
     ) -> None:
         self.store.event(run.rec, kind, data, progress)
 
+    def store_failed(self, exc: StoreError) -> None:
+        """The journal failed a write: end every run at once with that reason (the
+        failure is loud, never a hang) and refuse new work."""
+        if self.store_error is not None:
+            return
+        self.store_error = exc
+        reason = f"{STORE_FAILED}{exc}"
+        for run in list(self.runs.values()):
+            if run.parent is None and not run.rec.state.terminal:
+                self._task(self.finish(run, RunState.FAILED, reason))
+
     def check_open(self) -> None:
+        if self.store_error is not None:
+            raise StoreError(f"this supervisor refuses new work: {self.store_error}")
         if self.broken is not None:
             raise SupervisorClosed(
                 f"this supervisor refused new work after a cleanup failure ({self.broken}); "
@@ -497,17 +553,28 @@ class Core:
     # ---- messages from workers ---------------------------------------------------------
     def _on_msg(self, run: Run, msg: Msg) -> None:
         if isinstance(msg, SpawnReq | CancelReq | SendReq):
-            self._task(self._answer(run, msg.req_id, self._request(run, msg)))
+            self._ask(run, msg.req_id, self._request(run, msg))
         elif isinstance(msg, FlowReq):
-            self._task(self._answer(run, msg.req_id, self._flow_request(run, msg)))
+            self._ask(run, msg.req_id, self._flow_request(run, msg))
         elif isinstance(msg, Blocked):
             if msg.blocked:
+                if not run.blocked:
+                    run.blocked = True
+                    self._hold(run)
                 self._release(run)
             else:
-                self._task(self._answer(run, msg.req_id, self._unblock(run)))
+                self._ask(run, msg.req_id, self._unblock(run))
+                if run.blocked:
+                    run.blocked = False
+                    self._unhold(run)
         elif isinstance(msg, ModelReq):
-            self._task(self._answer(run, msg.req_id, self._model_call(run, msg)))
+            self._ask(run, msg.req_id, self._model_call(run, msg))
+        elif isinstance(msg, StepBegan):
+            self._ask(run, msg.req_id, self._step_began(run, msg))
         elif isinstance(msg, StepDone):
+            self._stop_watch(run)
+            if msg.replayed:
+                return
             run.last_line = last_line(msg.stdout) or run.last_line
             self._event(
                 run,
@@ -541,14 +608,70 @@ class Core:
             if fut is not None and not fut.done():
                 fut.set_result(msg)
 
-    async def _answer(self, run: Run, req_id: int, work: Any) -> None:
+    def _ask(self, run: Run, req_id: int, work: Awaitable[Any]) -> None:
+        """Answer a worker's request; the run's step clock stands still meanwhile."""
+        self._hold(run)
+        self._task(self._answer(run, req_id, work))
+
+    async def _answer(self, run: Run, req_id: int, work: Awaitable[Any]) -> None:
         try:
             value = await work
             reply = Reply(req_id, value=value)
         except Exception as exc:
             reply = Reply(req_id, error=error_info(exc))
+        finally:
+            self._unhold(run)
         if run.conn is not None:
             run.conn.send(reply)
+
+    # ---- the supervisor's clock of each step ---------------------------------------------
+    def _hold(self, run: Run) -> None:
+        run.holds += 1
+        if run.watch is not None:
+            run.watch.pause()
+
+    def _unhold(self, run: Run) -> None:
+        run.holds -= 1
+        if run.holds == 0 and run.watch is not None:
+            run.watch.go()
+
+    def _stop_watch(self, run: Run) -> None:
+        if run.watch is not None:
+            run.watch.pause()
+            run.watch = None
+
+    async def _step_began(self, run: Run, msg: StepBegan) -> None:
+        """Journal a live step's start before it runs (a step during which the host dies
+        is then known to a resume), and start the supervisor's own clock of it."""
+        self._stop_watch(run)
+        if not msg.replaying:
+            try:
+                await asyncio.wrap_future(
+                    self.store.event(run.rec, "step_begun", {"step": msg.step})
+                )
+            except StoreError:
+                return  # the journal failed: the run is being ended with that reason
+        limit = run.exec_timeout if run.exec_timeout is not None else self.limits.step_timeout
+        if limit is None or run.ending is not None:
+            return
+        step = msg.step
+        # Held while this request is answered: it runs once the reply is on its way.
+        run.watch = StepWatch(
+            limit + self.limits.step_grace,
+            lambda: self._step_ignored(run, step, limit),
+            running=run.holds == 0,
+        )
+
+    def _step_ignored(self, run: Run, step: int, limit: float) -> None:
+        run.watch = None
+        if run.ending is not None or run.rec.state.terminal:
+            return
+        reason = (
+            f"step timeout ignored: step {step} computed past its limit of {limit:g} s and "
+            f"{self.limits.step_grace:g} s of grace (Limits.step_grace) without ending; its "
+            "code swallowed or disarmed StepTimeout, so its worker was stopped"
+        )
+        self._task(self.finish(run, RunState.FAILED, reason))
 
     async def _request(self, run: Run, msg: SpawnReq | CancelReq | SendReq) -> Any:
         if isinstance(msg, SpawnReq):
@@ -773,6 +896,7 @@ class Core:
         rec = run.rec
         if run.timer is not None:
             run.timer.cancel()
+        self._stop_watch(run)
         for call in list(run.calls):  # abandoned: nobody will read their replies
             call.cancel()
         if answer is not None:
@@ -842,8 +966,19 @@ class Core:
         used, oom = (conn.cpu, conn.oom_kills) if conn is not None else (0.0, 0)
         await self.finish(run, RunState.FAILED, self._exit_reason(status, used, oom))
 
+    def _zygote_lost(self, pid: int, status: int) -> None:
+        """The backend lost its zygote and is starting another: said in every live tree.
+        Runs whose workers it forked go on; their exits are confirmed without it."""
+        how = f"signal {-status}" if status < 0 else f"status {status}"
+        data = {"pid": pid, "exit": how, "replaced": True}
+        for run in self.runs.values():
+            if run.parent is None and not run.rec.state.terminal:
+                self._event(run, "zygote_lost", data)
+
     def _exit_reason(self, status: int, cpu_used: float, oom_kills: int = 0) -> str:
         """Why a worker died, naming the limit when a limit killed it."""
+        if status == STATUS_UNKNOWN:
+            return "worker exited; its status is unknown (the zygote that forked it was lost)"
         how = f"signal {-status}" if status < 0 else f"status {status}"
         if status == -signal.SIGKILL and oom_kills:
             return (
@@ -865,12 +1000,15 @@ class Core:
         return f"worker exited with {how}"
 
     # ---- driving a Session root --------------------------------------------------------
-    async def exec_step(self, run: Run, code: str, req_id: int) -> StepResult:
+    async def exec_step(
+        self, run: Run, code: str, req_id: int, timeout: float | None = None
+    ) -> StepResult:
         if run.conn is None or run.rec.state is not RUN:
             raise BroodError(f"run {run.id} is {run.rec.state.value}; it takes no more steps")
         fut: asyncio.Future[StepResult] = asyncio.get_running_loop().create_future()
         run.pending[req_id] = fut
-        run.conn.send(Exec(req_id, code))
+        run.exec_timeout = timeout
+        run.conn.send(Exec(req_id, code, timeout))
         return await fut
 
     # ---- runs the supervisor's own code drives (flows) ----------------------------------
@@ -1021,6 +1159,7 @@ class Core:
         open_ids = [r.id for r in runs.values() if not r.rec.state.terminal]
         self._event(root, "resume", {"supervisor": self.owner, "open": open_ids})
         ending: set[Run] = set()  # cancelled by this resume
+        poisoned = self._poison_steps(list(runs.values()))
         for run in runs.values():
             if run.rec.state.terminal or run.ending is not None:
                 continue
@@ -1033,6 +1172,13 @@ class Core:
                 self._task(self.finish(run, RunState.CANCELLED, "parent ended before the resume"))
             elif run.rec.model == FLOW_MODEL:
                 pass  # a flow's run has no worker: its ledger rebuilds it, below
+            elif run in poisoned:
+                ending.add(run)
+                why = (
+                    f"step {poisoned[run]} was under way each time its host process died, twice; "
+                    "it is not replayed a third time (its code may be what kills the host)"
+                )
+                self._task(self.finish(run, RunState.FAILED, why))
             elif run.rec.state is RUN:
                 run.replay = self._replay_of(run)
             else:  # queued: follow-ups held for its start were in memory only
@@ -1050,6 +1196,29 @@ class Core:
             self.start_queue.append(root)
             self._grant()
         return root
+
+    def _poison_steps(self, runs: list[Run]) -> dict[Run, int]:
+        """The runs whose step was under way at two host deaths, each with that step. A run
+        with such a descendant is not one of them: its step was waiting on that one."""
+        found = {}
+        for run in runs:
+            if run.rec.state is RUN and (step := self._poison_step(run)) is not None:
+                found[run] = step
+
+        def waits_below(run: Run) -> bool:
+            return any(c in found or waits_below(c) for c in run.children)
+
+        return {run: step for run, step in found.items() if not waits_below(run)}
+
+    def _poison_step(self, run: Run) -> int | None:
+        """The step of `run` that was under way at two host deaths (begun twice in the
+        journal, ended never), if there is one."""
+        done = {int(e["data"]["step"]) for e in self.store.events(run.id, "step")}
+        begun: dict[int, int] = {}
+        for e in self.store.events(run.id, "step_begun"):
+            step = int(e["data"]["step"])
+            begun[step] = begun.get(step, 0) + 1
+        return next((n for n, c in sorted(begun.items()) if c >= 2 and n not in done), None)
 
     def _replay_of(self, run: Run) -> Replay:
         """What the journal holds of a run: its turns' replies, its plain calls' replies by

@@ -6,12 +6,14 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
-from brood.protocol import Failed, Final, StepDone, StepResult
+from brood.protocol import Failed, Final, StepBegan, StepDone, StepResult
 from brood.worker.helpers import Runtime
 from brood.worker.link import TERMINAL_STATES
 from brood.worker.repl import CAPTURE_LIMIT, Repl, StepOutput, truncate
 
 CAPTURE_PER_SHOWN = 50  # a step keeps (and journals) 50 times what the model is shown
+CAPTURE_MAX = 4_000_000  # characters kept of stdout (and of stderr) at most: one step's
+# StepDone stays well under the cap of a worker's message, whatever output_limit says
 
 OPEN_FENCE = re.compile(r"^\s*```\s*(repl|python|py)\s*$")
 ANY_FENCE = re.compile(r"^\s*```")
@@ -89,14 +91,17 @@ class Agent:
         self.repl = repl
         self.limits = limits
 
-    def run_code(self, code: str) -> StepOutput:
+    def run_code(self, code: str, timeout: float | None = None) -> StepOutput:
         """Run one block as a REPL step and journal it; its output, with brood's notes added
-        to stderr."""
-        self.rt.step += 1
+        to stderr. `timeout` bounds this step instead of Limits.step_timeout."""
+        rt = self.rt
+        rt.step += 1
+        # The supervisor journals the step's start and starts its own clock of it first.
+        rt.link.request(StepBegan(req_id=rt.link.next_id(), step=rt.step, replaying=rt.replaying))
         shown = int(self.limits.get("output_limit", 20_000))
-        out = self.repl.run(
-            code, self.limits.get("step_timeout"), max(CAPTURE_LIMIT, CAPTURE_PER_SHOWN * shown)
-        )
+        limit = timeout if timeout is not None else self.limits.get("step_timeout")
+        capture = min(CAPTURE_MAX, max(CAPTURE_LIMIT, CAPTURE_PER_SHOWN * shown))
+        out = self.repl.run(code, limit, capture)
         stderr = out.stderr
         if out.error and (hint := limit_hint(out.error, self.limits)):
             stderr += hint + "\n"
@@ -109,6 +114,8 @@ class Agent:
             self.rt.link.send(
                 StepDone(self.rt.step, code, out.stdout, stderr, out.error, out.duration, pending)
             )
+        else:
+            self.rt.link.send(StepDone(self.rt.step, "", "", "", None, 0.0, replayed=True))
         return replace(out, stderr=stderr, written=out.written + len(stderr) - len(out.stderr))
 
     def feedback(self, reply: str) -> str:
@@ -194,7 +201,7 @@ class Agent:
         rt = self.rt
         while True:
             ex = rt.link.execs.get()
-            out = self.run_code(ex.code)
+            out = self.run_code(ex.code, ex.timeout)
             if rt.final is None:
                 rt.link.send(StepResult(ex.req_id, out.stdout, out.stderr, out.error, False, None))
                 continue

@@ -8,7 +8,7 @@ import traceback
 
 import cloudpickle
 
-from brood.protocol import Failed, Final, Start, SyncChannel
+from brood.protocol import MAX_WORKER_FRAME, Failed, Final, Start, SyncChannel
 from brood.worker.agent import Agent
 from brood.worker.helpers import ERRORS, Runtime, make_helpers
 from brood.worker.link import Link
@@ -25,7 +25,7 @@ def first_message(start: Start, context: object) -> str:
 def serve(sock: socket.socket) -> None:
     """Entry of a forked, confined worker, over its own end of a socketpair. Never returns
     normally: the process ends with os._exit."""
-    chan = SyncChannel.over_socket(sock)
+    chan = SyncChannel.over_socket(sock, limit=MAX_WORKER_FRAME)
     link = Link(chan)
     link.start_reader()  # while the worker waits in the warm pool, not after its Start
     start = link.starts.get()  # the reader exits the process if the supervisor goes first
