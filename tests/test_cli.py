@@ -92,6 +92,8 @@ def test_a_binary_context_or_a_timeout_that_is_no_duration_is_refused(tmp_path):
         out = brood("run", "x", "--model", "scripted:demo", "--timeout", bad, "--store", store)
         assert out.returncode == 2, (bad, out.stderr)
         assert "timeout must be a number of seconds > 0" in out.stderr
+    out = brood("run", "--help")  # a root never runs unbounded by mistake
+    assert "3600" in out.stdout, out.stdout
 
 
 def test_model_timeout_bounds_each_try_of_a_call_to_a_server_that_hangs(tmp_path):

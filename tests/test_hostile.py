@@ -380,7 +380,8 @@ KILL_ZYGOTE = "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nFINAL('
 
 def test_confined_model_code_cannot_signal_its_zygote(store):
     with brood.Supervisor(coder, limits=limits(), store=store) as sup:
-        code = "import os\ntry:\n    os.kill(os.getppid(), 9)\nexcept OSError as e:\n    FINAL(repr(e))"
+        code = "import os\ntry:\n    os.kill(os.getppid(), 9)\n"
+        code += "except OSError as e:\n    FINAL(repr(e))"
         result = sup.run(task(code))
         assert result.answer.startswith("PermissionError"), result
 
@@ -403,3 +404,27 @@ def test_a_zygote_killed_from_a_step_is_replaced(store, tmp_path):
     with Journal(store) as journal:
         (event,) = journal.store.events(waiting.id, "zygote_lost")
     assert event["data"]["exit"] == "signal 9" and event["data"]["replaced"]
+
+
+# ---- the memory of waiting parents is visible -----------------------------------------------
+def test_ps_and_statistics_show_live_workers_and_their_memory(store, tmp_path):
+    gate, in_child = Gate(tmp_path, "gate"), Signal(tmp_path, "in-child")
+    child = task(f"{in_child.code}\n{gate.wait_code}\nFINAL('child')")
+    parent = task(f"FINAL(rlm_query({child!r}))")
+    with brood.Supervisor(coder, limits=limits(fs_write=(str(tmp_path),)), store=store) as sup:
+        handle = sup.spawn(parent)
+        in_child.wait()
+        stats = sup.statistics()["workers"]
+        assert stats["runs"] == 2 and stats["memory_bytes"] > 0, stats  # the parent waits
+        done = subprocess.run(
+            [sys.executable, "-m", "brood.cli.main", "ps", "--json", "--store", store],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        (row,) = json.loads(done.stdout)
+        assert row["run_id"] == handle.id
+        assert row["workers"] == 2 and row["memory_bytes"] > 2**20, row
+        gate.open()
+        assert handle.wait(timeout=60) == "child"

@@ -14,6 +14,7 @@ import cloudpickle
 
 from brood.backends.base import make_backend
 from brood.backends.confinement import announce, unenforced, worker_settings
+from brood.backends.local import own_memory
 from brood.backends.owners import owner_alive, owner_token
 from brood.errors import (
     BroodError,
@@ -55,20 +56,6 @@ class RunResult(NamedTuple):
     answer: str | None
     error: str | None
     usage: dict[str, Any]
-
-
-def _own_memory(pid: int) -> int:
-    """Bytes of memory process `pid` holds alone (Private_Clean + Private_Dirty); 0 once
-    it is gone."""
-    total = 0
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith(("Private_Clean:", "Private_Dirty:")):
-                    total += int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return 0
-    return total
 
 
 def _check_timeout(timeout: object) -> None:
@@ -357,7 +344,7 @@ class Supervisor:
                 "workers": {
                     "runs": len(serving),
                     "warm": len(warm),
-                    "memory_bytes": sum(map(_own_memory, serving + warm)),
+                    "memory_bytes": sum(map(own_memory, serving + warm)),
                 },
             }
 

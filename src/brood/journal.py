@@ -7,10 +7,12 @@ control socket of the supervisor that owns the tree, found in the journal.
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
 
+from brood.backends.local import own_memory
 from brood.backends.owners import owner_alive
 from brood.errors import BroodError
 from brood.lifecycle import TERMINAL
@@ -22,6 +24,7 @@ __all__ = ["USAGE_KEYS", "Journal"]
 
 USAGE_KEYS = ("model_calls", "input_tokens", "output_tokens", "cost")
 TERMINAL_VALUES = frozenset(s.value for s in TERMINAL)
+LIVE_STATES = frozenset({"running", "cancelling"})  # a run that has a worker
 CONTROL_TIMEOUT_S = 120.0  # a cancel waits for confirmed exit, which includes grace periods
 
 
@@ -107,15 +110,32 @@ class Journal:
         return self._index(root_id)[run_id]
 
     def roots(self, limit: int = 20) -> list[dict[str, Any]]:
-        """The most recent trees, newest first, with their size and subtree usage."""
+        """The most recent trees, newest first, with their size, subtree usage, and the
+        live workers of their open runs (`workers`) with the memory those hold alone
+        (`memory_bytes`; read on this host only, else None)."""
         out = []
         for root in self.store.roots(limit):
             index = self._index(root["id"])
             row = index[root["id"]]
             row["runs"] = len(index)
             row["open"] = sum(1 for r in index.values() if r["state"] not in TERMINAL_VALUES)
+            live = [
+                r
+                for r in index.values()
+                if r["state"] in LIVE_STATES
+                and r["pid"]
+                and not r["stale"]
+                and r["model"] != "flow"
+            ]
+            row["workers"] = len(live)
+            here = all(self._on_this_host(r["supervisor"]) for r in live)
+            row["memory_bytes"] = sum(own_memory(r["pid"]) for r in live) if here else None
             out.append(row)
         return out
+
+    def _on_this_host(self, token: str | None) -> bool:
+        row = self.store.supervisor(token) if token else None
+        return row is not None and row["host"] == socket.gethostname()
 
     def steps(self, run_id: str) -> list[dict[str, Any]]:
         return [e["data"] | {"at": e["at"]} for e in self.store.events(run_id, "step")]

@@ -77,6 +77,9 @@ ModelTimeoutOpt = Annotated[
 ]
 
 
+ROOT_TIMEOUT_S = 3600.0  # brood run's default bound on a tree: never unbounded by mistake
+
+
 def _model(spec: str | None, timeout: float | None) -> str | None:
     """The model spec (or BROOD_MODEL), with --model-timeout folded into it."""
     spec = spec or os.environ.get("BROOD_MODEL")
@@ -223,7 +226,9 @@ def run(
     max_iterations: Annotated[int | None, typer.Option(help="model turns per run")] = None,
     child_timeout: Annotated[float | None, typer.Option(help="seconds per child run")] = None,
     token_budget: Annotated[int | None, typer.Option(help="tokens for the whole tree")] = None,
-    timeout: Annotated[float | None, typer.Option(help="seconds for the whole run")] = None,
+    timeout: Annotated[
+        float, typer.Option(help="wall-clock seconds for the whole tree (a number > 0)")
+    ] = ROOT_TIMEOUT_S,
     fs_read: FsReadOpt = None,
     fs_write: FsWriteOpt = None,
     network: NetworkOpt = False,
@@ -335,9 +340,10 @@ def ps(
     with _journal(store) as journal:
         roots = journal.roots(limit)
     if as_json:
-        _print_json([_flat(r) | {"runs": r["runs"], "open": r["open"]} for r in roots])
+        keys = ("runs", "open", "workers", "memory_bytes")
+        _print_json([_flat(r) | {k: r[k] for k in keys} for r in roots])
         return
-    table = Table("RUN", "STATE", "RUNS", "CALLS", "TOKENS", "TIME", "PROMPT", box=None)
+    table = Table("RUN", "STATE", "RUNS", "CALLS", "TOKENS", "TIME", "WORKERS", "PROMPT", box=None)
     for r in roots:
         u = r["subtree_usage"]
         table.add_row(
@@ -347,9 +353,17 @@ def ps(
             str(int(u.get("model_calls", 0))),
             str(int(u.get("input_tokens", 0)) + int(u.get("output_tokens", 0))),
             _secs(r["duration"]),
+            _workers_text(r["workers"], r["memory_bytes"]),
             _short(r["prompt"], 50),
         )
     Console().print(table)
+
+
+def _workers_text(workers: int, memory: int | None) -> str:
+    """Live workers of a tree and the memory they hold alone, e.g. `3 · 41 MiB`."""
+    if not workers:
+        return ""
+    return f"{workers} · {memory / 2**20:.0f} MiB" if memory is not None else str(workers)
 
 
 def _flat(run: dict[str, Any]) -> dict[str, Any]:
