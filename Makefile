@@ -27,3 +27,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py
 
 .PHONY: venv demo lint test bench
+
+soak: $(STAMP)
+	$(BIN)/python benchmarks/soak.py
+
+.PHONY: soak

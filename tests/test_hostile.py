@@ -374,6 +374,16 @@ def test_a_context_over_the_message_cap_fails_the_call_saying_so(store):
         still_serves(sup, store, result.run_id)
 
 
+def test_an_answer_over_the_message_cap_fails_the_run_saying_so(store):
+    lim = limits(answer_limit=100_000_000)  # the answer cap would let it through
+    with brood.Supervisor(coder, limits=lim, store=store) as sup:
+        result = sup.run(task("FINAL('x' * (65 * 2**20))"))
+        assert result.state == "failed", result
+        assert "Final of 68,157,4" in result.error, result.error
+        assert "over the 67,108,864-byte cap of one message" in result.error
+        still_serves(sup, store, result.run_id)
+
+
 # ---- a lost zygote is replaced --------------------------------------------------------------
 KILL_ZYGOTE = "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nFINAL('killed it')"
 

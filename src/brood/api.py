@@ -329,26 +329,27 @@ class Supervisor:
         included), "warm": ready in the pool, "memory_bytes": their own memory (USS, what
         is not shared with the template they were forked from)}."""
 
-        async def snap() -> dict[str, Any]:
+        async def snap() -> tuple[dict[str, Any], list[int], list[int]]:
             states: dict[str, int] = {}
             serving: list[int] = []
             for r in self._core.runs.values():
                 states[r.rec.state.value] = states.get(r.rec.state.value, 0) + 1
                 if r.conn is not None and not r.conn.exited.done():
                     serving.append(r.conn.pid)
-            warm = self._backend.idle_pids()
-            return {
+            core = self._core
+            counts = {
                 "runs": states,
-                "free_slots": self._core.free_slots,
-                "queued": len(self._core.start_queue),
-                "workers": {
-                    "runs": len(serving),
-                    "warm": len(warm),
-                    "memory_bytes": sum(map(own_memory, serving + warm)),
-                },
+                "free_slots": core.free_slots,
+                "queued": len(core.start_queue),
             }
+            return counts, serving, self._backend.idle_pids()
 
-        return self._loop.call(snap())
+        counts, serving, warm = self._loop.call(snap())
+        # Read here, not on the supervisor's loop: /proc of a busy worker can be slow.
+        memory = sum(map(own_memory, serving + warm))
+        return counts | {
+            "workers": {"runs": len(serving), "warm": len(warm), "memory_bytes": memory}
+        }
 
     # ---- closing -----------------------------------------------------------------------
     def close(self) -> None:

@@ -115,6 +115,8 @@ class LocalBackend:
         await self._start_zygote()
 
     async def _start_zygote(self) -> None:
+        if self._closed:
+            raise BackendError("the local backend is closed")
         self._ready.clear()
         sup_end, zyg_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = dict(self.settings.env, **{OWNER_ENV: self.owner})

@@ -668,8 +668,9 @@ class Core:
             return
         reason = (
             f"step timeout ignored: step {step} computed past its limit of {limit:g} s and "
-            f"{self.limits.step_grace:g} s of grace (Limits.step_grace) without ending; its "
-            "code swallowed or disarmed StepTimeout, so its worker was stopped"
+            f"{self.limits.step_grace:g} s of grace (Limits.step_grace) without ending (its "
+            "StepTimeout was swallowed, disarmed or lost, e.g. in a fork loop), so its "
+            "worker was stopped"
         )
         self._task(self.finish(run, RunState.FAILED, reason))
 
