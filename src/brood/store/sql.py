@@ -227,7 +227,7 @@ class SQLStore:
                     self._commit(conn, [item])
                 return
             if isinstance(exc, self.refusals):
-                batch[0][1].set_exception(StoreError(f"journal refused a write: {exc}"))
+                batch[0][1].set_exception(self._write_failed(exc))  # this write only
                 return
             self._fail(self._write_failed(exc))
             batch[0][1].set_exception(self.failure)
