@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import itertools
 import secrets
@@ -570,7 +571,7 @@ class Core:
         elif isinstance(msg, ModelReq):
             self._ask(run, msg.req_id, self._model_call(run, msg))
         elif isinstance(msg, StepBegan):
-            self._ask(run, msg.req_id, self._step_began(run, msg))
+            self._step_began(run, msg)
         elif isinstance(msg, StepDone):
             self._stop_watch(run)
             if msg.replayed:
@@ -640,27 +641,36 @@ class Core:
             run.watch.pause()
             run.watch = None
 
-    async def _step_began(self, run: Run, msg: StepBegan) -> None:
-        """Journal a live step's start before it runs (a step during which the host dies
-        is then known to a resume), and start the supervisor's own clock of it."""
+    def _step_began(self, run: Run, msg: StepBegan) -> None:
+        """Start the supervisor's own clock of a step, and let the step run once its start
+        is journaled (a step during which the host dies is then known to a resume). On
+        the hot path of every step: no task, one callback from the journal's writer."""
         self._stop_watch(run)
-        if not msg.replaying:
-            try:
-                await asyncio.wrap_future(
-                    self.store.event(run.rec, "step_begun", {"step": msg.step})
-                )
-            except StoreError:
-                return  # the journal failed: the run is being ended with that reason
         limit = run.exec_timeout if run.exec_timeout is not None else self.limits.step_timeout
-        if limit is None or run.ending is not None:
+        if limit is not None and run.ending is None:
+            step = msg.step
+            run.watch = StepWatch(
+                limit + self.limits.step_grace,
+                lambda: self._step_ignored(run, step, limit),
+                running=False,
+            )
+        self._hold(run)  # until the reply is on its way
+        if msg.replaying:  # journaled before the crash
+            self._step_go(run, msg.req_id)
             return
-        step = msg.step
-        # Held while this request is answered: it runs once the reply is on its way.
-        run.watch = StepWatch(
-            limit + self.limits.step_grace,
-            lambda: self._step_ignored(run, step, limit),
-            running=run.holds == 0,
-        )
+        loop = asyncio.get_running_loop()
+
+        def written(_: object) -> None:  # on the writer thread
+            with contextlib.suppress(RuntimeError):  # the loop has closed meanwhile
+                loop.call_soon_threadsafe(self._step_go, run, msg.req_id)
+
+        # A failed write needs no word here: the journal's failure ends the run.
+        self.store.event(run.rec, "step_begun", {"step": msg.step}).add_done_callback(written)
+
+    def _step_go(self, run: Run, req_id: int) -> None:
+        self._unhold(run)
+        if run.conn is not None:
+            run.conn.send(Reply(req_id))
 
     def _step_ignored(self, run: Run, step: int, limit: float) -> None:
         run.watch = None
