@@ -1062,6 +1062,26 @@ def test_a_json_output_without_a_labelled_block_is_the_whole_answer() -> None:
     assert read_output('```\n"s"\n```', "x", "json") == "s"
 
 
+def test_a_json_output_binds_from_the_trailing_fence_that_carries_its_name() -> None:
+    """As the factory binds: the fences scanned trailing-first, the first whose object
+    holds the output's name gives that key's value; one answer carries every output."""
+    answer = (
+        'Plan:\n```json\n{"plan": ["a", "b"], "verdict": {"approved": false}}\n```\n'
+        'Notes:\n```json\n{"notes": "later fence, no verdict"}\n```'
+    )
+    assert read_output(answer, "verdict", "json") == {"approved": False}
+    assert read_output(answer, "plan", "json") == ["a", "b"]
+    assert read_output(answer, "notes", "json") == "later fence, no verdict"
+    # A plain json fence that is the whole answer: its object's key, or the object whole.
+    assert read_output('```json\n{"verdict": {"approved": true}}\n```', "verdict", "json") == {
+        "approved": True
+    }
+    assert read_output('```json\n{"approved": true}\n```', "verdict", "json") == {"approved": True}
+    assert read_output('{"verdict": 3, "x": 1}', "verdict", "json") == 3
+    # A fence labelled with the name still gives its whole value.
+    assert read_output('```json verdict\n{"verdict": 1}\n```', "verdict", "json") == {"verdict": 1}
+
+
 def test_an_unclosed_labelled_block_runs_to_the_end() -> None:
     assert read_output('Here:\n```json x\n{"a": [1,\n 2]}', "x", "json") == {"a": [1, 2]}
 
@@ -1072,7 +1092,7 @@ def test_an_unclosed_labelled_block_runs_to_the_end() -> None:
         ("The answer is yes.", "the whole answer"),
         ('```json x\n{"a": }\n```', "the last ```json x block"),
         ("NaN", "NaN is not JSON"),
-        ('```json y\n{"a": 1}\n```', "the whole answer (it has no ```json x block)"),
+        ('```json y\n{"a": 1}\n```', "the whole answer (no ```json block carries 'x')"),
         ('```python x\n{"a": 1}\n```', "the whole answer"),
     ],
 )

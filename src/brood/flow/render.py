@@ -135,35 +135,57 @@ def _reject_constant(constant: str) -> Any:
 
 
 def read_output(answer: str, name: str, type: str = "text") -> Any:
-    """Output `name` of `type` (`text` or `json`) from a state's final answer.
+    """Output `name` of `type` (`text` or `json`) from a state's final answer, bound as the
+    factory executor binds it, so one answer can carry every output of its state.
 
-    json: the body of the LAST fenced block labelled ```` ```json NAME ```` (or
-    ```` ```NAME ````), else the whole answer — with one enclosing ```` ```json ```` fence
-    removed if the answer is nothing but that block — parsed as strict JSON (NaN and
-    Infinity are refused). Raises OutputError naming the output, where it was read from,
-    the line and column of the parse error, and how the answer should carry it.
+    json: the answer's fenced blocks are scanned trailing-first; the first that is labelled
+    ```` ```json NAME ```` (or ```` ```NAME ````) gives its whole value, and the first
+    ```` ```json ```` block whose object holds key NAME gives that key's value. Else the
+    whole answer (with one enclosing ```` ```json ```` fence removed if the answer is
+    nothing but that block) is parsed: an object holding NAME gives that key's value,
+    anything else is the value whole. Strict JSON (NaN and Infinity are refused). Raises
+    OutputError naming the output, where it was read from, the line and column of the
+    parse error, and how the answer should carry it.
 
     text: the body of the last block labelled ```` ```NAME ```` or ```` ```LANG NAME ````,
     else the whole answer with surrounding whitespace stripped.
     """
     if type not in ("text", "json"):
         raise InvalidArgument(f"output type must be 'text' or 'json', got {type!r}")
-    labelled = [b for b in fenced_blocks(answer) if _labelled(b, name, type)]
+    blocks = fenced_blocks(answer)
     if type == "text":
+        labelled = [b for b in blocks if _labelled(b, name, type)]
         return labelled[-1].body if labelled else answer.strip()
-    if labelled:
-        text, where = labelled[-1].body, f"the last ```json {name} block"
-    elif m := _WHOLE_FENCE.match(answer):
+    for block in reversed(blocks):
+        if _labelled(block, name, type):
+            return _parse_output(block.body, name, f"the last ```json {name} block")
+        if block.info[:1] == ("json",):
+            try:
+                value = _loads(block.body)
+            except ValueError:
+                continue  # not this block: it cannot carry the output
+            if isinstance(value, dict) and name in value:
+                return value[name]
+    if m := _WHOLE_FENCE.match(answer):
         text, where = m.group(2), "the answer's only fenced block"
     else:
-        text, where = answer, f"the whole answer (it has no ```json {name} block)"
+        text, where = answer, f"the whole answer (no ```json block carries {name!r})"
+    value = _parse_output(text, name, where)
+    return value[name] if isinstance(value, dict) and name in value else value
+
+
+def _loads(text: str) -> Any:
+    return json.loads(text, parse_constant=_reject_constant)
+
+
+def _parse_output(text: str, name: str, where: str) -> Any:
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        return _loads(text)
     except json.JSONDecodeError as exc:
         detail = f"{exc.msg} at line {exc.lineno}, column {exc.colno}"
     except ValueError as exc:
         detail = str(exc)
     raise OutputError(
         f"output {name!r} is not valid JSON, read from {where}: {detail}; the answer should "
-        f"end with a fenced block ```json {name} holding the value"
+        f"end with a fenced block ```json holding {{{name!r}: value}} (or ```json {name})"
     )
