@@ -438,3 +438,22 @@ def test_ps_and_statistics_show_live_workers_and_their_memory(store, tmp_path):
         assert row["workers"] == 2 and row["memory_bytes"] > 2**20, row
         gate.open()
         assert handle.wait(timeout=60) == "child"
+
+
+def test_a_zygote_that_cannot_be_replaced_fails_new_runs_saying_so(store, monkeypatch):
+    from brood.backends.local import LocalBackend
+    from brood.errors import BackendError
+
+    with brood.Supervisor(coder, limits=limits(), store=store) as sup:
+        assert sup.run("trivial task").answer == "alive"
+
+        async def refuse(self) -> None:
+            raise BackendError("no zygote today")
+
+        monkeypatch.setattr(LocalBackend, "_start_zygote", refuse)
+        zygote = sup._backend._zygote
+        os.kill(zygote.pid, signal.SIGKILL)
+        zygote.wait()
+        result = sup.run("trivial task")  # never a hang
+        assert result.state == "failed", result
+        assert "another could not start: no zygote today" in result.error, result.error

@@ -96,7 +96,9 @@ class LocalBackend:
         self.scratch_root = tempfile.mkdtemp(prefix="brood-scratch-")
         self._zygote: subprocess.Popen[bytes] | None = None
         self._ctrl: socket.socket | None = None
-        self._idle: asyncio.Queue[WorkerConn] = asyncio.Queue()
+        # Ready workers; None once no worker can come any more (`self.failed` says why).
+        self._idle: asyncio.Queue[WorkerConn | None] = asyncio.Queue()
+        self.failed: str | None = None
         self.conns: dict[int, WorkerConn] = {}
         self._early_exit: dict[int, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -210,7 +212,9 @@ class LocalBackend:
         assert self._ctrl is not None
         with contextlib.suppress(Exception):
             asyncio.get_running_loop().remove_reader(self._ctrl)
-        if self._closed:  # close() stopped it: every worker went with it
+        if self._closed or not self._ready.is_set():
+            # close() stopped it (every worker went with it), or it died before it could
+            # fork (starting another would fail the same way: start() reports it).
             for conn in self.conns.values():
                 conn.mark_exited(-signal.SIGKILL)
             return
@@ -236,7 +240,9 @@ class LocalBackend:
         self._replacing = False
         try:
             await self._start_zygote()
-        except BackendError:
+        except BackendError as exc:
+            self.failed = f"the worker zygote was lost and another could not start: {exc}"
+            self._idle.put_nowait(None)  # wakes every start waiting for a worker
             return
         owed, self._owed = self._owed, 0
         self._fork(owed)
@@ -282,6 +288,9 @@ class LocalBackend:
         self._fork(1)  # keep the warm pool full: one fork for each worker handed out
         while True:
             conn = await self._idle.get()
+            if conn is None:
+                self._idle.put_nowait(None)  # for the next one waiting
+                raise BackendError(self.failed or "the local backend is closed")
             if not conn.exited.done() and not conn.closed.is_set():
                 return conn
 
@@ -326,11 +335,11 @@ class LocalBackend:
                 conn.writer.close()
         # The last net: a process that left its worker's process group (setsid) is not
         # covered by group signals, but it still carries this supervisor's owner token.
+        for conn in self._orphans:  # a lost zygote's workers: nothing else stops them now
+            self.signal_group(conn, signal.SIGKILL)
         self.escaped = sweep_orphans(self.owner) if self.owner else []
         if self.owner and not self.escaped:
             unregister_owner(self.owner)
-        for conn in self._orphans:  # a lost zygote's workers: nothing else stops them now
-            self.signal_group(conn, signal.SIGKILL)
         for task in list(self._tasks):
             task.cancel()
         if self.settings.keep_scratch:  # keep what runs used; drop what no run got
