@@ -483,6 +483,72 @@ def test_continue_foreach_one_item_fails_so_the_state_fires_nothing_and_the_flow
     assert milestones(events) == ["finished"]
 
 
+@pytest.mark.parametrize(
+    ("value", "got"), [({"a": 1}, "got dict"), ("abc", "got str"), (None, "got null")]
+)
+def test_foreach_over_a_value_that_is_no_list_fails_the_entry_naming_it(value, got):
+    spec = {"states": [foreach_state("Item {item}")]}
+    model = brood.ScriptedModel({"Item": [final("never")]})
+    with brood.Supervisor(model, limits=LIMITS) as sup:
+        flow = sup.flow_run(spec, inputs={"item": value})
+        assert flow.wait(timeout=60) == "failed", flow.status()
+        reason = flow.status()["reason"]
+        events = ledger(sup, flow.id)
+        runs = children(sup, flow.id)
+    assert "foreach over input 'item' of state 'each' needs a JSON list" in reason, reason
+    assert got in reason, reason
+    assert runs == []  # nothing started
+    (failed,) = kinds(events, "state_failed")
+    assert failed["state"] == "each" and failed["item"] is None
+
+
+def test_an_escalated_foreach_over_no_list_pauses_again_on_resume():
+    spec = {"run": {"failure_policy": "escalate"}, "states": [foreach_state("Item {item}")]}
+    model = brood.ScriptedModel({"Item": [final("never")]})
+    with brood.Supervisor(model, limits=LIMITS) as sup:
+        flow = sup.flow_run(spec, inputs={"item": {"not": "a list"}})
+        assert flow.wait(timeout=60) == "paused"
+        flow.resume()  # the input is read again: the same error, never a hang or a finish
+        assert flow.wait(timeout=60) == "paused"
+        assert "needs a JSON list, got dict" in flow.status()["reason"]
+        assert flow.stop() == "stopped"
+        assert len(kinds(ledger(sup, flow.id), "state_failed")) == 2
+
+
+def test_foreach_over_an_empty_list_settles_with_empty_lists():
+    spec = {"states": [foreach_state("Item {item}")]}
+    model = brood.ScriptedModel({"Item": [final("never")]})
+    with brood.Supervisor(model, limits=LIMITS) as sup:
+        flow = sup.flow_run(spec, inputs={"item": []})
+        assert flow.wait(timeout=60) == "finished", flow.status()
+        assert flow.outputs() == {"each": {"text": []}}
+        assert children(sup, flow.id) == []
+
+
+def test_a_failed_foreach_entry_starts_none_of_its_queued_items():
+    spec = {
+        "run": {"max_parallel": 1},
+        "states": [foreach_state("Item {item}", failure_policy="continue")],
+    }
+
+    def item(messages):
+        name = messages[1]["content"].split()[1]
+        return CRASH if name == "bad" else f"{FENCE}repl\nFINAL({name!r})\n{FENCE}"
+
+    model = brood.ScriptedModel({"Item": [item]})
+    with brood.Supervisor(model, limits=LIMITS) as sup:
+        flow = sup.flow_run(spec, inputs={"item": ["a", "bad", "c", "d"]})
+        assert flow.wait(timeout=60) == "finished", flow.status()
+        events = ledger(sup, flow.id)
+        runs = [r["prompt"] for r in children(sup, flow.id)]
+    assert runs == ["Item a", "Item bad"]  # c and d never started
+    cancelled = kinds(events, "instance_cancelled")
+    assert [(e["item"], e["reason"]) for e in cancelled] == [
+        (2, "its entry failed"),
+        (3, "its entry failed"),
+    ]
+
+
 # ---- (8) stop racing the control loop ----------------------------------------------------------
 
 

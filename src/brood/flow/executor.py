@@ -49,6 +49,7 @@ DERIVED = frozenset(
         "transition_fired",
         "retry",
         "state_failed",
+        "instance_cancelled",
         "milestone",
     }
 )
@@ -146,6 +147,7 @@ class Entry:
     completed: int = 0
     failed: bool = False
     settled: bool = False
+    unexpanded: bool = False  # failed before any instance: its foreach input is not a list
 
 
 class FlowExecutor:
@@ -316,15 +318,24 @@ class FlowExecutor:
 
     def expand(self, entry: Entry, st: MachineState, values: dict[str, Any]) -> None:
         """The entry's instances: one, or one per item of its foreach input (clamped)."""
+        self.entries_by_key[(entry.state, entry.number)] = entry
         if st.foreach is None:
             items: list[tuple[int | None, dict[str, Any]]] = [(None, values)]
         else:
             over = values.get(st.foreach.over)
-            seq = over if isinstance(over, list) else []
-            seq = seq[: st.foreach.max]
+            if not isinstance(over, list):
+                entry.expected, entry.unexpanded = 0, True
+                where = {"state": entry.state, "entry": entry.number, "item": None, "attempt": 0}
+                got = "null" if over is None else type(over).__name__
+                why = (
+                    f"foreach over input {st.foreach.over!r} of state {entry.state!r} needs a "
+                    f"JSON list, got {got}: {_short(over)}"
+                )
+                self._entry_failed(entry, st, where, why)
+                return
+            seq = over[: st.foreach.max]
             items = [(i, values | {st.foreach.over: v}) for i, v in enumerate(seq)]
         entry.expected = len(items)
-        self.entries_by_key[(entry.state, entry.number)] = entry
         for item, vals in items:
             self.queue.append(Instance(entry.state, entry.number, item, 0, vals))
         if not items:  # an empty foreach settles at once with no outputs
@@ -540,20 +551,42 @@ class FlowExecutor:
             return
         entry = self.entries_by_key[(inst.state, inst.entry)]
         entry.instances.append(inst)
+        self._entry_failed(entry, st, inst.where, why)
+
+    def _entry_failed(
+        self, entry: Entry, st: MachineState, where: dict[str, Any], why: str
+    ) -> None:
+        """An entry failed (an instance, after its retries, or its foreach input): none of
+        its queued instances start, and the failure policy applies once."""
         first = not entry.failed
         entry.failed = True
+        if first:
+            self._cancel_queued(entry)
         if first and self.ending is None:
-            self.ledger("state_failed", **inst.where, reason=why)
+            self.ledger("state_failed", **where, reason=why)
             policy = st.failure_policy
             if policy == "fail_fast":
-                self.fail(f"state {inst.state} failed: {why}")
+                self.fail(f"state {entry.state} failed: {why}")
                 return
             if policy == "escalate":
                 self.failed_entries.append(entry)
-                self.pause("paused", f"state {inst.state} failed: {why}; resume to retry it")
+                self.pause("paused", f"state {entry.state} failed: {why}; resume to retry it")
                 return
         self.pump()
         self.check_quiescence()
+
+    def _cancel_queued(self, entry: Entry) -> None:
+        """The instances of a failed entry still waiting for a slot never start: recorded
+        cancelled (an escalated entry's resume runs them again)."""
+        mine: list[Instance] = []
+        kept: deque[Instance] = deque()
+        for inst in self.queue:
+            (mine if (inst.state, inst.entry) == (entry.state, entry.number) else kept).append(inst)
+        self.queue = kept
+        for inst in mine:
+            inst.outcome = "cancelled"
+            entry.instances.append(inst)
+            self.ledger("instance_cancelled", **inst.where, reason="its entry failed")
 
     # ---- quiescence, pause, stop ------------------------------------------------------------
     def check_quiescence(self) -> None:
@@ -611,6 +644,10 @@ class FlowExecutor:
             self.ledger("transition_fired", source=None, target=target, fired=self.fired)
             self.enter(target, cause="resume")
         for entry in self.failed_entries:
+            if entry.unexpanded:  # its foreach input is read again (and fails again)
+                entry.failed = entry.unexpanded = False
+                self.waiting.append(entry)
+                continue
             # Items that completed keep their outputs; each failed one runs again, under a
             # new attempt (one child per key and attempt).
             failed = [i for i in entry.instances if i.outcome != "completed"]
@@ -855,3 +892,8 @@ class FlowExecutor:
             "milestones": list(self.milestones),
             "events": list(self.recent)[-20:],
         }
+
+
+def _short(value: Any, n: int = 80) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= n else text[: n - 3] + "..."
