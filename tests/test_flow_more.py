@@ -404,6 +404,7 @@ def test_fail_fast_foreach_one_item_fails_and_the_running_items_are_cancelled(tm
     paths = {name: s.path for name, s in started.items()}
     gate = go.path
     spec = {
+        "run": {"failure_policy": "fail_fast"},
         "states": [
             foreach_state("Item {item}"),
             {
@@ -487,7 +488,7 @@ def test_continue_foreach_one_item_fails_so_the_state_fires_nothing_and_the_flow
     ("value", "got"), [({"a": 1}, "got dict"), ("abc", "got str"), (None, "got null")]
 )
 def test_foreach_over_a_value_that_is_no_list_fails_the_entry_naming_it(value, got):
-    spec = {"states": [foreach_state("Item {item}")]}
+    spec = {"run": {"failure_policy": "fail_fast"}, "states": [foreach_state("Item {item}")]}
     model = brood.ScriptedModel({"Item": [final("never")]})
     with brood.Supervisor(model, limits=LIMITS) as sup:
         flow = sup.flow_run(spec, inputs={"item": value})

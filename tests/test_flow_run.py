@@ -367,6 +367,7 @@ def test_starts_refused_for_capacity_are_retried_with_backoff(monkeypatch, refus
 
     monkeypatch.setattr(Core, "start_child", start_child)
     spec = {
+        "run": {"failure_policy": "fail_fast"},
         "states": [{"id": "s", "entry": True, "prompt": "Go", "outputs": ["text"]}],
         "transitions": [],
     }

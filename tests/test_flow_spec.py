@@ -1142,3 +1142,26 @@ def test_the_flow_package_imports_nothing_above_it() -> None:
                 else:
                     ok = top in ("pydantic", "yaml") or top in sys.stdlib_module_names
                 assert ok, f"{path.name} imports {name}"
+
+
+def test_the_factory_defaults_and_bounds_of_the_run_settings() -> None:
+    """failure_policy escalate, max_parallel 8 (1..64), max_transitions 10 x states (at most
+    10,000), 1..1,024 states; out of range is a validation error with its path."""
+    states = [{"id": f"s{i}", "entry": True, "prompt": "p"} for i in range(3)]
+    machine = compile_spec(load_spec({"states": states}))
+    assert machine.run.failure_policy == "escalate"
+    assert machine.run.max_parallel == 8
+    assert machine.run.max_transitions == 30
+    many = [{"id": f"s{i}", "entry": True, "prompt": "p"} for i in range(1024)]
+    assert compile_spec(load_spec({"states": many})).run.max_transitions == 10_000
+    for run, path in [
+        ({"max_parallel": 0}, "run.max_parallel"),
+        ({"max_parallel": 65}, "run.max_parallel"),
+        ({"max_transitions": 10_001}, "run.max_transitions"),
+        ({"max_transitions": 0}, "run.max_transitions"),
+    ]:
+        with pytest.raises(InvalidSpec, match=path.replace(".", r"\.")):
+            load_spec({"run": run, "states": states})
+    too_many = [{"id": f"s{i}", "entry": True, "prompt": "p"} for i in range(1025)]
+    with pytest.raises(InvalidSpec, match="1,025 states, more than the 1,024"):
+        load_spec({"states": too_many})

@@ -81,7 +81,11 @@ __all__ = [
     "parse_template",
 ]
 
-MAX_TRANSITIONS: Final = 1000  # a bound on fired transitions, so a runaway loop ends
+MAX_TRANSITIONS: Final = 10_000  # the hard cap on fired transitions, so a runaway loop ends
+TRANSITIONS_PER_STATE: Final = 10  # max_transitions defaults to 10 x the number of states
+MAX_PARALLEL: Final = 64  # instances of one flow running at once, at most
+DEFAULT_PARALLEL: Final = 8
+MAX_STATES: Final = 1024
 FOREACH_MAX: Final = 64  # Limits.max_children_per_run's default: one instance per child run
 SPEC_SUFFIXES: Final = (".yaml", ".yml", ".json")
 TOP: Final = "(top level)"  # the path shown for problems of the spec as a whole
@@ -226,14 +230,15 @@ class Transition(_Spec):
 
 
 class RunSettings(_Spec):
-    """Whole-flow settings: `max_parallel` state instances at once (None: the supervisor's
-    max_concurrency bounds it), `budget` wall-clock seconds for the flow, the default
-    `failure_policy` of its states, and `max_transitions` fired in all."""
+    """Whole-flow settings, with the factory executor's defaults and bounds: `max_parallel`
+    state instances at once (1..64, default 8), `budget` wall-clock seconds for the flow,
+    the default `failure_policy` of its states (`escalate`), and `max_transitions` fired in
+    all (default 10 x the number of states, at most 10,000)."""
 
-    max_parallel: int | None = Field(default=None, ge=1)
+    max_parallel: int = Field(default=DEFAULT_PARALLEL, ge=1, le=MAX_PARALLEL)
     budget: float | None = Field(default=None, gt=0)
-    failure_policy: FailurePolicy = "fail_fast"
-    max_transitions: int = Field(default=MAX_TRANSITIONS, ge=1)
+    failure_policy: FailurePolicy = "escalate"
+    max_transitions: int | None = Field(default=None, ge=1, le=MAX_TRANSITIONS)
 
 
 class FlowSpec(_Spec):
@@ -383,7 +388,7 @@ class MachineTransition:
 class RunConfig:
     """The run settings of a compiled flow (see `RunSettings`)."""
 
-    max_parallel: int | None
+    max_parallel: int
     budget: float | None
     failure_policy: FailurePolicy
     max_transitions: int
@@ -1023,6 +1028,11 @@ class _Checker:
             )
         if view.items == [] and (view.has_states or view.has_nodes):
             self.problems.append(f"{view.form}: the flow has no {self.noun}s; add at least one")
+        if view.items is not None and len(view.items) > MAX_STATES:
+            self.problems.append(
+                f"{view.form}: the flow has {len(view.items):,} {self.noun}s, more than the "
+                f"{MAX_STATES:,} a flow may have; split it into flows that start each other"
+            )
 
     def _check_ids(self) -> None:
         assert self.view.items is not None
@@ -1490,7 +1500,11 @@ class _Checker:
         }
         return Machine(
             name=spec.name,
-            run=RunConfig(**spec.run.model_dump()),
+            run=RunConfig(
+                **spec.run.model_dump(exclude={"max_transitions"}),
+                max_transitions=spec.run.max_transitions
+                or min(TRANSITIONS_PER_STATE * len(states), MAX_TRANSITIONS),
+            ),
             states=states,
             transitions=tuple(transitions),
             entry=tuple(s.id for s in states.values() if s.entry),
