@@ -6,6 +6,8 @@ module would make every worker import the test module (and pytest with it).
 
 from __future__ import annotations
 
+import pytest
+
 import brood
 from tests.test_flow_run import split_then_each
 from tests.util import fast
@@ -21,7 +23,7 @@ def test_a_thousand_node_fan_completes():
     ]
     model = brood.ScriptedModel({"Root": [FINAL_OK], "Leaf": [FINAL_OK]})
     with brood.Supervisor(model, limits=LIMITS) as sup:
-        flow = sup.flow_run({"name": "fan", "nodes": nodes})
+        flow = sup.flow_run({"name": "fan", "run": {"max_parallel": 16}, "nodes": nodes})
         assert flow.wait(timeout=600) == "finished"
         status = flow.status()
         runs = sup.store.runs(flow.id)
@@ -29,8 +31,9 @@ def test_a_thousand_node_fan_completes():
     assert len(runs) == 1 + 1 + 1000 and {r["state"] for r in runs} == {"completed"}
 
 
+@pytest.mark.timeout(300)  # about 100 s here; a loaded machine must not fail it
 def test_a_ten_thousand_item_foreach_completes():
-    spec = split_then_each("Item {item}", max_items=10000)
+    spec = split_then_each("Item {item}", max_items=10000) | {"run": {"max_parallel": 16}}
     model = brood.ScriptedModel(
         {
             "Split": ["```repl\nFINAL(str(list(range(10000))))\n```"],
