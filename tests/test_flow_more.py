@@ -157,7 +157,7 @@ def test_escalate_pauses_the_flow_and_resume_runs_the_failed_entry_again(tmp_pat
 # ---- (2) budgets -------------------------------------------------------------------------------
 
 
-def test_a_state_budget_times_its_instance_out_and_continue_lets_the_flow_finish():
+def test_a_state_budget_times_its_instance_out_and_continue_lets_the_rest_finish():
     spec = {
         "run": {"failure_policy": "continue"},
         "states": [
@@ -176,10 +176,12 @@ def test_a_state_budget_times_its_instance_out_and_continue_lets_the_flow_finish
     model = brood.ScriptedModel({"Slow": [FOREVER], "Quick": [final("done")]})
     with brood.Supervisor(model, limits=LIMITS) as sup:
         flow = sup.flow_run(spec)
-        assert flow.wait(timeout=60) == "finished", flow.status()
+        assert flow.wait(timeout=60) == "failed", flow.status()
+        reason = flow.status()["reason"]
         outputs = flow.outputs()
         events = ledger(sup, flow.id)
         runs = {r["prompt"]: r for r in children(sup, flow.id)}
+    assert reason.startswith("states failed (failure_policy continue): slow: timed_out")
     slow = runs["Slow"]
     assert slow["state"] == "timed_out"
     assert slow["ended_at"] - slow["created_at"] >= 0.5
@@ -188,7 +190,7 @@ def test_a_state_budget_times_its_instance_out_and_continue_lets_the_flow_finish
     assert failed["state"] == "slow" and failed["reason"].startswith("timed_out")
     assert not kinds(events, "retry")
     assert outputs == {"quick": {"text": "done"}}
-    assert milestones(events) == ["finished"]
+    assert milestones(events) == ["failed"]
 
 
 def test_a_run_budget_fails_the_flow_and_cancels_its_running_children():
@@ -449,7 +451,7 @@ def test_fail_fast_foreach_one_item_fails_and_the_running_items_are_cancelled(tm
     assert milestones(events) == ["failed"]
 
 
-def test_continue_foreach_one_item_fails_so_the_state_fires_nothing_and_the_flow_finishes():
+def test_continue_foreach_one_item_fails_so_the_state_fires_nothing_and_the_flow_fails():
     spec = {
         "states": [
             foreach_state("Item {item}", failure_policy="continue"),
@@ -470,7 +472,7 @@ def test_continue_foreach_one_item_fails_so_the_state_fires_nothing_and_the_flow
     model = brood.ScriptedModel({"Item": [item], "After": [final("no")]})
     with brood.Supervisor(model, limits=LIMITS) as sup:
         flow = sup.flow_run(spec, inputs={"item": ["a", "bad", "c"]})
-        assert flow.wait(timeout=60) == "finished", flow.status()
+        assert flow.wait(timeout=60) == "failed", flow.status()
         status = flow.status()
         outputs = flow.outputs()
         events = ledger(sup, flow.id)
@@ -481,7 +483,7 @@ def test_continue_foreach_one_item_fails_so_the_state_fires_nothing_and_the_flow
     assert "each" not in outputs  # a failed entry never settles
     (failed,) = kinds(events, "state_failed")
     assert failed["state"] == "each" and failed["item"] == 1
-    assert milestones(events) == ["finished"]
+    assert milestones(events) == ["failed"]
 
 
 @pytest.mark.parametrize(
@@ -539,7 +541,7 @@ def test_a_failed_foreach_entry_starts_none_of_its_queued_items():
     model = brood.ScriptedModel({"Item": [item]})
     with brood.Supervisor(model, limits=LIMITS) as sup:
         flow = sup.flow_run(spec, inputs={"item": ["a", "bad", "c", "d"]})
-        assert flow.wait(timeout=60) == "finished", flow.status()
+        assert flow.wait(timeout=60) == "failed", flow.status()
         events = ledger(sup, flow.id)
         runs = [r["prompt"] for r in children(sup, flow.id)]
     assert runs == ["Item a", "Item bad"]  # c and d never started

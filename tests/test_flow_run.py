@@ -227,7 +227,11 @@ def test_retries_until_exhausted_then_the_failure_policy(policy):
         events = ledger(sup, flow.id)
     assert len(kinds(events, "retry")) == 2
     assert kinds(events, "state_failed")[0]["state"] == "bad"
-    assert result == ("failed" if policy == "fail_fast" else "finished")
+    assert result == "failed"  # continue: the good state ran, but the flow reports the bad
+    if policy == "continue":
+        assert kinds(events, "settled")[-1]["outcome"] in ("completed", "failed")
+        (ended,) = kinds(events, "flow_ended")
+        assert ended["reason"].startswith("states failed (failure_policy continue): bad: ")
 
 
 def test_stop_is_idempotent_cancels_running_children_and_admits_nothing(tmp_path):

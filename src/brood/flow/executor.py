@@ -203,6 +203,7 @@ class FlowExecutor:
         self.changed = asyncio.Event()  # set at every change of status_value
         self.on_milestone: Any = None  # called with one line per milestone (a parent's notice)
         self.failed_entries: list[Entry] = []  # escalated, retried on resume
+        self.continued: dict[str, str] = {}  # states failed under `continue`, with why
         self._budget_timer: asyncio.TimerHandle | None = None
         self.entries_by_key: dict[tuple[str, int], Entry] = {}
         self.spec: dict[str, Any] = {}  # as journaled (a resumed parent's replay compares it)
@@ -572,6 +573,8 @@ class FlowExecutor:
                 self.failed_entries.append(entry)
                 self.pause("paused", f"state {entry.state} failed: {why}; resume to retry it")
                 return
+            # continue: the rest goes on, and the flow ends failed once it has settled
+            self.continued.setdefault(entry.state, why)
         self.pump()
         self.check_quiescence()
 
@@ -606,6 +609,10 @@ class FlowExecutor:
                 f"stalled: state {entry.state} waits for input {', '.join(missing)}, "
                 "which never settled"
             )
+            return
+        if self.continued:  # the work is done, but some of it failed: the parent must know
+            failed = "; ".join(f"{state}: {why}" for state, why in self.continued.items())
+            self.fail(f"states failed (failure_policy continue): {failed}")
             return
         self.end_with("finished", "flow finished")
 
