@@ -345,6 +345,7 @@ def test_a_model_runs_a_flow_as_a_child_workflow_and_hears_its_milestones():
     assert result.state == "completed"
     assert "finished 1" in result.answer
     assert "[notice] flow r-" in result.answer and "finished" in result.answer
+    assert "collect it with rlm_result" not in result.answer  # no handle collects a flow
     # The flow is a child of the root, and its states are the flow's children.
     flow_run = next(r for r in runs if r["model"] == "flow")
     assert flow_run["parent_id"] == result.run_id and flow_run["state"] == "completed"

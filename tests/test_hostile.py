@@ -457,3 +457,44 @@ def test_a_zygote_that_cannot_be_replaced_fails_new_runs_saying_so(store, monkey
         result = sup.run("trivial task")  # never a hang
         assert result.state == "failed", result
         assert "another could not start: no zygote today" in result.error, result.error
+
+
+def test_a_worker_that_closes_its_connection_fails_its_run_at_once(store):
+    # What a model that read brood's source could do: hang up, and keep the reader thread
+    # from ending the process when the supervisor hangs up too.
+    code = (
+        "import gc, socket\nfrom brood.worker.link import Link\n"
+        "link = next(o for o in gc.get_objects() if isinstance(o, Link))\n"
+        "import os, threading\nos._exit = lambda status: threading.Event().wait()\n"
+        "link.chan._w._sock.shutdown(socket.SHUT_WR)\n"
+        "while True:\n    pass\n"
+    )
+    with brood.Supervisor(coder, limits=limits(step_timeout=None), store=store) as sup:
+        result = sup.run(task(code), timeout=60)  # the root timeout only bounds a failure
+        assert result.state == "failed", result
+        assert result.error.startswith("worker connection lost"), result.error
+        still_serves(sup, store, result.run_id)
+
+
+def test_a_child_whose_journal_insert_fails_is_not_left_queued(store):
+    from concurrent.futures import Future
+
+    code = (
+        "try:\n    rlm_spawn('child refused')\n"
+        "except Exception as e:\n    FINAL(type(e).__name__ + ': ' + str(e))"
+    )
+    with brood.Supervisor(coder, limits=limits(), store=store) as sup:
+        real = sup.store.insert_run
+
+        def insert_run(rec, *args, **kw):
+            if rec.prompt == "child refused":  # a write the journal refuses
+                fut: Future = Future()
+                fut.set_exception(brood.StoreError("journal write failed: refused"))
+                return fut
+            return real(rec, *args, **kw)
+
+        sup.store.insert_run = insert_run
+        result = sup.run(task(code))
+        assert result.answer == "StoreError: journal write failed: refused", result
+        assert sup.statistics()["runs"] == {"completed": 1}  # nothing queued, nothing counted
+        still_serves(sup, store, result.run_id)

@@ -45,6 +45,7 @@ from brood.worker import confine
 
 WARM_WORKERS = 2  # ready workers kept forked; each idles at about 1 MiB of its own memory
 ORPHAN_POLL_S = 0.05  # how often the workers of a lost zygote are looked at until gone
+CONNECTION_GRACE_S = 1.0  # a worker whose connection closed has this long to be reaped
 ZYGOTE_START_TIMEOUT_S = 60.0  # a cold import on a loaded machine can take seconds
 
 
@@ -281,6 +282,20 @@ class LocalBackend:
         finally:
             conn.closed.set()
             conn.writer.close()
+            if conn.handler is not None and not conn.exited.done():
+                # A worker that exits closes its end first: give its exit a moment to be
+                # reported. One still alive without its connection can do nothing more.
+                asyncio.get_running_loop().call_later(CONNECTION_GRACE_S, self._lost, conn)
+
+    def _lost(self, conn: WorkerConn) -> None:
+        if not conn.exited.done():
+            conn.deliver(
+                Failed(
+                    reason="worker connection lost: the worker closed its connection to the "
+                    "supervisor but did not exit; its process group was stopped",
+                    error="",
+                )
+            )
 
     async def acquire(self) -> WorkerConn:
         if self._closed:

@@ -318,7 +318,7 @@ class Core:
         rec = self._root_record(prompt, model_name or self.model_name)
         # A root's model_name only labels the journal row; the model object is the choice.
         run = Run(rec, model or self.model, context_blob, None, timeout, None, driven=driven)
-        await self._journal_new([run])
+        await self._journal_or_forget([run])
         if self.unenforced:  # said in the journal of every tree this supervisor runs
             self._event(run, "confinement", {"unenforced": self.unenforced})
         self._admit(run)
@@ -328,6 +328,22 @@ class Core:
         while (rid := new_run_id()) in self.runs:
             pass
         return rid
+
+    async def _journal_or_forget(
+        self, runs: list[Run], parent: Run | None = None, counted: int = 0
+    ) -> None:
+        """Journal new runs; if that fails, they never existed: nothing of them stays in
+        the supervisor's view or counts against a limit (only a journaled run starts)."""
+        try:
+            await self._journal_new(runs)
+        except BaseException:
+            for run in runs:
+                self.runs.pop(run.id, None)
+                if parent is not None and run in parent.children:
+                    parent.children.remove(run)
+            if parent is not None:
+                self.runs[parent.rec.root_id].tree_children -= counted
+            raise
 
     async def _journal_new(self, runs: list[Run]) -> None:
         """Insert new runs into the journal. An id that an earlier tree in the same journal
@@ -396,7 +412,7 @@ class Core:
             )
             parent.children.append(child)
             children.append(child)
-        await self._journal_new(children)
+        await self._journal_or_forget(children, parent, len(fresh))
         self.start_queue.extend(children)
         self.start_queue.extend(c for c in adopted.values() if c.launchable)
         self._grant()
@@ -1036,7 +1052,7 @@ class Core:
         run = Run(rec, self.model, None, None, None, parent)
         if parent is not None:
             parent.children.append(run)
-        await self._journal_new([run])
+        await self._journal_or_forget([run], parent)
         await self._move(run, RUN)
         run.started.set()
         return run
@@ -1067,7 +1083,7 @@ class Core:
         )
         parent.children.append(child)
         self.runs[parent.rec.root_id].tree_children += 1
-        await self._journal_new([child])
+        await self._journal_or_forget([child], parent, 1)
         self.start_queue.append(child)
         self._grant()
         return child

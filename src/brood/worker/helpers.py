@@ -606,7 +606,11 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
             )
         text = spec if isinstance(spec, str) else _json("spec", spec)
         result: dict[str, Any] = _flow("run", spec=text, inputs=_json("inputs", inputs or {}))
-        return str(result["id"])
+        flow_id = str(result["id"])
+        # Its run is a child of this one, but no handle collects it: its milestones are
+        # announced instead, never "collect it with rlm_result".
+        rt.seen.add(flow_id)
+        return flow_id
 
     def _json(what: str, value: Any) -> str:
         try:
