@@ -272,3 +272,17 @@ def test_a_closed_supervisor_refuses_new_runs():
     sup.close()
     with pytest.raises(brood.SupervisorClosed, match="closed"):
         sup.run("task")
+
+
+def test_cancelling_a_spawned_batch_reports_it_cancelled(tmp_path):
+    started = Signal(tmp_path, "started")
+    never = Gate(tmp_path, "never")
+    model = brood.ScriptedModel({"child:": [started.notify_then(never.blocking_reply("x"))]})
+    with brood.Session(model, limits=FAST) as env:
+        env.reset("root task")
+        env.step("t = spawn(rlm_query_batched, ['child: one', 'child: two'])")
+        started.wait()  # a child of the batch is inside its model call
+        obs = env.step("print(rlm_cancel(t))\nprint(rlm_status(t))\nprint(t.children)")
+        first, second, handles = obs.stdout.strip().split("\n", 2)
+        assert (first, second) == ("cancelled", "cancelled"), obs
+        assert obs.children and {c["status"] for c in obs.children} == {"cancelled"}, obs

@@ -363,6 +363,7 @@ class Task:
         self.id = f"t-{next(rt._task_ids)}"
         self.what = what
         self.children = list(children)
+        self.cancelled = False  # rlm_cancel was asked before the work completed
 
     def __repr__(self) -> str:
         return f"<Task {self.id} {self.what} {self.status()}>"
@@ -372,6 +373,8 @@ class Task:
         return self._future.done()
 
     def status(self) -> str:
+        if self.cancelled:  # cancelled while it ran (its children ended cancelled under it)
+            return "cancelled"
         if not self._future.done():
             return "running"
         return "failed" if self._future.exception() is not None else "completed"
@@ -400,10 +403,13 @@ class Task:
         return self._future.result()
 
     def cancel(self) -> str:
-        for h in self.children:
+        if self._future.done():
+            return self.status()
+        self.cancelled = True
+        for h in self.children:  # each returns once its exit is confirmed
             h.cancel()
         self._future.cancel()
-        return "cancelled" if self._future.cancelled() else self.status()
+        return "cancelled"
 
     def failure(self) -> str:
         exc = self._future.exception() if self._future.done() else None
