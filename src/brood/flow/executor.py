@@ -195,6 +195,7 @@ class FlowExecutor:
         # attempt takes its failed one's place (removing it is O(1), also for 10,000 items).
         self.live: dict[tuple[str, int, int | None], Instance] = {}
         self.active = 0  # started and not yet ended
+        self.residents = 0  # of those, instances of resident states (they hold nothing open)
         self.fired = 0
         self.held: deque[str] = deque()  # fires held by a max_transitions pause
         self.milestones: list[str] = []
@@ -356,6 +357,8 @@ class FlowExecutor:
             inst = self.queue.popleft()
             self.live[inst.slot] = inst
             self.active += 1
+            if self.m.states[inst.state].lifecycle == "resident":
+                self.residents += 1
             if self.replaying:  # its outcome is in the ledger further on (or go_live runs it)
                 self.pending[inst.key] = inst
             else:
@@ -414,6 +417,8 @@ class FlowExecutor:
         ended = self._controller_ended()
         if inst.outcome is None:
             self.active -= 1  # the counter keeps pump and quiescence O(1)
+            if self.m.states[inst.state].lifecycle == "resident":
+                self.residents -= 1
         inst.outcome = outcome
         inst.outputs = outputs or {}
         self.ledger(
@@ -595,8 +600,8 @@ class FlowExecutor:
     def check_quiescence(self) -> None:
         if self.status_value != "running" or self.done.is_set():
             return
-        if self.queue or self.active:
-            return  # work still going (or only residents, which stay until the flow stops)
+        if self.queue or self.active > self.residents:
+            return  # work still going; residents alone do not hold the flow open
         if self.waiting:
             entry = self.waiting[0]
             st = self.m.states[entry.state]
@@ -726,9 +731,11 @@ class FlowExecutor:
     async def _complete_ending(self) -> None:
         assert self.ending is not None
         final, reason, _ = self.ending
-        if final != "finished":
+        if final == "finished":
+            why = "flow finished: its resident states are stopped"
+        else:
             why = "flow stopped" if final == "stopped" else f"flow failed: {reason}"
-            await self._cancel_all(why)
+        await self._cancel_all(why)
         self.set_status(final)
         answer = json.dumps(self.outputs, default=str) if final == "finished" else None
         await self._end(ENDS[final], reason, answer)
