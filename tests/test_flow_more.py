@@ -193,36 +193,66 @@ def test_a_state_budget_times_its_instance_out_and_continue_lets_the_rest_finish
     assert milestones(events) == ["failed"]
 
 
-def test_a_run_budget_fails_the_flow_and_cancels_its_running_children():
+def test_a_run_budget_pauses_admission_lets_running_work_finish_then_resume_goes_on(tmp_path):
+    go = Gate(tmp_path, "go")
     spec = {
-        "run": {"budget": 1.0},
+        "run": {"budget": 0.5},
         "states": [
-            {"id": "a", "entry": True, "prompt": "Forever a", "outputs": ["text"]},
-            {"id": "b", "entry": True, "prompt": "Forever b", "outputs": ["text"]},
-            {"id": "quick", "entry": True, "prompt": "Quick", "outputs": ["text"]},
+            {"id": "slow", "entry": True, "prompt": "Slow", "outputs": ["text"]},
+            {
+                "id": "later",
+                "prompt": "Later {t}",
+                "inputs": [{"name": "t", "from": "slow.text"}],
+                "outputs": ["text"],
+            },
+        ],
+        "transitions": [{"from": "slow", "to": "later"}],
+    }
+    model = brood.ScriptedModel(
+        {"Slow": [go.blocking_reply(final("slow done"))], "Later": [final("later done")]}
+    )
+    with brood.Supervisor(model, limits=LIMITS) as sup:
+        flow = sup.flow_run(spec)
+        assert flow.wait(timeout=60) == "paused"  # the budget ran out while slow ran
+        paused = flow.status()
+        go.open()
+        (slow,) = children(sup, flow.id)
+        sup._loop.call(sup._core.runs[slow["id"]].done.wait())  # in flight: it finishes
+        assert [r["prompt"] for r in children(sup, flow.id)] == ["Slow"]  # nothing new
+        flow.resume()
+        assert flow.wait(timeout=60) == "finished", flow.status()
+        events = ledger(sup, flow.id)
+        runs = {r["prompt"]: r["state"] for r in children(sup, flow.id)}
+    assert paused["reason"].startswith("budget: 0.5 s of wall clock used")
+    assert runs == {"Slow": "completed", "Later slow done": "completed"}
+    assert milestones(events) == ["budget_exceeded", "paused", "finished"]
+
+
+def test_a_state_budget_ends_its_attempt_timed_out_and_it_is_not_retried():
+    spec = {
+        "run": {"failure_policy": "fail_fast"},
+        "states": [
+            {
+                "id": "slow",
+                "entry": True,
+                "prompt": "Slow",
+                "outputs": ["text"],
+                "budget": 0.5,
+                "retries": 3,
+            }
         ],
         "transitions": [],
     }
-    model = brood.ScriptedModel({"Forever": [FOREVER], "Quick": [final("done")]})
+    model = brood.ScriptedModel({"Slow": [FOREVER]})
     with brood.Supervisor(model, limits=LIMITS) as sup:
         flow = sup.flow_run(spec)
         assert flow.wait(timeout=60) == "failed"
-        status = flow.status()
         events = ledger(sup, flow.id)
-        runs = {r["prompt"]: r for r in children(sup, flow.id)}
-        reached = {
-            prompt: [t["to"] for t in sup.store.transitions(r["id"])] for prompt, r in runs.items()
-        }
-        ctl = controller(sup, flow.id)
-    assert status["status"] == "failed" and status["reason"].startswith("budget")
-    assert milestones(events) == ["budget_exceeded", "failed"]
-    assert kinds(events, "milestone")[0]["budget"] == 1.0
-    assert ctl["state"] == "failed" and ctl["reason"].startswith("budget")
-    assert runs["Quick"]["state"] == "completed"
-    for prompt in ("Forever a", "Forever b"):
-        assert runs[prompt]["state"] == "cancelled"
-        assert runs[prompt]["reason"].startswith("flow failed: budget")
-        assert "running" in reached[prompt]  # it was running when the budget ran out
+        runs = [r["state"] for r in children(sup, flow.id)]
+    assert runs == ["timed_out"]  # one attempt, not four
+    assert not kinds(events, "retry")
+    (failed,) = kinds(events, "state_failed")
+    assert failed["reason"].startswith("timed_out")
 
 
 # ---- (3) max_parallel ------------------------------------------------------------------------

@@ -397,6 +397,10 @@ class FlowExecutor:
             self._settled(inst, "completed", outputs=outputs)
         elif rec.state is RunState.CANCELLED and self.status_value != "running":
             self._settled(inst, "cancelled")
+        elif rec.state is RunState.TIMED_OUT and st.budget is not None:
+            # Over the state's budget: this attempt ends timed_out, and is not retried
+            # (another attempt would run into the same budget).
+            self._settled(inst, "failed", f"{rec.state.value}: {rec.reason}", retry=False)
         else:
             self._settled(inst, "failed", f"{rec.state.value}: {rec.reason}")
 
@@ -410,6 +414,8 @@ class FlowExecutor:
         outcome: str,
         reason: str | None = None,
         outputs: dict[str, Any] | None = None,
+        *,
+        retry: bool = True,
     ) -> None:
         """An instance ended (completed / failed / cancelled): the ledger's input event,
         then every decision that follows from it; none once the flow's run was ended from
@@ -427,6 +433,7 @@ class FlowExecutor:
             run_id=getattr(inst.run, "id", None),
             outcome=outcome,
             **({"reason": reason} if reason else {}),
+            **({} if retry else {"retry": False}),
         )
         if ended:
             return
@@ -435,7 +442,7 @@ class FlowExecutor:
         elif outcome == "cancelled":
             self.check_quiescence()
         else:
-            self.instance_failed(inst, reason or "failed")
+            self.instance_failed(inst, reason or "failed", retry=retry)
 
     async def _start_with_backoff(
         self, inst: Instance, prompt: str, key: str, st: MachineState
@@ -538,9 +545,9 @@ class FlowExecutor:
         await self.run.done.wait()
         self._controller_ended()
 
-    def instance_failed(self, inst: Instance, why: str) -> None:
+    def instance_failed(self, inst: Instance, why: str, *, retry: bool = True) -> None:
         st = self.m.states[inst.state]
-        if inst.attempt < st.retries and self.status_value == "running":
+        if retry and inst.attempt < st.retries and self.status_value == "running":
             self.ledger(
                 "retry",
                 state=inst.state,
@@ -646,7 +653,9 @@ class FlowExecutor:
         self.set_status("running")
         self.reason = None
         self.milestones = [
-            m for m in self.milestones if m not in ("paused", "max_transitions_exceeded")
+            m
+            for m in self.milestones
+            if m not in ("paused", "max_transitions_exceeded", "budget_exceeded")
         ]
         if self.held:
             self.fired = 0
@@ -752,8 +761,16 @@ class FlowExecutor:
             self._over_budget()
 
     def _over_budget(self) -> None:
-        self.milestone("budget_exceeded", budget=self.m.run.budget)
-        self.fail(f"budget: {self.m.run.budget:g} s of wall clock")
+        """The run's budget ran out: nothing new starts, the running instances finish, and
+        the flow pauses (milestone budget_exceeded); resume() goes on."""
+        why = (
+            f"budget: {self.m.run.budget:g} s of wall clock used; running instances finish, "
+            "nothing new starts; resume to go on"
+        )
+        if self.status_value == "running":
+            self.pause("budget_exceeded", why)
+        else:  # already paused: say why too
+            self.milestone("budget_exceeded", reason=why)
 
     async def _end(self, state: RunState, reason: str, answer: str | None = None) -> None:
         if self._budget_timer is not None:
@@ -835,7 +852,9 @@ class FlowExecutor:
             if d["outcome"] == "completed":
                 rec = inst.run.rec if inst.run is not None else None
                 outputs = self._outputs(self.m.states[inst.state], rec and rec.answer)
-            self._settled(inst, d["outcome"], d.get("reason"), outputs)
+            self._settled(
+                inst, d["outcome"], d.get("reason"), outputs, retry=d.get("retry", True)
+            )
 
     def go_live(self) -> None:
         """After `from_ledger`: start what the crash interrupted, and go on."""
