@@ -852,9 +852,7 @@ class FlowExecutor:
             if d["outcome"] == "completed":
                 rec = inst.run.rec if inst.run is not None else None
                 outputs = self._outputs(self.m.states[inst.state], rec and rec.answer)
-            self._settled(
-                inst, d["outcome"], d.get("reason"), outputs, retry=d.get("retry", True)
-            )
+            self._settled(inst, d["outcome"], d.get("reason"), outputs, retry=d.get("retry", True))
 
     def go_live(self) -> None:
         """After `from_ledger`: start what the crash interrupted, and go on."""
