@@ -386,3 +386,22 @@ def test_starts_refused_for_capacity_are_retried_with_backoff(monkeypatch, refus
     else:  # 5 tries in all, then the instance fails
         assert result == "failed" and waits == [0.01, 0.02, 0.04, 0.08]
         assert "could not start after 5 tries" in kinds(events, "state_failed")[0]["reason"]
+
+
+def test_status_has_the_factory_shape():
+    spec = split_then_each("Item {item}", max_items=3)
+    model = brood.ScriptedModel(
+        {"Split": [final('["a", "b"]')], "Item": [lambda m: final(m[1]["content"].split()[1])]}
+    )
+    with brood.Supervisor(model, limits=LIMITS) as sup:
+        flow = sup.flow_run(spec)
+        assert flow.wait(timeout=60) == "finished"
+        status = flow.status()
+    assert status["state"] == status["status"] == "finished"
+    assert status["states"]["each"]["entries_used"] == 1
+    assert status["states"]["each"]["max_entries"] == 1
+    usage = status["usage"]
+    assert (usage["spawns"], usage["settled"], usage["running"]) == (3, 3, 0)
+    assert usage["transitions_fired"] == 1 and usage["model_calls"] == 3
+    assert status["elapsed_ms"] >= 0
+    assert 0 < len(status["events"]) <= 50

@@ -888,6 +888,7 @@ class FlowExecutor:
         states: dict[str, dict[str, Any]] = {
             sid: {
                 "entries": self.entries[sid],
+                "entries_used": self.entries[sid],  # the factory's name for it
                 "max_entries": st.max_entries,
                 "instances": [],
                 "counts": {},
@@ -913,15 +914,27 @@ class FlowExecutor:
                     usage[k] = usage.get(k, 0) + v
         for row in states.values():
             row["instances"] = row["instances"][-STATUS_INSTANCES:]
+        settled = sum(1 for i in self.live.values() if i.outcome is not None)
+        usage |= {
+            "spawns": len(self.live),
+            "settled": settled,
+            "running": self.active,
+            "transitions_fired": self.fired,
+        }
+        rec = self.run.rec
+        began = rec.started_at or rec.created_at
+        elapsed = ((rec.ended_at or time.time()) - began) if began else 0.0
         return {
             "run_id": self.run.id,
+            "state": self.status_value,  # the factory's name for `status`
             "usage": usage,
             "status": self.status_value,
             "reason": self.reason,
+            "elapsed_ms": int(elapsed * 1000),
             "transitions_fired": self.fired,
             "states": states,
             "milestones": list(self.milestones),
-            "events": list(self.recent)[-20:],
+            "events": list(self.recent),  # the last 50 ledger events
         }
 
 
