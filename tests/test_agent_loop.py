@@ -413,3 +413,56 @@ def test_a_chat_fn_that_raises_system_exit_fails_its_run_not_the_supervisor():
         assert failed.state == "failed"
         assert "SystemExit: 3" in failed.error, failed.error
         assert sup.run("go on").answer == "fine"
+
+
+def test_a_retry_after_is_honoured_once_for_the_whole_tree(tmp_path):
+    """Six calls in flight meet a 429 with Retry-After 0.3 s: the gateway holds the
+    endpoint for every call until then (no call reaches the server meanwhile), and each
+    call is made again once, not six separate backoffs."""
+    import threading
+    import time
+
+    lock = threading.Lock()
+    first_429: list[float] = []
+    starts: dict[str, list[float]] = {}
+
+    def chat_fn(messages):
+        prompt = messages[-1]["content"]
+        if not prompt.startswith("item"):
+            code = "FINAL('|'.join(llm_query_batched([f'item {i}' for i in range(6)])))"
+            return f"```repl\n{code}\n```"
+        now = time.monotonic()
+        with lock:
+            starts.setdefault(prompt, []).append(now)
+            if not first_429 or now < first_429[0] + 0.3:
+                first_429[:1] = first_429[:1] or [now]
+                raise brood.RateLimited("429 Too Many Requests", retry_after=0.3)
+        return prompt.upper()
+
+    with brood.Supervisor(chat_fn, limits=FAST) as sup:
+        result = sup.run("root: rate limited")
+    assert result.answer == "|".join(f"ITEM {i}" for i in range(6)), result
+    for prompt, times in starts.items():
+        assert len(times) <= 2, (prompt, times)  # one refusal at most, then the retry
+        for t in times[1:]:  # every retry waited for the endpoint's gate to open
+            assert t >= first_429[0] + 0.3, (prompt, t - first_429[0])
+
+
+def test_a_rate_limit_that_never_lifts_fails_the_call_with_rate_limited(monkeypatch):
+    from brood.supervisor import gateway
+
+    monkeypatch.setattr(gateway, "RATE_WAIT_FIRST_S", 0.01)
+    calls = []
+
+    def chat_fn(messages):
+        prompt = messages[-1]["content"]
+        if prompt == "plain":
+            calls.append(prompt)
+            raise brood.RateLimited("429", retry_after=float("nan"))  # nonsense: clamped
+        code = "try:\n    llm_query('plain')\nexcept Exception as e:\n    FINAL(repr(e))"
+        return f"```repl\n{code}\n```"
+
+    with brood.Supervisor(chat_fn, limits=FAST) as sup:
+        result = sup.run("root: never lifts")
+    assert result.answer.startswith("RateLimited("), result
+    assert len(calls) == gateway.RATE_TRIES

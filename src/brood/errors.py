@@ -122,6 +122,16 @@ class ModelError(BroodError):
     """A model call failed or returned something that is not text."""
 
 
+class RateLimited(ModelError):
+    """A model endpoint refused a call for its rate limit (HTTP 429). A `Model` or a
+    `chat_fn` raises it, with `retry_after` the seconds the server asked to wait (or None);
+    the gateway then holds every call to that endpoint until then, and tries again."""
+
+    def __init__(self, message: str = "rate limited", *, retry_after: float | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class StoreError(BroodError):
     """The journal could not be opened, read or written."""
 

@@ -15,16 +15,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
+import math
 import queue
+import random
 import threading
 from collections.abc import Callable
 from typing import Any
 
+from brood.errors import RateLimited
 from brood.models.base import Completion, Messages, Model
 
 # Model calls in flight at once through chat_fn threads, across every tree of a supervisor.
 # A call beyond this waits its turn; a chat_fn that never returns keeps its thread.
 GATEWAY_THREADS = 64
+# A rate-limited endpoint: every call to it waits for the server's Retry-After (else 1 s,
+# doubling), with up to 10% jitter; a call is tried this many times in all.
+RATE_TRIES = 5
+RATE_WAIT_FIRST_S = 1.0
+RATE_WAIT_MAX_S = 60.0
+
+log = logging.getLogger("brood")
 
 _Job = tuple[asyncio.AbstractEventLoop, "asyncio.Future[Any]", Callable[..., Any], tuple[Any, ...]]
 
@@ -118,8 +129,30 @@ class ModelGateway:
 
     def __init__(self, threads: int = GATEWAY_THREADS) -> None:
         self.pool = CallPool(threads)
+        # One rate-limit gate per endpoint: the loop time before which no call goes to it.
+        self.gates: dict[str, float] = {}
 
     async def complete(self, model: Model, messages: Messages, name: str | None) -> Completion:
+        """One call. A RateLimited answer closes the endpoint's gate for every call of every
+        tree until the server's Retry-After has passed (one wait, not one per call), and
+        the call is tried again; after RATE_TRIES the RateLimited is the call's error."""
+        endpoint = model.describe()
+        loop = asyncio.get_running_loop()
+        for attempt in range(RATE_TRIES):
+            # A deadline, which another 429 may move later meanwhile: looked at again after
+            # each wait (nothing sets it as an event could signal).
+            while (left := self.gates.get(endpoint, 0.0) - loop.time()) > 0:  # noqa: ASYNC110
+                await asyncio.sleep(left)
+            try:
+                return await self._call(model, messages, name)
+            except RateLimited as exc:
+                if attempt == RATE_TRIES - 1:
+                    raise
+                wait = _rate_wait(exc.retry_after, attempt, endpoint)
+                self.gates[endpoint] = max(self.gates.get(endpoint, 0.0), loop.time() + wait)
+        raise AssertionError("unreachable")
+
+    async def _call(self, model: Model, messages: Messages, name: str | None) -> Completion:
         cls: type = type(model)
         if _is_async(cls):
             done = await model.acomplete(messages, model=name)  # type: ignore[attr-defined]
@@ -134,3 +167,19 @@ class ModelGateway:
 
     def close(self) -> None:
         self.pool.close()
+
+
+def _rate_wait(asked: object, attempt: int, endpoint: str) -> float:
+    """Seconds to hold an endpoint: what the server asked, else brood's backoff; a value
+    that makes no sense is clamped (and said), never a crash."""
+    default = min(RATE_WAIT_FIRST_S * 2**attempt, RATE_WAIT_MAX_S)
+    if asked is None:
+        wait = default
+    elif isinstance(asked, int | float) and not isinstance(asked, bool) and math.isfinite(asked):
+        wait = min(max(float(asked), 0.0), RATE_WAIT_MAX_S)
+        if wait != asked:
+            log.warning("brood: %s asked to wait %r s; clamped to %g s", endpoint, asked, wait)
+    else:
+        log.warning("brood: %s asked to wait %r s; waiting %g s", endpoint, asked, default)
+        wait = default
+    return wait * (1 + random.uniform(0, 0.1))
