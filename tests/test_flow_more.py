@@ -537,7 +537,7 @@ def test_an_escalated_foreach_over_no_list_pauses_again_on_resume():
         flow.resume()  # the input is read again: the same error, never a hang or a finish
         assert flow.wait(timeout=60) == "paused"
         assert "needs a JSON list, got dict" in flow.status()["reason"]
-        assert flow.stop() == "stopped"
+        assert flow.stop()["state"] == "stopped"
         assert len(kinds(ledger(sup, flow.id), "state_failed")) == 2
 
 
@@ -584,8 +584,8 @@ def test_stop_right_after_flow_run_ends_stopped_and_admits_nothing_more():
     with brood.Supervisor(model, limits=LIMITS) as sup:
         for _ in range(3):  # where stop lands among the instance starts can vary
             flow = sup.flow_run(spec, inputs={"item": list(range(6))})
-            assert flow.stop() == "stopped"
-            assert flow.stop() == "stopped"
+            assert flow.stop()["state"] == "stopped"
+            assert flow.stop() == {"state": "stopped", "cancelled": [], "instances": []}
             assert flow.wait(timeout=10) == "stopped"
             assert flow.status()["status"] == "stopped"
             events = ledger(sup, flow.id)

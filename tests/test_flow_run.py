@@ -252,12 +252,17 @@ def test_stop_is_idempotent_cancels_running_children_and_admits_nothing(tmp_path
     with brood.Supervisor(model, limits=LIMITS) as sup:
         flow = sup.flow_run(spec)
         started.wait()
-        assert flow.stop() == "stopped"
-        assert flow.stop() == "stopped"
+        report = flow.stop()
+        again = flow.stop()
         runs = sup.store.runs(flow.id)
         events = ledger(sup, flow.id)
     assert {r["state"] for r in runs} == {"cancelled"}
     assert not [m for m in kinds(events, "milestone") if m["milestone"] == "finished"]
+    # As the factory reports a stop: the final state and what it cancelled.
+    child_ids = {r["id"] for r in runs if r["parent_id"] == flow.id}
+    assert report["state"] == "stopped" and report["cancelled"] == ["slow"]
+    assert {i["run_id"] for i in report["instances"]} <= child_ids | {None}
+    assert again == {"state": "stopped", "cancelled": [], "instances": []}
 
 
 def test_max_transitions_pauses_once_and_resume_goes_on():

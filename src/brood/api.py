@@ -544,10 +544,12 @@ class FlowHandle:
         """Each state's latest settled outputs."""
         return dict(self._ex.outputs)
 
-    def stop(self) -> str:
-        """Stop: admit nothing more, cancel every running instance (exit confirmed)."""
+    def stop(self) -> dict[str, Any]:
+        """Stop: admit nothing more, cancel every running instance (exit confirmed).
+        Returns {"state": the final state, "cancelled": the states whose instances it
+        cancelled, "instances": those instances}, as the factory executor does."""
         self._sup._check_live(f"flow {self.id}")
-        return self._sup._loop.call(self._ex.stop())
+        return self._sup._loop.call(self._ex.stop_report())
 
     def resume(self) -> None:
         """Go on after a pause (escalate, max_transitions)."""

@@ -715,6 +715,21 @@ class FlowExecutor:
         await self.done.wait()
         return self.status_value
 
+    async def stop_report(self, reason: str = "stopped") -> dict[str, Any]:
+        """`stop`, and what it cancelled, as the factory reports it: {"state": the final
+        state, "cancelled": the states whose instances it cancelled, "instances": those
+        instances (state, entry, item, attempt, run_id)}; a second stop cancels nothing."""
+        going = [i for i in self.live.values() if i.outcome is None] + list(self.queue)
+        if self.ending is not None or self.done.is_set():
+            going = []
+        state = await self.stop(reason)
+        cancelled = [i for i in going if i.outcome in (None, "cancelled")]
+        return {
+            "state": state,
+            "cancelled": list(dict.fromkeys(i.state for i in cancelled)),
+            "instances": [dict(i.where, run_id=getattr(i.run, "id", None)) for i in cancelled],
+        }
+
     def fail(self, why: str) -> None:
         self.end_with("failed", why, milestone="failed")
 
