@@ -347,10 +347,14 @@ def test_a_model_runs_a_flow_as_a_child_workflow_and_hears_its_milestones():
     with brood.Supervisor(model, limits=fast(max_depth=3)) as sup:
         result = sup.run("root task")
         runs = sup.store.runs(result.run_id)
+        (flow_id,) = sup.flows()
+        events = sup.flow(flow_id).status()["events"]
     assert result.state == "completed"
     assert "finished 1" in result.answer
     assert "[notice] flow r-" in result.answer and "finished" in result.answer
     assert "collect it with rlm_result" not in result.answer  # no handle collects a flow
+    finished = next(e for e in events if e.get("milestone") == "finished")
+    assert finished["stage"] == "shown"  # its notice went to the root's next turn
     # The flow is a child of the root, and its states are the flow's children.
     flow_run = next(r for r in runs if r["model"] == "flow")
     assert flow_run["parent_id"] == result.run_id and flow_run["state"] == "completed"
@@ -402,6 +406,7 @@ def test_status_has_the_factory_shape():
         flow = sup.flow_run(spec)
         assert flow.wait(timeout=60) == "finished"
         status = flow.status()
+        later = flow.status()
     assert status["state"] == status["status"] == "finished"
     assert status["states"]["each"]["entries_used"] == 1
     assert status["states"]["each"]["max_entries"] == 1
@@ -410,3 +415,7 @@ def test_status_has_the_factory_shape():
     assert usage["transitions_fired"] == 1 and usage["model_calls"] == 3
     assert status["elapsed_ms"] >= 0
     assert 0 < len(status["events"]) <= 50
+    stages = {e["kind"]: e["stage"] for e in status["events"]}
+    assert stages["settled"] == "arrived" and stages["spawned"] == "recorded"
+    again = {e["kind"]: e["stage"] for e in later["events"]}  # the first read delivered them
+    assert again["settled"] == again["spawned"] == "delivered"

@@ -226,7 +226,11 @@ class FlowExecutor:
             if kind in DERIVED:
                 self.made.append(data)
             return
-        self.recent.append(data | {"at": time.time()})
+        # The factory's delivery stage, in memory only (the journal's row never changes):
+        # arrived (a settle captured) or recorded, then shown (a milestone's notice went to
+        # the parent), then delivered (a status() read after it).
+        stage = "arrived" if kind == "settled" else "recorded"
+        self.recent.append(data | {"at": time.time(), "stage": stage})
         self.host.event(self.run, "flow", data)
 
     def milestone(self, kind: str, **data: Any) -> None:
@@ -237,6 +241,8 @@ class FlowExecutor:
         if self.on_milestone is not None and not self.replaying:
             why = data.get("reason")
             self.on_milestone(f"flow {self.run.id} {kind}" + (f": {why}" if why else ""))
+            if self.recent:
+                self.recent[-1]["stage"] = "shown"
 
     # ---- starting --------------------------------------------------------------------------
     async def start(
@@ -833,7 +839,10 @@ class FlowExecutor:
                 f"flow {run.id}: rebuilt from its ledger, it made {len(made)} of the "
                 f"{len(journaled)} decisions the ledger holds"
             )
-        ex.recent.extend(e["data"] | {"at": e["at"]} for e in events[-(ex.recent.maxlen or 0) :])
+        ex.recent.extend(
+            e["data"] | {"at": e["at"], "stage": "recorded"}
+            for e in events[-(ex.recent.maxlen or 0) :]
+        )
         for d in made[len(journaled) :]:
             ex.ledger(d.pop("kind"), **d)
         return ex
@@ -949,8 +958,17 @@ class FlowExecutor:
             "transitions_fired": self.fired,
             "states": states,
             "milestones": list(self.milestones),
-            "events": list(self.recent),  # the last 50 ledger events
+            "events": self._deliver(),  # the last 50 ledger events
         }
+
+    def _deliver(self) -> list[dict[str, Any]]:
+        """The recent events as they stand, then marked delivered (this read delivered
+        them); a shown one stays shown, so that stage can be seen."""
+        events = [dict(e) for e in self.recent]
+        for e in self.recent:
+            if e.get("stage") in ("recorded", "arrived"):
+                e["stage"] = "delivered"
+        return events
 
 
 def _short(value: Any, n: int = 80) -> str:
