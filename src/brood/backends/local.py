@@ -288,7 +288,9 @@ class LocalBackend:
                 asyncio.get_running_loop().call_later(CONNECTION_GRACE_S, self._lost, conn)
 
     def _lost(self, conn: WorkerConn) -> None:
-        if not conn.exited.done():
+        # A worker that died (a zombie not reaped yet: a slow core dump, a busy zygote) is
+        # not a lost connection: its exit report says how it died.
+        if not conn.exited.done() and not _exited(conn.pid):
             conn.deliver(
                 Failed(
                     reason="worker connection lost: the worker closed its connection to the "
