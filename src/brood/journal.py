@@ -128,7 +128,7 @@ class Journal:
                 and r["model"] != "flow"
             ]
             row["workers"] = len(live)
-            here = all(self._on_this_host(r["supervisor"]) for r in live)
+            here = all(map(self._on_this_host, {r["supervisor"] for r in live}))
             row["memory_bytes"] = sum(own_memory(r["pid"]) for r in live) if here else None
             out.append(row)
         return out

@@ -25,7 +25,13 @@ from collections.abc import Callable
 import msgspec
 
 from brood.backends.base import STATUS_UNKNOWN, WorkerConn, WorkerSettings
-from brood.backends.owners import OWNER_ENV, register_owner, sweep_orphans, unregister_owner
+from brood.backends.owners import (
+    OWNER_ENV,
+    proc_stat,
+    register_owner,
+    sweep_orphans,
+    unregister_owner,
+)
 from brood.errors import BackendError
 from brood.protocol import (
     HEADER,
@@ -56,13 +62,9 @@ def pids_in_group(pgid: int, *, live: bool = False) -> list[int]:
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid and not (live and fields[0] in "ZX"):
-                pids.append(int(entry))
-        except (OSError, IndexError, ValueError):
-            continue
+        fields = proc_stat(entry)
+        if len(fields) > 2 and fields[2] == str(pgid) and not (live and fields[0] in "ZX"):
+            pids.append(int(entry))
     return pids
 
 
@@ -81,11 +83,9 @@ def own_memory(pid: int) -> int:
 
 
 def _exited(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in "ZX"
-    except (OSError, IndexError):
-        return True
+    """Whether process `pid` has ended (gone, or a zombie not reaped yet)."""
+    fields = proc_stat(pid)
+    return not fields or fields[0] in "ZX"
 
 
 class LocalBackend:

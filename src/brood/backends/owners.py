@@ -44,14 +44,21 @@ def registry_dir() -> str | None:
     return path
 
 
+def proc_stat(pid: int | str) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (state first, then ppid,
+    pgrp, ...); [] when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
 def start_time(pid: int | str) -> str:
     """The process's start time (clock ticks since boot): with its pid, it names one process
     even after the pid is reused."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return "?"
+    fields = proc_stat(pid)
+    return fields[19] if len(fields) > 19 else "?"
 
 
 def pid_namespace(pid: int | str = "self") -> str | None:

@@ -286,9 +286,12 @@ class Core:
             return
         self.store_error = exc
         reason = f"{STORE_FAILED}{exc}"
-        for run in list(self.runs.values()):
-            if run.parent is None and not run.rec.state.terminal:
-                self._task(self.finish(run, RunState.FAILED, reason))
+        for root in self._live_roots():
+            self._task(self.finish(root, RunState.FAILED, reason))
+
+    def _live_roots(self) -> list[Run]:
+        """The roots of the trees this supervisor runs that have not ended."""
+        return [r for r in self.runs.values() if r.parent is None and not r.rec.state.terminal]
 
     def check_open(self) -> None:
         if self.store_error is not None:
@@ -998,9 +1001,8 @@ class Core:
         Runs whose workers it forked go on; their exits are confirmed without it."""
         how = f"signal {-status}" if status < 0 else f"status {status}"
         data = {"pid": pid, "exit": how, "replaced": True}
-        for run in self.runs.values():
-            if run.parent is None and not run.rec.state.terminal:
-                self._event(run, "zygote_lost", data)
+        for root in self._live_roots():
+            self._event(root, "zygote_lost", data)
 
     def _exit_reason(self, status: int, cpu_used: float, oom_kills: int = 0) -> str:
         """Why a worker died, naming the limit when a limit killed it."""
@@ -1186,7 +1188,9 @@ class Core:
         open_ids = [r.id for r in runs.values() if not r.rec.state.terminal]
         self._event(root, "resume", {"supervisor": self.owner, "open": open_ids})
         ending: set[Run] = set()  # cancelled by this resume
-        poisoned = self._poison_steps(list(runs.values()))
+        # Each running run's journaled steps, read once: for poison steps and its replay.
+        steps = {r: self.store.events(r.id, "step") for r in runs.values() if r.rec.state is RUN}
+        poisoned = self._poison_steps(steps)
         for run in runs.values():
             if run.rec.state.terminal or run.ending is not None:
                 continue
@@ -1207,7 +1211,7 @@ class Core:
                 )
                 self._task(self.finish(run, RunState.FAILED, why))
             elif run.rec.state is RUN:
-                run.replay = self._replay_of(run)
+                run.replay = self._replay_of(run, steps[run])
             else:  # queued: follow-ups held for its start were in memory only
                 run.messages = [e["data"]["message"] for e in self.store.events(run.id, "message")]
         # Flows, before any worker starts (a resumed parent's replay asks for its flows):
@@ -1224,12 +1228,12 @@ class Core:
             self._grant()
         return root
 
-    def _poison_steps(self, runs: list[Run]) -> dict[Run, int]:
+    def _poison_steps(self, steps: dict[Run, list[dict[str, Any]]]) -> dict[Run, int]:
         """The runs whose step was under way at two host deaths, each with that step. A run
         with such a descendant is not one of them: its step was waiting on that one."""
         found = {}
-        for run in runs:
-            if run.rec.state is RUN and (step := self._poison_step(run)) is not None:
+        for run, done in steps.items():
+            if (step := self._poison_step(run, done)) is not None:
                 found[run] = step
 
         def waits_below(run: Run) -> bool:
@@ -1237,17 +1241,17 @@ class Core:
 
         return {run: step for run, step in found.items() if not waits_below(run)}
 
-    def _poison_step(self, run: Run) -> int | None:
+    def _poison_step(self, run: Run, steps: list[dict[str, Any]]) -> int | None:
         """The step of `run` that was under way at two host deaths (begun twice in the
         journal, ended never), if there is one."""
-        done = {int(e["data"]["step"]) for e in self.store.events(run.id, "step")}
+        done = {int(e["data"]["step"]) for e in steps}
         begun: dict[int, int] = {}
         for e in self.store.events(run.id, "step_begun"):
             step = int(e["data"]["step"])
             begun[step] = begun.get(step, 0) + 1
         return next((n for n, c in sorted(begun.items()) if c >= 2 and n not in done), None)
 
-    def _replay_of(self, run: Run) -> Replay:
+    def _replay_of(self, run: Run, steps: list[dict[str, Any]]) -> Replay:
         """What the journal holds of a run: its turns' replies, its plain calls' replies by
         prompt, the number of its last journaled step."""
         replay = Replay()
@@ -1263,7 +1267,6 @@ class Core:
         replay.remembered = [
             base64.b64decode(e["data"]["value"]) for e in self.store.events(run.id, "remember")
         ]
-        steps = self.store.events(run.id, "step")
         replay.pending = [p for e in steps for p in e["data"].get("pending", [])]
         replay.steps = max((int(e["data"]["step"]) for e in steps), default=0)
         return replay
@@ -1289,7 +1292,7 @@ class Core:
     # ---- shutting down -----------------------------------------------------------------
     async def close(self, reason: str = "supervisor closed") -> None:
         self.closing = True
-        roots = [r for r in self.runs.values() if r.parent is None and not r.rec.state.terminal]
+        roots = self._live_roots()
         await asyncio.gather(*(self.finish(r, RunState.CANCELLED, reason) for r in roots))
         self.gateway.close()
         await self.backend.close()
