@@ -23,3 +23,24 @@ def no_leftover_processes():
 
 
 pytest_plugins = ["tests.pg", "tests.flowcheck"]
+
+
+@pytest.fixture
+def gate_clock(monkeypatch):
+    """The model gateway's rate-limit gate on a fake clock: its waits are recorded, not
+    slept (each advances the clock by its length). Returns the list of waits."""
+    import asyncio
+
+    from brood.supervisor import gateway
+
+    now = [0.0]
+    waits: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        now[0] += seconds
+        await asyncio.sleep(0)
+
+    monkeypatch.setattr(gateway, "_now", lambda: now[0])
+    monkeypatch.setattr(gateway, "_sleep", sleep)
+    return waits

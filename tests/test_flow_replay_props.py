@@ -1,16 +1,17 @@
 """Random flows, driven against a fake host, rebuild from their ledgers exactly.
 
-A `FlowExecutor` decides only from its input events (`flow_started`, `spawned`, `settled`,
-`resumed`, `stopping`, `budget_expired`, `run_ended`); every derived event follows
-synchronously. Here
+A `FlowExecutor` decides only from its input events (`flow_started`, `spawned`,
+`deferred`, `settled`, `resumed`, `stopping`, `budget_expired`, `run_ended`); every derived
+event follows synchronously. Here
 Hypothesis draws a flow from a small family of specs (chains, guarded fan-out and back
 edges, foreach over json lists, retries, the three failure policies, `max_entries`,
 `max_transitions`, `max_parallel`, a run budget) and drives it on an in-memory host (no
 processes, no supervisor): each step settles a running child (completed with its outputs,
-completed with a broken output, failed, timed out, cancelled from outside), resumes a
-paused flow, stops it or lets its budget run out, and lets the loop run for a drawn number
-of turns, so the executor's tasks interleave with the actions in many orders. Starts may be
-refused (for capacity, retried with backoff on a fake clock; or for good).
+completed with a broken output, failed, timed out, cancelled from outside, rate limited at
+its first model call: deferred, with backoff on a fake clock), resumes a paused flow,
+stops it or lets its budget run out (a pause), and lets the loop run for a drawn number of
+turns, so the executor's tasks interleave with the actions in many orders. Starts may be
+refused (for capacity or a rate limit, retried with backoff; or for good).
 
 Then:
 
@@ -35,12 +36,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from brood.errors import BroodError, LimitExceeded
+from brood.errors import RATE_LIMITED_REASON, BroodError, LimitExceeded, RateLimited
+from brood.flow import compile_spec, load_spec
 from brood.flow.executor import DERIVED, INPUTS, FlowExecutor
-from brood.flow.spec import compile_spec, load_spec
 from brood.lifecycle import RunState
 
 FENCE = "```"
@@ -175,6 +176,8 @@ class FakeHost:
         how = self.starts.popleft() if self.starts else "ok"
         if how == "capacity":
             raise LimitExceeded("max_concurrency", 9, 8)
+        if how == "rate_limited":
+            raise RateLimited("429 at start")
         if how == "refuse" or parent.ending is not None or parent.rec.state.terminal:
             raise BroodError(f"start of {key} refused")
         child = self._new(RunState.QUEUED, parent, key)
@@ -265,8 +268,15 @@ async def fast_sleep(seconds: float) -> None:
 
 
 # Weighted choices: Hypothesis draws an index (and shrinks it towards the first entry).
-OUTCOMES = ["completed"] * 6 + ["broken_output", "failed", "timed_out", "cancelled"]
-STARTS = ["ok"] * 8 + ["capacity", "refuse"]
+OUTCOMES = ["completed"] * 6 + [
+    "broken_output",
+    "failed",
+    "timed_out",
+    "cancelled",
+    "rate_limited",
+    "rate_limited",
+]
+STARTS = ["ok"] * 8 + ["capacity", "rate_limited", "refuse"]
 TURNS = [DRAIN_TURNS, DRAIN_TURNS, 0, 1, 2, 3]
 
 
@@ -322,7 +332,7 @@ async def drive(
             actions += ["resume"] * 4
         actions.append("stop")
         if ex.m.run.budget is not None:
-            actions.append("budget")
+            actions += ["budget"] * 2
         if END_FROM_OUTSIDE and ex.run.ending is None:
             actions.append("end_run")
         action = pick(data, actions, "action")
@@ -337,6 +347,9 @@ async def drive(
                 end(child, RunState.COMPLETED, "answered", answer(v, items))
             elif outcome == "broken_output":
                 end(child, RunState.COMPLETED, "answered", answer("{not json", None))
+            elif outcome == "rate_limited":  # at its first model call: the flow defers it
+                child.rec.usage["model_calls"] = 1
+                end(child, RunState.FAILED, f"{RATE_LIMITED_REASON}429 Too Many Requests")
             else:
                 end(child, RunState(outcome), f"{outcome} on purpose")
         elif action == "resume":
@@ -390,7 +403,7 @@ def progress(ex: FlowExecutor) -> dict[str, Any]:
     return {
         "status": ex.status_value,
         "reason": ex.reason,
-        "instances": [(i.key, i.outcome) for i in ex.live.values()],
+        "instances": [(i.key, i.tries, i.outcome) for i in ex.live.values()],
         "active": ex.active,
         "waiting": [(e.state, e.number) for e in ex.waiting],
         "queue": [i.key for i in ex.queue],
@@ -449,6 +462,9 @@ def test_a_randomly_driven_flow_rebuilds_from_every_prefix_of_its_ledger(flow, d
 
     async def main() -> None:
         live, host, steps = await drive(data, spec, params)
+        for kind in ("deferred", "start_retry", "budget_expired", "resumed"):
+            if any(e["data"]["kind"] == kind for e in host.ledger):
+                event(kind)  # how often each input was reached (--hypothesis-show-statistics)
         check_whole(live, host, steps)
         check_prefixes(live, host, steps)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import brood
 from tests.fake_openai import FakeOpenAI, Reply
 from tests.util import FAST
@@ -25,7 +27,9 @@ def waits(path) -> list[float]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_429_and_5xx_are_retried_honoring_retry_after(tmp_path):
+def test_429_and_5xx_are_retried_honoring_retry_after(tmp_path, gate_clock):
+    """In a tree, a 429 is the gateway's: its gate waits the Retry-After for every call to
+    the endpoint (jittered up to 10%). The model retries 5xx answers itself."""
     script = {
         "task": [
             Reply(status=429, error="slow down", headers=(("Retry-After", "7"),)),
@@ -44,12 +48,13 @@ def test_429_and_5xx_are_retried_honoring_retry_after(tmp_path):
         statuses = [ex.status for ex in server.requests]
     assert result.answer == "ok"
     assert statuses == [429, 503, 500, 200]
+    assert len(gate_clock) == 1 and 7.0 <= gate_clock[0] <= 7.7
     # Retry-After honored; without it, brood's own backoff (0.5 s doubling).
-    assert waits(log) == [7.0, 1.0, 0.25]
+    assert waits(log) == [0.5, 0.25]
 
 
-def test_the_run_fails_with_a_clear_reason_when_retries_run_out(tmp_path):
-    script = {"task": [Reply(status=429, error="quota exhausted")] * 3}
+def test_a_429_that_never_lifts_fails_the_run_rate_limited(tmp_path, gate_clock):
+    script = {"task": [Reply(status=429, error="quota exhausted")] * 5}
     log = tmp_path / "sleeps"
     with FakeOpenAI(script) as server:
         model = brood.OpenAIModel(
@@ -57,22 +62,52 @@ def test_the_run_fails_with_a_clear_reason_when_retries_run_out(tmp_path):
         )
         with brood.Supervisor(model, limits=FAST) as sup:
             result = sup.run("task")
-        assert len(server.requests) == 3
+        assert len(server.requests) == 5  # the gateway's 5 tries; the model retried none
     assert result.state == "failed"
-    assert result.error.startswith("model error: model 'm' at http://127.0.0.1:")
-    assert "RateLimitError after 3 tries" in result.error
-    assert "quota exhausted" in result.error
-    assert waits(log) == [0.5, 1.0]
+    assert result.error.startswith("model error: rate limited: model 'm' at http://127.0.0.1:")
+    assert "RateLimitError" in result.error and "quota exhausted" in result.error
+    assert "tried 5 times" in result.error
+    assert waits(log) == []
+    # 1 s doubling, each with up to 10% jitter
+    assert len(gate_clock) == 4, gate_clock
+    for wait, base in zip(gate_clock, [1, 2, 4, 8], strict=True):
+        assert base <= wait <= base * 1.1, gate_clock
 
 
-def test_a_huge_retry_after_is_capped(tmp_path):
-    script = {"task": [Reply(status=429, headers=(("Retry-After", "86400"),)), FINAL_OK]}
+def test_outside_a_tree_openai_model_retries_429_then_raises_rate_limited(tmp_path):
+    script = {
+        "task": [Reply(status=429, error="quota exhausted", headers=(("Retry-After", "3"),))] * 3
+    }
+    log = tmp_path / "sleeps"
+    with FakeOpenAI(script) as server:
+        model = brood.OpenAIModel(
+            "m", base_url=server.base_url, max_retries=2, sleep=recording_sleep(log)
+        )
+        with pytest.raises(brood.RateLimited) as caught:
+            model.complete([{"role": "user", "content": "task"}])
+        assert len(server.requests) == 3
+    assert caught.value.retry_after == 3.0
+    assert isinstance(caught.value, brood.ModelError)
+    assert "RateLimitError after 3 tries" in str(caught.value)
+    assert "quota exhausted" in str(caught.value)
+    assert waits(log) == [3.0, 3.0]
+
+
+def test_a_huge_retry_after_is_capped(tmp_path, gate_clock, caplog):
+    script = {
+        "task": [Reply(status=429, headers=(("Retry-After", "86400"),)), "ok"],
+        "tree": [Reply(status=429, headers=(("Retry-After", "86400"),)), FINAL_OK],
+    }
     log = tmp_path / "sleeps"
     with FakeOpenAI(script) as server:
         model = brood.OpenAIModel("m", base_url=server.base_url, sleep=recording_sleep(log))
+        assert model.complete([{"role": "user", "content": "task"}]).text == "ok"
+        assert waits(log) == [30.0]  # the model's own retry: at most 30 s
         with brood.Supervisor(model, limits=FAST) as sup:
-            assert sup.run("task").answer == "ok"
-    assert waits(log) == [30.0]
+            assert sup.run("tree").answer == "ok"
+    # the gateway's gate: at most 60 s (plus jitter), and said in the log
+    assert len(gate_clock) == 1 and 60.0 <= gate_clock[0] <= 66.0
+    assert "asked to wait 86400" in caplog.text
 
 
 def test_a_client_error_is_not_retried(tmp_path):

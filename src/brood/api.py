@@ -26,8 +26,10 @@ from brood.errors import (
     StoreError,
     SupervisorClosed,
 )
+from brood.flow.compile import compile_spec
 from brood.flow.executor import FlowExecutor
-from brood.flow.spec import FlowSpec, compile_spec, load_spec
+from brood.flow.load import load_spec
+from brood.flow.schema import FlowSpec
 from brood.lifecycle import RunState
 from brood.limits import Limits, is_duration
 from brood.models.base import Model, resolve_model
@@ -523,9 +525,12 @@ class FlowHandle:
 
     def wait(self, timeout: float | None = None) -> str:
         """Block until the flow ends (finished, failed, stopped) or pauses; returns that
-        status. On timeout raises TimeoutError and the flow keeps going."""
+        status. On timeout raises TimeoutError and the flow keeps going. The flow's ledger
+        up to that point is committed: the journal's reads see it."""
         self._sup._check_live(f"flow {self.id}")
-        return self._sup._loop.call(self._ex.wait(timeout))
+        status = self._sup._loop.call(self._ex.wait(timeout))
+        self._sup._store.flush()
+        return status
 
     def wait_change(self) -> None:
         """Block until the flow's status changes (e.g. a paused flow is resumed)."""

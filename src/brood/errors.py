@@ -132,6 +132,11 @@ class RateLimited(ModelError):
         self.retry_after = retry_after
 
 
+# The reason of a run that failed on a rate-limited model call of its own turn: what a flow
+# reads to back off and start the instance again (a reason is journaled; a class is not).
+RATE_LIMITED_REASON = "model error: rate limited: "
+
+
 class StoreError(BroodError):
     """The journal could not be opened, read or written."""
 

@@ -25,19 +25,25 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from brood.errors import (
+    RATE_LIMITED_REASON,
     BackendError,
     BroodError,
     InvalidArgument,
     LimitExceeded,
+    RateLimited,
     ReplayDiverged,
 )
+from brood.flow.compile import compile_spec
 from brood.flow.guards import evaluate
-from brood.flow.render import read_output, render_prompt
-from brood.flow.spec import Machine, MachineState, OutputError, compile_spec, load_spec
+from brood.flow.load import load_spec
+from brood.flow.machine import Machine, MachineState
+from brood.flow.render import OutputError, read_output, render_prompt
 from brood.lifecycle import RunState
 
 STATUS_INSTANCES = 50  # instances per state that status() lists (counts cover them all)
-START_TRIES = 5  # a start refused for capacity is tried this many times in all
+# A start refused for capacity or a rate limit, or a run whose first model call was rate
+# limited, is tried this many times in all, waiting 1 s, doubling to 60 s, in between.
+START_TRIES = 5
 START_BACKOFF_FIRST_S = 1.0  # first wait before trying again, doubled each time
 START_BACKOFF_MAX_S = 60.0
 # Ledger kinds that follow from the inputs (a replay makes them again, in the same order).
@@ -55,7 +61,16 @@ DERIVED = frozenset(
 )
 # Ledger kinds that are the executor's inputs (a replay feeds them back, in order).
 INPUTS = frozenset(
-    {"flow_started", "spawned", "settled", "resumed", "stopping", "budget_expired", "run_ended"}
+    {
+        "flow_started",
+        "spawned",
+        "deferred",
+        "settled",
+        "resumed",
+        "stopping",
+        "budget_expired",
+        "run_ended",
+    }
 )
 ENDS = {"finished": RunState.COMPLETED, "failed": RunState.FAILED, "stopped": RunState.CANCELLED}
 
@@ -109,6 +124,7 @@ class Instance:
     run: Any = None
     outcome: str | None = None  # completed / failed / cancelled
     outputs: dict[str, Any] = field(default_factory=dict)
+    tries: int = 0  # runs of this attempt ended by a rate limit at their first model call
 
     @property
     def key(self) -> tuple[str, int, int | None, int]:
@@ -131,9 +147,10 @@ class Instance:
 
     @property
     def child_key(self) -> str:
-        """The key of its child run: STATE#ENTRY[ITEM]~ATTEMPT (one child per key)."""
+        """The key of its child run, STATE#ENTRY[ITEM]~ATTEMPT/rTRIES (one child per key)."""
         key = f"{self.state}#{self.entry}" + (f"[{self.item}]" if self.item is not None else "")
-        return key + (f"~{self.attempt}" if self.attempt else "")
+        key += f"~{self.attempt}" if self.attempt else ""
+        return key + (f"/r{self.tries}" if self.tries else "")
 
 
 @dataclass
@@ -218,6 +235,8 @@ class FlowExecutor:
         self.replaying = False
         self.made: list[dict[str, Any]] = []
         self.pending: dict[tuple[str, int, int | None, int], Instance] = {}
+        # Instances waiting out a backoff (no child of theirs runs), with their tasks.
+        self.sleepers: dict[tuple[str, int, int | None], asyncio.Task[Any]] = {}
 
     # ---- the ledger ------------------------------------------------------------------------
     def ledger(self, kind: str, **data: Any) -> None:
@@ -372,43 +391,98 @@ class FlowExecutor:
 
     async def run_instance(self, inst: Instance) -> None:
         st = self.m.states[inst.state]
+        while True:
+            child = await self._child_of(inst, st)
+            if child is None:
+                return
+            await child.done.wait()
+            rec = child.rec
+            if _rate_limited_at_first_call(rec) and self.ending is None:
+                if await self._defer(inst, rec.reason):
+                    continue  # a new run of the same attempt, under its next key
+                return
+            if rec.state is RunState.COMPLETED:
+                try:
+                    outputs = self._outputs(st, rec.answer)
+                except OutputError as exc:
+                    self._settled(inst, "failed", str(exc))
+                    return
+                self._settled(inst, "completed", outputs=outputs)
+            elif rec.state is RunState.CANCELLED and self.status_value != "running":
+                self._settled(inst, "cancelled")
+            elif rec.state is RunState.TIMED_OUT and st.budget is not None:
+                # Over the state's budget: this attempt ends timed_out, and is not retried
+                # (another attempt would run into the same budget).
+                self._settled(inst, "failed", f"{rec.state.value}: {rec.reason}", retry=False)
+            else:
+                self._settled(inst, "failed", f"{rec.state.value}: {rec.reason}")
+            return
+
+    async def _child_of(self, inst: Instance, st: MachineState) -> Any:
+        """The instance's child: adopted from the journal after a resume, else started.
+        None when none runs (the instance is settled, or waits no more)."""
         key = inst.child_key
-        # After a resume, the journal may hold this instance's child already: adopt it.
         child = self.host.adopt_child(self.run, key, st.budget, launch=self.ending is None)
         if child is None:
             if self.ending is not None:  # the flow is ending: nothing more starts
                 self._settled(inst, "cancelled")
-                return
+                return None
             try:
                 prompt = render_prompt(st.prompt, inst.inputs)
             except BroodError as exc:
                 self._settled(inst, "failed", f"could not render its prompt: {exc}")
-                return
+                return None
             child = await self._start_with_backoff(inst, prompt, key, st)
             if child is None:
-                return
+                return None
         if inst.run is None:  # not in the ledger yet
             inst.run = child
             self.ledger("spawned", **inst.where, run_id=child.id)
         if self.status_value in ("stopping", "stopped"):  # the start landed after stop
             await self.host.finish(child, RunState.CANCELLED, "flow stopped")
-        await child.done.wait()
-        rec = child.rec
-        if rec.state is RunState.COMPLETED:
-            try:
-                outputs = self._outputs(st, rec.answer)
-            except OutputError as exc:
-                self._settled(inst, "failed", str(exc))
-                return
-            self._settled(inst, "completed", outputs=outputs)
-        elif rec.state is RunState.CANCELLED and self.status_value != "running":
-            self._settled(inst, "cancelled")
-        elif rec.state is RunState.TIMED_OUT and st.budget is not None:
-            # Over the state's budget: this attempt ends timed_out, and is not retried
-            # (another attempt would run into the same budget).
-            self._settled(inst, "failed", f"{rec.state.value}: {rec.reason}", retry=False)
-        else:
-            self._settled(inst, "failed", f"{rec.state.value}: {rec.reason}")
+        return child
+
+    async def _defer(self, inst: Instance, reason: str | None) -> bool:
+        """The instance's run ended on a rate limit at its first model call: the factory's
+        backoff, then a new run (True), or after START_TRIES runs the failure policy."""
+        tries = inst.tries + 1
+        if tries >= START_TRIES:
+            why = f"rate limited at its first model call, {tries} runs in all: {reason}"
+            self._settled(inst, "failed", why, retry=False)
+            return False
+        wait = min(START_BACKOFF_FIRST_S * 2 ** (tries - 1), START_BACKOFF_MAX_S)
+        self.ledger("deferred", **inst.where, tries=tries, wait=wait, reason=reason)
+        inst.tries, inst.run = tries, None
+        return await self._backoff(inst, wait)
+
+    async def _backoff(self, inst: Instance, wait: float) -> bool:
+        """Wait out a backoff in the instance's own task (the control loop goes on), then
+        until the flow runs (a paused flow starts nothing). False when the flow ended
+        meanwhile: a backoff that wakes in a stopped flow does nothing."""
+        if self.ending is not None or self.ended_outside:  # it ended before this began
+            if inst.outcome is None:
+                self._settled(inst, "cancelled")
+            return False
+        task = asyncio.current_task()
+        assert task is not None
+        self.sleepers[inst.slot] = task
+        try:
+            await self.sleep(wait)
+            while self.status_value == "paused":
+                await self.changed.wait()
+                self.changed.clear()
+        finally:
+            self.sleepers.pop(inst.slot, None)
+        return inst.outcome is None and self.ending is None and self.status_value == "running"
+
+    def _cancel_sleepers(self) -> None:
+        """The flow ends: instances waiting out a backoff are cancelled (they never run)."""
+        for slot, task in list(self.sleepers.items()):
+            inst = self.live.get(slot)
+            if inst is not None and inst.outcome is None:
+                self._settled(inst, "cancelled")
+            task.cancel()
+        self.sleepers.clear()
 
     @staticmethod
     def _outputs(st: MachineState, answer: str | None) -> dict[str, Any]:
@@ -454,26 +528,23 @@ class FlowExecutor:
         self, inst: Instance, prompt: str, key: str, st: MachineState
     ) -> Any:
         """Start the instance's child. A start refused for capacity (LimitExceeded,
-        BackendError) is tried again after 1 s, doubling to 60 s, 5 tries in all; the wait
-        is this instance's own task, so the control loop goes on meanwhile."""
+        BackendError) or a rate limit is tried again after 1 s, doubling to 60 s, 5 tries
+        in all; the wait is this instance's own task, so the control loop goes on."""
         delay = START_BACKOFF_FIRST_S
         for tries in range(1, START_TRIES + 1):
             try:
                 return await self.host.start_child(
                     self.run, prompt, key=key, model_name=st.settings.model, timeout=st.budget
                 )
-            except (LimitExceeded, BackendError) as exc:
-                if tries == START_TRIES or self.status_value != "running":
+            except (LimitExceeded, BackendError, RateLimited) as exc:
+                if tries == START_TRIES:
                     why = f"could not start after {tries} tries: {exc}"
                 else:
                     self.ledger(
-                        "start_retry",
-                        **inst.where,
-                        tries=tries,
-                        wait=delay,
-                        reason=str(exc),
+                        "start_retry", **inst.where, tries=tries, wait=delay, reason=str(exc)
                     )
-                    await self.sleep(delay)
+                    if not await self._backoff(inst, delay):
+                        return None
                     delay = min(delay * 2, START_BACKOFF_MAX_S)
                     continue
             except BroodError as exc:
@@ -540,6 +611,7 @@ class FlowExecutor:
     def _run_ended(self, reason: str) -> None:
         self.ended_outside = True
         self.ledger("run_ended", reason=reason)
+        self._cancel_sleepers()
         if self.status_value not in ("stopped", "finished", "failed"):
             self.set_status("stopped")
             self.reason = reason
@@ -765,6 +837,7 @@ class FlowExecutor:
             why = "flow finished: its resident states are stopped"
         else:
             why = "flow stopped" if final == "stopped" else f"flow failed: {reason}"
+        self._cancel_sleepers()
         await self._cancel_all(why)
         self.set_status(final)
         answer = json.dumps(self.outputs, default=str) if final == "finished" else None
@@ -860,7 +933,7 @@ class FlowExecutor:
             self._over_budget()
         elif kind == "run_ended":
             self._run_ended(d.get("reason") or "the flow's run ended")
-        else:  # spawned, settled
+        else:  # spawned, deferred, settled
             key = (d["state"], d["entry"], d["item"], d.get("attempt", 0))
             inst = self.pending.get(key)
             if inst is None:
@@ -870,6 +943,9 @@ class FlowExecutor:
                 )
             if kind == "spawned":
                 inst.run = self.host.run_of(d["run_id"])
+                return
+            if kind == "deferred":  # its run was rate limited: the next one has a new key
+                inst.tries, inst.run = d["tries"], None
                 return
             del self.pending[key]
             outputs = None
@@ -929,6 +1005,7 @@ class FlowExecutor:
                     "entry": i.entry,
                     "item": i.item,
                     "attempt": i.attempt,
+                    "rate_limited_runs": i.tries,
                     "run_id": getattr(i.run, "id", None),
                     "state": outcome,
                 }
@@ -969,6 +1046,15 @@ class FlowExecutor:
             if e.get("stage") in ("recorded", "arrived"):
                 e["stage"] = "delivered"
         return events
+
+
+def _rate_limited_at_first_call(rec: Any) -> bool:
+    """The run failed on a rate limit at its first model call (its start, in effect)."""
+    return (
+        rec.state is RunState.FAILED
+        and (rec.reason or "").startswith(RATE_LIMITED_REASON)
+        and rec.usage.get("model_calls", 0) <= 1
+    )
 
 
 def _short(value: Any, n: int = 80) -> str:

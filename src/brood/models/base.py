@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
 from brood.errors import InvalidArgument, ModelError
 
 Messages = list[dict[str, Any]]
+
+# True while the model gateway makes the call. A model that retries rate limits itself
+# (OpenAIModel) then raises RateLimited at the first 429 instead: the gateway's one gate per
+# endpoint does the waiting for every call of the tree, so no call also retries alone.
+rate_gated: ContextVar[bool] = ContextVar("brood_rate_gated", default=False)
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from brood.errors import InvalidArgument, ModelError
+from brood.errors import InvalidArgument, ModelError, RateLimited
 from brood.limits import is_duration
-from brood.models.base import Completion, Messages, Model, check_text
+from brood.models.base import Completion, Messages, Model, check_text, rate_gated
 
 DEFAULT_TIMEOUT_S = 120.0  # one try; a server that hangs costs minutes, not an hour
 DEFAULT_TRIES = 3  # the first try and two retries
@@ -26,10 +26,12 @@ class OpenAIModel(Model):
     The base URL and key come from the arguments or from OPENAI_BASE_URL / OPENAI_API_KEY.
     The client is built on first use, in the supervisor's model gateway, and its one
     connection pool serves every run (workers never hold it or the key). A 429, a 5xx, a
-    timeout or a dropped connection is retried up to `max_retries` times, waiting what the server's
-    Retry-After asks (capped at BACKOFF_MAX_S) or else 0.5 s doubling; when the retries run
-    out, the call fails with a ModelError naming the last error. `sleep` is how it waits
-    (tests pass a fake clock).
+    timeout or a dropped connection is retried up to `max_retries` times, waiting what the
+    server's Retry-After asks (capped at BACKOFF_MAX_S) or else 0.5 s doubling; when the
+    retries run out, the call fails with a ModelError naming the last error, a RateLimited
+    (with the server's Retry-After) if that was a 429. In a supervisor's gateway a 429 is
+    RateLimited at once: the gateway's gate then waits once for every call to the endpoint.
+    `sleep` is how it waits (tests pass a fake clock).
     """
 
     def __init__(
@@ -85,16 +87,22 @@ class OpenAIModel(Model):
         return self._client
 
     def _failure(self, exc: Exception, attempt: int, name: str | None) -> float:
-        """How long to wait before the next try; raises ModelError when none is left."""
+        """How long to wait before the next try; raises ModelError (RateLimited for a 429)
+        when none is left."""
+        import openai
+
         wait = retry_wait(exc, attempt)
-        if wait is None or attempt == self.max_retries:
+        limited = isinstance(exc, openai.APIStatusError) and exc.status_code == 429
+        if wait is None or attempt == self.max_retries or (limited and rate_gated.get()):
             where = self.base_url or os.environ.get("OPENAI_BASE_URL") or "the default OpenAI URL"
             tries = f" after {attempt + 1} tries" if attempt else ""
             cause = f" ({exc.__cause__})" if exc.__cause__ else ""
             what = "the reply is not a chat completion: " if isinstance(exc, ValueError) else ""
-            raise ModelError(
-                f"model {name!r} at {where}: {type(exc).__name__}{tries}: {what}{exc}{cause}"
-            ) from exc
+            message = f"model {name!r} at {where}: {type(exc).__name__}{tries}: {what}{exc}{cause}"
+            if limited:
+                asked = _retry_after(exc.response.headers)  # type: ignore[attr-defined]
+                raise RateLimited(message, retry_after=asked) from exc
+            raise ModelError(message) from exc
         return wait
 
     def complete(self, messages: Messages, model: str | None = None) -> Completion:

@@ -14,17 +14,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import logging
 import math
 import queue
 import random
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from brood.errors import RateLimited
-from brood.models.base import Completion, Messages, Model
+from brood.models.base import Completion, Messages, Model, rate_gated
 
 # Model calls in flight at once through chat_fn threads, across every tree of a supervisor.
 # A call beyond this waits its turn; a chat_fn that never returns keeps its thread.
@@ -36,6 +38,16 @@ RATE_WAIT_FIRST_S = 1.0
 RATE_WAIT_MAX_S = 60.0
 
 log = logging.getLogger("brood")
+
+
+def _now() -> float:
+    """The gate's clock (tests replace it, with `_sleep`, by a fake one)."""
+    return time.monotonic()
+
+
+async def _sleep(seconds: float) -> None:
+    await asyncio.sleep(seconds)
+
 
 _Job = tuple[asyncio.AbstractEventLoop, "asyncio.Future[Any]", Callable[..., Any], tuple[Any, ...]]
 
@@ -137,27 +149,34 @@ class ModelGateway:
         tree until the server's Retry-After has passed (one wait, not one per call), and
         the call is tried again; after RATE_TRIES the RateLimited is the call's error."""
         endpoint = model.describe()
-        loop = asyncio.get_running_loop()
         for attempt in range(RATE_TRIES):
             # A deadline, which another 429 may move later meanwhile: looked at again after
             # each wait (nothing sets it as an event could signal).
-            while (left := self.gates.get(endpoint, 0.0) - loop.time()) > 0:  # noqa: ASYNC110
-                await asyncio.sleep(left)
+            while (left := self.gates.get(endpoint, 0.0) - _now()) > 0:
+                await _sleep(left)
             try:
                 return await self._call(model, messages, name)
             except RateLimited as exc:
                 if attempt == RATE_TRIES - 1:
-                    raise
+                    raise RateLimited(
+                        f"{exc} (tried {RATE_TRIES} times, each after the endpoint's wait)",
+                        retry_after=exc.retry_after,
+                    ) from exc
                 wait = _rate_wait(exc.retry_after, attempt, endpoint)
-                self.gates[endpoint] = max(self.gates.get(endpoint, 0.0), loop.time() + wait)
+                self.gates[endpoint] = max(self.gates.get(endpoint, 0.0), _now() + wait)
         raise AssertionError("unreachable")
 
     async def _call(self, model: Model, messages: Messages, name: str | None) -> Completion:
         cls: type = type(model)
-        if _is_async(cls):
-            done = await model.acomplete(messages, model=name)  # type: ignore[attr-defined]
-        else:
-            done = await self.pool.submit(model.complete, messages, name)
+        token = rate_gated.set(True)  # seen by the call's task, and copied to its thread
+        try:
+            if _is_async(cls):
+                done = await model.acomplete(messages, model=name)  # type: ignore[attr-defined]
+            else:
+                ctx = contextvars.copy_context()
+                done = await self.pool.submit(ctx.run, model.complete, messages, name)
+        finally:
+            rate_gated.reset(token)
         if not isinstance(done, Completion):
             raise TypeError(
                 f"model {model.describe()!r} returned {type(done).__name__} from complete(); "

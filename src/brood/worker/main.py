@@ -46,8 +46,10 @@ def report_unusable(sock: socket.socket, reason: str) -> None:
 
 
 def _reason(exc: BaseException) -> str:
-    from brood.errors import ModelError
+    from brood.errors import RATE_LIMITED_REASON, ModelError, RateLimited
 
+    if isinstance(exc, RateLimited):
+        return f"{RATE_LIMITED_REASON}{exc}"
     if isinstance(exc, ModelError):
         return f"model error: {exc}"
     if isinstance(exc, ReplayStop):
