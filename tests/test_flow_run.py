@@ -413,6 +413,11 @@ def test_status_has_the_factory_shape():
     usage = status["usage"]
     assert (usage["spawns"], usage["settled"], usage["running"]) == (3, 3, 0)
     assert usage["transitions_fired"] == 1 and usage["model_calls"] == 3
+    assert usage["tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    assert status["states"]["each"]["per_entry"] == [
+        {"entry": 1, "status": "settled", "instances": 2, "counts": {"completed": 2}}
+    ]
+    assert status["states"]["split"]["per_entry"][0]["counts"] == {"completed": 1}
     assert status["elapsed_ms"] >= 0
     assert 0 < len(status["events"]) <= 50
     stages = {e["kind"]: e["stage"] for e in status["events"]}

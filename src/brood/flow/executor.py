@@ -212,6 +212,7 @@ class FlowExecutor:
         # attempt takes its failed one's place (removing it is O(1), also for 10,000 items).
         self.live: dict[tuple[str, int, int | None], Instance] = {}
         self.active = 0  # started and not yet ended
+        self.settles = 0  # instance ends (each attempt's), as ledger `settled` events count
         self.residents = 0  # of those, instances of resident states (they hold nothing open)
         self.fired = 0
         self.held: deque[str] = deque()  # fires held by a max_transitions pause
@@ -507,6 +508,7 @@ class FlowExecutor:
                 self.residents -= 1
         inst.outcome = outcome
         inst.outputs = outputs or {}
+        self.settles += 1
         self.ledger(
             "settled",
             **inst.where,
@@ -983,8 +985,9 @@ class FlowExecutor:
 
     # ---- status ---------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
-        """Per state: entries used / max, and per entry its instances (the last
-        STATUS_INSTANCES of each state, with counts of them all); usage; recent events."""
+        """Per state: entries used / max, each entry's breakdown (`per_entry`: its status,
+        its instance count and their outcomes) and the instances (the last
+        STATUS_INSTANCES of each, with counts of them all); usage; recent events."""
         states: dict[str, dict[str, Any]] = {
             sid: {
                 "entries": self.entries[sid],
@@ -995,11 +998,29 @@ class FlowExecutor:
             }
             for sid, st in self.m.states.items()
         }
-        usage: dict[str, float] = {}
-        for i in self.live.values():  # one pass: instances by state, and their usage
+        entries: dict[tuple[str, int], dict[str, Any]] = {}
+        for e in [*self.entries_by_key.values(), *self.waiting]:
+            entries[(e.state, e.number)] = {
+                "entry": e.number,
+                "status": (
+                    "waiting"
+                    if e in self.waiting
+                    else "failed"
+                    if e.failed
+                    else "settled"
+                    if e.settled
+                    else "running"
+                ),
+                "instances": e.expected,
+                "counts": {},
+            }
+        for i in self.live.values():  # one pass: instances by state and by entry
             row = states[i.state]
             outcome = i.outcome or "running"
             row["counts"][outcome] = row["counts"].get(outcome, 0) + 1
+            per = entries.get((i.state, i.entry))
+            if per is not None:
+                per["counts"][outcome] = per["counts"].get(outcome, 0) + 1
             row["instances"].append(
                 {
                     "entry": i.entry,
@@ -1010,15 +1031,20 @@ class FlowExecutor:
                     "state": outcome,
                 }
             )
-            if i.run is not None:
-                for k, v in i.run.rec.usage.items():
-                    usage[k] = usage.get(k, 0) + v
+        for (state, _), per in sorted(entries.items()):
+            states[state].setdefault("per_entry", []).append(per)
         for row in states.values():
             row["instances"] = row["instances"][-STATUS_INSTANCES:]
-        settled = sum(1 for i in self.live.values() if i.outcome is not None)
+            row["per_entry"] = row.get("per_entry", [])[-STATUS_INSTANCES:]
+        # Usage of every run the flow started (failed attempts and deferred runs too).
+        usage: dict[str, float] = {}
+        for child in self.run.children:
+            for k, v in child.rec.usage.items():
+                usage[k] = usage.get(k, 0) + v
         usage |= {
-            "spawns": len(self.live),
-            "settled": settled,
+            "tokens": usage.get("input_tokens", 0) + usage.get("output_tokens", 0),
+            "spawns": len(self.run.children),
+            "settled": self.settles,
             "running": self.active,
             "transitions_fired": self.fired,
         }
