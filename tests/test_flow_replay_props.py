@@ -172,6 +172,7 @@ class FakeHost:
         key: str,
         model_name: str | None = None,
         timeout: float | None = None,
+        pool: str | None = None,
     ) -> FakeRun:
         how = self.starts.popleft() if self.starts else "ok"
         if how == "capacity":

@@ -166,13 +166,17 @@ class Supervisor:
         context: Any = None,
         timeout: float | None = None,
         model: str | Callable[..., Any] | Model | None = None,
+        pool: str | None = None,
     ) -> RunHandle:
         """Start a root run and return its handle at once. `timeout` is the root's
-        wall-clock seconds (a number > 0, or None for no limit)."""
+        wall-clock seconds (a number > 0, or None for no limit); `pool` names a pool of
+        Limits.pools the run holds a place in from its start to its end."""
         if self._closed:
             raise SupervisorClosed("the supervisor is closed; make a new one")
         _check_timeout(timeout)
-        run = self._loop.call(self._create(prompt, context, timeout, model, driven=False))
+        run = self._loop.call(
+            self._create(prompt, context, timeout, model, driven=False, pool=pool)
+        )
         return RunHandle(self, run)
 
     def run(
@@ -182,9 +186,11 @@ class Supervisor:
         context: Any = None,
         timeout: float | None = None,
         model: str | Callable[..., Any] | Model | None = None,
+        pool: str | None = None,
     ) -> RunResult:
         """Run a root run to its end and return how it ended (never raises for a failed run)."""
-        return self.spawn(prompt, context=context, timeout=timeout, model=model).wait_result()
+        handle = self.spawn(prompt, context=context, timeout=timeout, model=model, pool=pool)
+        return handle.wait_result()
 
     def resume(self, run_id: str) -> RunHandle:
         """Resume the crashed tree that `run_id` belongs to, from this supervisor's journal,
@@ -230,7 +236,10 @@ class Supervisor:
     ) -> FlowExecutor:
         """Start a validated flow (a child of `parent` when a run's code starts it, whose
         next turns then hear its milestones), and keep it by its run id."""
-        executor = FlowExecutor(self._core, compile_spec(loaded), inputs)
+        machine = compile_spec(loaded)
+        for st in machine.states.values():
+            self._core.limits.check_pool(st.pool, where=f"flow state {st.id!r}: pool")
+        executor = FlowExecutor(self._core, machine, inputs)
         if parent is not None:
             executor.on_milestone = self._notifier(parent)
         await executor.start(_flow_title(executor), parent, spec=loaded.model_dump(**SPEC_DUMP))
@@ -308,7 +317,13 @@ class Supervisor:
         raise InvalidArgument(f"flow op must be run, status, wait, stop or resume, not {msg.op!r}")
 
     async def _create(
-        self, prompt: str, context: Any, timeout: float | None, model: Any, driven: bool
+        self,
+        prompt: str,
+        context: Any,
+        timeout: float | None,
+        model: Any,
+        driven: bool,
+        pool: str | None = None,
     ) -> Run:
         resolved = None if model is None else resolve_model(model)
         return await self._core.create_root(
@@ -318,6 +333,7 @@ class Supervisor:
             model_name=resolved.name if resolved is not None else None,
             timeout=timeout,
             driven=driven,
+            pool=pool,
         )
 
     # ---- introspection -----------------------------------------------------------------
@@ -326,7 +342,8 @@ class Supervisor:
         return self._store
 
     def statistics(self) -> dict[str, Any]:
-        """A snapshot: runs by state, free slots, queued starts, and the live workers:
+        """A snapshot: runs by state, free slots, queued starts, each pool's capacity,
+        holders and waiting runs (oldest first), and the live workers:
         `workers` = {"runs": workers serving a run (a parent waiting on its children
         included), "warm": ready in the pool, "memory_bytes": their own memory (USS, what
         is not shared with the template they were forked from)}."""
@@ -343,6 +360,14 @@ class Supervisor:
                 "runs": states,
                 "free_slots": core.free_slots,
                 "queued": len(core.start_queue),
+                "pools": {
+                    name: {
+                        "capacity": p.capacity,
+                        "holders": [r.id for r in p.holders],
+                        "waiting": [r.id for r in p.waiters],
+                    }
+                    for name, p in core.pools.items()
+                },
             }
             return counts, serving, self._backend.idle_pids()
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, fields
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from brood.errors import InvalidArgument, LimitExceeded
@@ -56,6 +58,7 @@ FLOORS = {
 }
 FLAGS = frozenset({"confine", "network", "read_only"})
 PATHS = frozenset({"fs_read", "fs_write"})
+POOL_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 # pi-rlm's guard set: calls a model is told not to make (model guidance, not security).
 PI_RLM_BLOCKED_BUILTINS = ("eval", "exec", "compile", "globals", "locals")
 BUILTIN_PRESETS = {"pi-rlm": PI_RLM_BLOCKED_BUILTINS}
@@ -104,6 +107,10 @@ class Limits:
         models, not a security boundary.
     worker_memory (bytes of address space), worker_cpu_seconds, worker_processes,
     worker_file_size (bytes), worker_open_files: per-worker resource limits (None: none).
+
+    pools: named capacity pools, name -> how many runs may hold it at once (>= 1). A run
+        started with `pool=NAME` holds one place from its start to its end; a start at
+        capacity waits, queued, without holding a concurrency slot (DESIGN.md section 9).
     """
 
     max_depth: int = 3
@@ -131,11 +138,13 @@ class Limits:
     worker_processes: int | None = 256
     worker_file_size: int | None = 2**30
     worker_open_files: int | None = 1024
+    pools: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._check_others()
+        object.__setattr__(self, "pools", _checked_pools(self.pools))
         for f in fields(self):
-            if f.name in FLAGS | PATHS or f.name == "blocked_builtins":
+            if f.name in FLAGS | PATHS or f.name in ("blocked_builtins", "pools"):
                 continue
             value = getattr(self, f.name)
             if value is None and f.name in OPTIONAL:
@@ -200,6 +209,17 @@ class Limits:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def check_pool(self, pool: object, where: str = "pool") -> str | None:
+        """`pool` if it names one of the pools (or is None); else InvalidArgument listing
+        them."""
+        if pool is None or (isinstance(pool, str) and pool in self.pools):
+            return pool
+        known = ", ".join(sorted(self.pools)) or "none are configured"
+        raise InvalidArgument(
+            f"{where}={pool!r} is not a pool (pools: {known}); name one of them, or declare "
+            f"it with Limits(pools={{{pool!r}: CAPACITY}})"
+        )
+
     def can_start_child(self, depth: int) -> bool:
         """Whether a run at `depth` may start child runs (else rlm_query is a plain call)."""
         return depth + 1 < self.max_depth
@@ -222,3 +242,25 @@ class Limits:
                 hint=f"this run has {run_total} children already; "
                 "raise Limits(max_children_per_run=...) or start fewer children",
             )
+
+
+def _checked_pools(pools: object) -> dict[str, int]:
+    if not isinstance(pools, Mapping):
+        raise InvalidArgument(
+            f"Limits.pools must be a mapping of pool name to capacity, got "
+            f"{type(pools).__name__} {pools!r}; e.g. Limits(pools={{'deploy': 1, 'gpu': 4}})"
+        )
+    checked: dict[str, int] = {}
+    for name, capacity in pools.items():
+        if not isinstance(name, str) or not POOL_NAME.fullmatch(name):
+            raise InvalidArgument(
+                f"Limits.pools: {name!r} is not a pool name; use up to 64 letters, digits, "
+                "'_', '.' and '-'"
+            )
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise InvalidArgument(
+                f"Limits.pools[{name!r}] must be a whole number >= 1 (how many runs hold the "
+                f"pool at once), got {capacity!r}"
+            )
+        checked[name] = capacity
+    return checked

@@ -77,6 +77,7 @@ class SpawnReq(Msg):
     timeout: Seconds | None = None
     step: Count = 0
     replaying: bool = False  # the step is one the journal holds: its children must be there
+    pool: ShortText | None = None  # the capacity pool each child holds from start to end
 
 
 class CancelReq(Msg):

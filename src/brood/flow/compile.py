@@ -88,6 +88,7 @@ class _Compiler(_Checker):
                 else None,
                 max_entries=step.max_entries if isinstance(step, State) else 1,
                 lifecycle=step.lifecycle,
+                pool=step.pool,
             )
         transitions: list[MachineTransition] = []
         if self.view.form == "nodes":

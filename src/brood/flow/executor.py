@@ -93,6 +93,7 @@ class Host(Protocol):
         key: str,
         model_name: str | None = None,
         timeout: float | None = None,
+        pool: str | None = None,
     ) -> Any: ...
 
     async def finish(
@@ -536,7 +537,12 @@ class FlowExecutor:
         for tries in range(1, START_TRIES + 1):
             try:
                 return await self.host.start_child(
-                    self.run, prompt, key=key, model_name=st.settings.model, timeout=st.budget
+                    self.run,
+                    prompt,
+                    key=key,
+                    model_name=st.settings.model,
+                    timeout=st.budget,
+                    pool=st.pool,
                 )
             except (LimitExceeded, BackendError, RateLimited) as exc:
                 if tries == START_TRIES:

@@ -73,6 +73,7 @@ class MachineState:
     foreach: MachineForeach | None
     max_entries: int
     lifecycle: Lifecycle
+    pool: str | None = None
 
     def output_type(self, name: str) -> ValueType:
         return next(o.type for o in self.outputs if o.name == name)

@@ -125,6 +125,9 @@ class _Step(_AgentFields):
     failure_policy: FailurePolicy | None = None
     foreach: Foreach | None = None
     lifecycle: Lifecycle = "task"
+    # A capacity pool of the supervisor's Limits.pools each instance holds while it runs
+    # (checked against the pools when the flow starts).
+    pool: str | None = Field(default=None, min_length=1, max_length=64)
 
     @field_validator("inputs", "outputs", mode="before")
     @classmethod

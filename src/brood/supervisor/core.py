@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import bisect
 import contextlib
 import hashlib
 import itertools
@@ -120,6 +121,7 @@ class Run:
     children: list[Run] = field(default_factory=list)
     conn: WorkerConn | None = None
     holds_slot: bool = False
+    holds_pool: bool = False  # one place of its pool (rec.pool), from its start to its end
     messages: list[str] = field(default_factory=list)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     started: asyncio.Event = field(default_factory=asyncio.Event)
@@ -176,6 +178,30 @@ class Run:
         )
 
 
+@dataclass(eq=False)
+class Pool:
+    """A named capacity pool (Limits.pools): the runs holding it, in the order they took
+    it, and the runs waiting for it, oldest first (by creation, so a resume that adopts
+    them in another order queues them as they were)."""
+
+    name: str
+    capacity: int
+    holders: list[Run] = field(default_factory=list)
+    waiters: list[Run] = field(default_factory=list)
+
+    def wait(self, run: Run) -> None:
+        bisect.insort(self.waiters, run, key=_pool_order)
+
+    def describe(self) -> str:
+        held = ", ".join(r.id for r in self.holders) or "nobody"
+        return f"{len(self.holders)} of {self.capacity} held by {held}"
+
+
+def _pool_order(run: Run) -> tuple[int, float]:
+    """Runs that held a place when their host died first, then by creation."""
+    return (0 if run.rec.state is RUN else 1, run.rec.created_at)
+
+
 class StepWatch:
     """The supervisor's clock of one step: the step's compute time, as the worker's own
     StepClock counts it (waits on the supervisor are not counted), plus a grace. It calls
@@ -227,6 +253,7 @@ class Core:
         self.owner = owner
         self.runs: dict[str, Run] = {}
         self.free_slots = limits.max_concurrency
+        self.pools = {name: Pool(name, cap) for name, cap in limits.pools.items()}
         self.start_queue: deque[Run] = deque()
         self.resume_queue: deque[tuple[Run, asyncio.Future[None]]] = deque()
         self.closing = False
@@ -314,11 +341,19 @@ class Core:
         model_name: str | None = None,
         timeout: float | None = None,
         driven: bool = False,
+        pool: str | None = None,
     ) -> Run:
         self.check_open()
         if not isinstance(prompt, str) or not prompt.strip():
             raise InvalidArgument("prompt must be a non-empty str")
+        self.limits.check_pool(pool)
+        if driven and pool is not None:
+            raise InvalidArgument(
+                "pool=... does not apply to a Session root (it holds no slot); give the "
+                "pool to the runs it starts"
+            )
         rec = self._root_record(prompt, model_name or self.model_name)
+        rec.pool = pool
         # A root's model_name only labels the journal row; the model object is the choice.
         run = Run(rec, model or self.model, context_blob, None, timeout, None, driven=driven)
         await self._journal_or_forget([run])
@@ -394,6 +429,7 @@ class Core:
             raise LimitExceeded("max_depth", parent.rec.depth + 2, self.limits.max_depth)
         if not msg.prompts:
             return []
+        self.limits.check_pool(msg.pool)
         keys = []
         for _ in msg.prompts:
             seq = parent.seq.get(msg.step, 0)
@@ -410,6 +446,7 @@ class Core:
         children = []
         for key, prompt in fresh:
             rec = self._child_record(parent, key, prompt, msg.model or parent.rec.model)
+            rec.pool = msg.pool
             child = Run(
                 rec, parent.model, msg.context, msg.model or parent.model_name, timeout, parent
             )
@@ -496,13 +533,68 @@ class Core:
                 fut.set_result(None)
             elif self.start_queue:
                 run = self.start_queue.popleft()
-                if not run.launchable:
-                    continue
+                if not run.launchable or not self._pool_admits(run):
+                    continue  # a run its pool refused waits there, holding no slot
                 run.holds_slot = True
                 self.free_slots -= 1
                 self._task(self._launch(run))
             else:
                 break
+
+    def _pool_admits(self, run: Run) -> bool:
+        """Whether `run` may start as far as its pool goes: it takes a place, or waits in
+        the pool's queue (journaled, with the reason naming the pool and its holders)."""
+        if run.rec.pool is None or run.holds_pool:
+            return True
+        pool = self.pools.get(run.rec.pool)
+        if pool is None:  # journaled under a pool this supervisor's limits do not have
+            self._task(
+                self.finish(
+                    run,
+                    RunState.FAILED,
+                    f"pool {run.rec.pool!r} is not one of this supervisor's pools "
+                    f"({', '.join(sorted(self.pools)) or 'none'}); resume it with "
+                    "Limits(pools=...) naming it",
+                )
+            )
+            return False
+        # Holders are read again here, after any refusal: one that ended meanwhile is gone.
+        pool.holders = [r for r in pool.holders if not r.rec.state.terminal]
+        if len(pool.holders) < pool.capacity:
+            pool.holders.append(run)
+            run.holds_pool = True
+            if run in pool.waiters:
+                pool.waiters.remove(run)
+            self._event(run, "pool", {"pool": pool.name, "taken": True})
+            return True
+        if run not in pool.waiters:
+            pool.wait(run)
+            run.rec.reason = f"waiting for pool {pool.name!r} ({pool.describe()})"
+            self._event(
+                run,
+                "pool",
+                {"pool": pool.name, "waiting": True, "holders": [r.id for r in pool.holders]},
+            )
+        return False
+
+    def _pool_release(self, run: Run) -> None:
+        """`run` ended: its place goes to the oldest waiter still waiting, which starts
+        through the start queue (the supervisor's own event, no polling)."""
+        pool = self.pools.get(run.rec.pool or "")
+        if pool is None:
+            return
+        if run in pool.waiters:
+            pool.waiters.remove(run)
+        if not run.holds_pool:
+            return
+        run.holds_pool = False
+        pool.holders = [r for r in pool.holders if r is not run and not r.rec.state.terminal]
+        while pool.waiters and len(pool.holders) < pool.capacity:
+            waiter = pool.waiters.pop(0)
+            if waiter.launchable:
+                self.start_queue.appendleft(waiter)
+                break
+        self._grant()
 
     def _release(self, run: Run) -> None:
         if run.holds_slot:
@@ -956,6 +1048,9 @@ class Core:
             )
             self.broken = self.broken or err
         await self._move(run, state, reason)
+        # Its pool place is given up once its end is journaled, so a pool's sections never
+        # overlap in the journal's times.
+        self._pool_release(run)
         for fut in run.pending.values():
             if not fut.done():
                 fut.set_exception(BroodError(f"run {run.id} ended ({state.value}: {reason})"))
@@ -1069,12 +1164,15 @@ class Core:
         model: Model | None = None,
         model_name: str | None = None,
         timeout: float | None = None,
+        pool: str | None = None,
     ) -> Run:
         """Start a child of a controller run. Its outcome is awaited on `child.done`.
         Flow instances are bounded by the flow's own settings, not by the child limits."""
         if self.closing or parent.ending is not None or parent.rec.state is not RUN:
             raise BroodError(f"run {parent.id} is {parent.rec.state.value}; it starts no children")
+        self.limits.check_pool(pool)
         rec = self._child_record(parent, key, prompt, model_name or self.model_name)
+        rec.pool = pool
         child = Run(
             rec,
             model or parent.model,

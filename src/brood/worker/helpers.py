@@ -190,8 +190,11 @@ class Runtime:
         context: Any = None,
         model: str | None = None,
         timeout: float | None = None,
+        pool: str | None = None,
     ) -> list[ChildHandle]:
         self.check_open()
+        if pool is not None and not isinstance(pool, str):
+            raise InvalidArgument(f"pool must be the name of a pool (a str), got {pool!r}")
         blob = cloudpickle.dumps(context) if context is not None else None
         try:
             ids: list[str] = self.link.request(
@@ -203,6 +206,7 @@ class Runtime:
                     timeout=timeout,
                     step=self.step,
                     replaying=self.replaying,
+                    pool=pool,
                 )
             )
         except ReplayDiverged as exc:
@@ -461,12 +465,14 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
         context: Any = None,
         model: str | None = None,
         timeout: float | None = None,
+        pool: str | None = None,
     ) -> Any:
         """Start a child run (a whole RLM with its own REPL) on `prompt`.
 
         blocking=True waits and returns its answer (raises ChildFailed if it fails);
         blocking=False returns a ChildHandle at once. `context` becomes the child's
-        `context` variable; `timeout` bounds its wall-clock seconds.
+        `context` variable; `timeout` bounds its wall-clock seconds; `pool` names a
+        capacity pool the child holds a place in from its start to its end.
         """
         _check_prompt(prompt, "rlm_query")
         if not rt.can_spawn:
@@ -474,7 +480,7 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
             if blocking:
                 return llm_query(prompt, model)
             return spawn(llm_query, prompt, model)
-        (h,) = rt.spawn_children([prompt], context=context, model=model, timeout=timeout)
+        (h,) = rt.spawn_children([prompt], context=context, model=model, timeout=timeout, pool=pool)
         return h.wait() if blocking else h
 
     def rlm_query_batched(prompts: list[str], **kw: Any) -> list[str]:
@@ -714,7 +720,8 @@ def _notify(link: Link) -> None:
 
 # Errors the model's code may want to catch, placed in the namespace by name.
 ERRORS: dict[str, type[BaseException]] = {
-    e.__name__: e for e in (BroodError, ChildFailed, ChildNotReady, LimitExceeded, StaleHandle)
+    e.__name__: e
+    for e in (BroodError, ChildFailed, ChildNotReady, InvalidArgument, LimitExceeded, StaleHandle)
 }
 
 # The helpers' names, as the model sees them (make_helpers only defines functions).
