@@ -27,6 +27,7 @@ BENCHMARKS = (
     "bench_flow",
     "bench_gateway",
     "bench_confine",
+    "bench_pools",
 )
 TIMEOUT_S = 300.0  # each is meant to take under a minute; this only stops a hung one
 

@@ -4,6 +4,8 @@ the oldest waiter. Real workers, scripted models."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 import brood
@@ -30,7 +32,7 @@ def assert_never_overlap(rows: list[dict]) -> None:
     """The runs' [started_at, ended_at] spans, from the journal, are disjoint."""
     spans = sorted((r["started_at"], r["ended_at"]) for r in rows)
     assert all(s is not None and e is not None for s, e in spans), spans
-    for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
+    for (_, end), (start, _) in itertools.pairwise(spans):
         assert start >= end, spans
 
 
@@ -120,8 +122,7 @@ def test_pools_in_the_repl_and_a_parent_waiting_on_a_pooled_child():
 def test_an_unknown_pool_is_refused_listing_the_pools():
     def chat_fn(messages):
         return code(
-            "try:\n    rlm_query('x', pool='nope')\n"
-            "except InvalidArgument as e:\n    FINAL(str(e))"
+            "try:\n    rlm_query('x', pool='nope')\nexcept InvalidArgument as e:\n    FINAL(str(e))"
         )
 
     limits = fast(pools={"deploy": 1, "gpu": 4})
@@ -178,3 +179,60 @@ def test_a_flow_state_pool_serializes_its_instances():
             sup.flow_run(spec)
     assert len(runs) == 4 and all(r["pool"] == "deploy" for r in runs)
     assert_never_overlap(runs)
+
+
+def test_after_a_crash_pool_waits_are_queued_again_in_order(tmp_path):
+    """The supervisor dies while child A holds the pool and B, C wait in it; the resume
+    starts A first again (it held the place), then B, then C, never two at once, and
+    starts no key twice."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    from tests.test_resume import CRASH_TIMEOUT_S, wait_gone
+    from tests.util import Signal
+
+    root = [
+        code(
+            "hs = [rlm_spawn(f'child {n}', pool='deploy') for n in 'ABC']\n"
+            "FINAL(','.join(rlm_wait_all(hs)))"
+        )
+    ]
+    url = f"sqlite:///{tmp_path}/j.db"
+    in_a = Signal(tmp_path, "in-a")
+    os.mkfifo(tmp_path / "never")
+    script = textwrap.dedent(f"""
+        import brood, json, signal
+        ROOT = json.loads({json.dumps(json.dumps(root))})
+        def child_a(messages):
+            open({in_a.path!r}, "w").write("1")
+            open({str(tmp_path / "never")!r}).read()  # blocks until the process is killed
+        model = brood.ScriptedModel({{"root": ROOT, "child A": [child_a]}})
+        sup = brood.Supervisor(model, store={url!r}, limits=brood.Limits(
+            shutdown_grace=0.3, term_grace=0.3, pools={{"deploy": 1}}))
+        print(sup.spawn("root task").id, flush=True)
+        signal.pause()
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        root_id = proc.stdout.readline().strip()
+        in_a.wait()
+    finally:
+        proc.kill()
+        proc.wait(CRASH_TIMEOUT_S)
+        proc.stdout.close()
+    wait_gone(proc.pid)
+
+    model = brood.ScriptedModel(
+        {"root": root, **{f"child {n}": [final(n)] for n in "ABC"}},
+    )
+    with brood.Supervisor(model, store=url, limits=fast(pools={"deploy": 1})) as sup:
+        h = sup.resume(root_id)
+        assert h.wait(timeout=60) == "A,B,C"
+        children = [r for r in sup.store.runs(root_id) if r["parent_id"] == root_id]
+    assert sorted(r["key"] for r in children) == ["1:0", "1:1", "1:2"]  # none twice
+    by_start = sorted(children, key=lambda r: r["started_at"])
+    assert [r["prompt"][:7] for r in by_start] == ["child A", "child B", "child C"]
+    assert_never_overlap(children)

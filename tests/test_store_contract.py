@@ -265,6 +265,7 @@ def test_insert_run_then_transitions_are_reflected_in_the_row_and_in_order(store
         "ended_at": None,
         "pid": None,
         "supervisor": "sup-1",
+        "products": None,
     }
 
     rec.pid = 31337
@@ -276,13 +277,16 @@ def test_insert_run_then_transitions_are_reflected_in_the_row_and_in_order(store
 
     rec.usage = {"model_calls": 2, "input_tokens": 14, "output_tokens": 6, "cost": 0.5}
     rec.answer = "4"
+    rec.products = {"files": ["a.py"], "ok": True}
     move(rec, RunState.COMPLETED, "answer")
     store.transition(rec, "running", "completed").result()
     row = store.get_run("r-aaaaaa")
-    assert {k: row[k] for k in ("state", "reason", "answer", "error", "usage", "pid")} == {
+    keys = ("state", "reason", "answer", "products", "error", "usage", "pid")
+    assert {k: row[k] for k in keys} == {
         "state": "completed",
         "reason": "answer",
         "answer": "4",
+        "products": {"files": ["a.py"], "ok": True},
         "error": None,
         "usage": {"model_calls": 2, "input_tokens": 14, "output_tokens": 6, "cost": 0.5},
         "pid": 31337,

@@ -489,6 +489,12 @@ class RunHandle:
             reason=rec.reason,
         )
 
+    def products(self) -> dict[str, Any] | None:
+        """The JSON object the run gave with FINAL(answer, products=...), None if none;
+        raises as result() does while it is going or if it did not complete."""
+        self.result()
+        return self._run.rec.products
+
     def wait_result(self, timeout: float | None = None) -> RunResult:
         """Block until the run ends and return how it ended (never raises for a run that
         did not complete). On timeout raises TimeoutError and the run keeps running."""

@@ -147,7 +147,8 @@ class Journal:
 
     def export(self, run_id: str) -> Iterator[dict[str, Any]]:
         """One record per model call of the tree under `run_id`, with the full request
-        messages, the response and usage: the shape RL and fine-tuning pipelines read."""
+        messages, the response and usage: the shape RL and fine-tuning pipelines read. A
+        run's last record also carries its FINAL products (when it gave any)."""
         tree = self.tree(run_id)
         prompts = {
             e["data"]["ref"]: e["data"]["content"]
@@ -165,6 +166,7 @@ class Journal:
             node = stack.pop(0)
             conversation: list[dict[str, Any]] = []
             turn = 0
+            records: list[dict[str, Any]] = []
             for ev in self.store.events(node["id"], "model_call"):
                 d = ev["data"]
                 if d["kind"] == "turn":
@@ -173,23 +175,28 @@ class Journal:
                     turn += 1
                 else:
                     messages = resolved(d.get("request", []))
-                yield {
-                    "run_id": node["id"],
-                    "root_id": node["root_id"],
-                    "parent_id": node["parent_id"],
-                    "depth": node["depth"],
-                    "kind": d["kind"],
-                    "turn": turn if d["kind"] == "turn" else None,
-                    "model": d.get("model"),
-                    "messages": messages,
-                    "response": d.get("response"),
-                    "error": d.get("error"),
-                    "usage": {
-                        "input_tokens": d.get("input_tokens", 0),
-                        "output_tokens": d.get("output_tokens", 0),
-                    },
-                    "latency": d.get("latency"),
-                }
+                records.append(
+                    {
+                        "run_id": node["id"],
+                        "root_id": node["root_id"],
+                        "parent_id": node["parent_id"],
+                        "depth": node["depth"],
+                        "kind": d["kind"],
+                        "turn": turn if d["kind"] == "turn" else None,
+                        "model": d.get("model"),
+                        "messages": messages,
+                        "response": d.get("response"),
+                        "error": d.get("error"),
+                        "usage": {
+                            "input_tokens": d.get("input_tokens", 0),
+                            "output_tokens": d.get("output_tokens", 0),
+                        },
+                        "latency": d.get("latency"),
+                    }
+                )
+            if records and node.get("products") is not None:
+                records[-1]["products"] = node["products"]
+            yield from records
             stack.extend(node["children"])
 
     # ---- acting on another process's tree ------------------------------------------------

@@ -79,6 +79,7 @@ class RunRecord:
     answer: str | None = None
     error: str | None = None
     usage: dict[str, Any] = field(default_factory=dict)
+    products: dict[str, Any] | None = None  # FINAL(answer, products=...), kept beside it
     created_at: float = field(default_factory=time.time)
     started_at: float | None = None
     ended_at: float | None = None

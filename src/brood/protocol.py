@@ -160,6 +160,7 @@ class StepDone(Msg):
 class Final(Msg):
     answer: str
     reason: str = "answer"
+    products: dict[str, Any] | None = None  # FINAL(answer, products=...): a JSON object
 
 
 class Failed(Msg):
@@ -218,6 +219,7 @@ class ChildUpdate(Msg):
     answer: str | None = None
     reason: str | None = None
     error: str | None = None
+    products: dict[str, Any] | None = None
 
 
 class Deliver(Msg):

@@ -379,8 +379,11 @@ def _flat(run: dict[str, Any]) -> dict[str, Any]:
         "reason",
         "prompt",
         "answer",
+        "products",
         "error",
         "model",
+        "pool",
+        "attempt",
         "usage",
         "subtree_usage",
         "duration",
@@ -426,6 +429,8 @@ def show(run_id: RunArg, store: StoreOpt = None, as_json: JsonOpt = False) -> No
     console.print(Text(f"prompt: {run['prompt']}"))
     if run["answer"] is not None:
         console.print(Text(f"answer: {run['answer']}"))
+    if run.get("products") is not None:
+        console.print(Text(f"products: {json.dumps(run['products'])}"))
     if run["reason"] and run["state"] != "completed":
         console.print(Text(f"reason: {run['reason']}"))
     if run["error"]:

@@ -26,7 +26,7 @@ from typing import Any
 from brood.errors import StoreError
 from brood.lifecycle import RunRecord
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 BATCH_MAX = 500  # writes committed in one transaction at most
 
 # {real} and {serial} are filled in per database.
@@ -41,7 +41,7 @@ SCHEMA = [
         pool TEXT, context_ref TEXT, state TEXT NOT NULL, reason TEXT, answer TEXT,
         error TEXT, usage TEXT NOT NULL DEFAULT '{{}}', last_line TEXT,
         created_at {real} NOT NULL, started_at {real}, ended_at {real}, pid BIGINT,
-        supervisor TEXT, context {blob}, model_name TEXT)""",
+        supervisor TEXT, context {blob}, model_name TEXT, products TEXT)""",
     "CREATE INDEX IF NOT EXISTS runs_root ON runs(root_id)",
     "CREATE INDEX IF NOT EXISTS runs_parent ON runs(parent_id)",
     # Exactly-once child starts: one child per key and attempt inside its parent.
@@ -64,6 +64,7 @@ MIGRATIONS: dict[int, list[str]] = {
         "ALTER TABLE runs ADD COLUMN model_name TEXT",  # rlm_query(model=...) of a child
         "CREATE UNIQUE INDEX IF NOT EXISTS runs_key ON runs(parent_id, key, attempt)",
     ],
+    3: ["ALTER TABLE runs ADD COLUMN products TEXT"],  # FINAL(answer, products=...)
 }
 
 # What reads of runs return: every column but the context, which can be large.
@@ -111,6 +112,9 @@ class SQLStore:
         self.failure: StoreError | None = None
         self.on_failure: Callable[[StoreError], None] | None = None
         conn = self._open(readonly)
+        # A reader of an older journal (not migrated: it is read as it is) has no products.
+        products = "products" if self.version >= 3 else "NULL AS products"
+        self._columns = f"{RUN_COLUMNS}, {products}"
         if readonly:
             self._local.conn = conn
             self._readers.append(conn)
@@ -138,7 +142,7 @@ class SQLStore:
             if not readonly:
                 with self._transaction(conn) as cur:
                     self._create_or_migrate(cur)
-            version = self._schema_version(conn)
+            version = self.version = self._schema_version(conn)
         except StoreError:
             conn.close()
             raise
@@ -331,7 +335,7 @@ class SQLStore:
             [
                 (
                     "UPDATE runs SET state=?, reason=?, answer=?, error=?, usage=?, started_at=?,"
-                    " ended_at=?, pid=? WHERE id=?",
+                    " ended_at=?, pid=?, products=? WHERE id=?",
                     (
                         to,
                         rec.reason,
@@ -341,6 +345,7 @@ class SQLStore:
                         rec.started_at,
                         rec.ended_at,
                         rec.pid,
+                        None if rec.products is None else json.dumps(rec.products),
                         rec.id,
                     ),
                 ),
@@ -405,7 +410,7 @@ class SQLStore:
         return rows
 
     def get_run(self, run_id: str) -> dict[str, Any]:
-        rows = self._rows(f"SELECT {RUN_COLUMNS} FROM runs WHERE id=?", (run_id,))
+        rows = self._rows(f"SELECT {self._columns} FROM runs WHERE id=?", (run_id,))
         if not rows:
             raise StoreError(
                 f"no run {run_id!r} in {self.where}; `brood ps` lists the recent trees"
@@ -414,16 +419,16 @@ class SQLStore:
 
     def runs(self, root_id: str | None = None) -> list[dict[str, Any]]:
         if root_id is None:
-            rows = self._rows(f"SELECT {RUN_COLUMNS} FROM runs ORDER BY created_at")
+            rows = self._rows(f"SELECT {self._columns} FROM runs ORDER BY created_at")
         else:
             rows = self._rows(
-                f"SELECT {RUN_COLUMNS} FROM runs WHERE root_id=? ORDER BY created_at", (root_id,)
+                f"SELECT {self._columns} FROM runs WHERE root_id=? ORDER BY created_at", (root_id,)
             )
         return [_decode_run(r) for r in rows]
 
     def roots(self, limit: int = 20) -> list[dict[str, Any]]:
         rows = self._rows(
-            f"SELECT {RUN_COLUMNS} FROM runs WHERE parent_id IS NULL"
+            f"SELECT {self._columns} FROM runs WHERE parent_id IS NULL"
             " ORDER BY created_at DESC LIMIT ?",
             (limit,),
         )
@@ -479,4 +484,6 @@ def _bytes(value: Any) -> bytes | None:
 
 def _decode_run(row: dict[str, Any]) -> dict[str, Any]:
     row["usage"] = json.loads(row["usage"] or "{}")
+    if "products" in row:
+        row["products"] = None if row["products"] is None else json.loads(row["products"])
     return row

@@ -298,8 +298,7 @@ class Core:
                 run.rec.state, run.rec.reason = RunState.FAILED, f"{STORE_FAILED}{exc}"
         parent = run.parent
         if parent is not None and parent.conn is not None and not parent.rec.state.terminal:
-            r = run.rec
-            parent.conn.send(ChildUpdate(r.id, r.state.value, r.answer, r.reason, r.error))
+            parent.conn.send(_update(run.rec))
 
     def _event(
         self, run: Run, kind: str, data: dict[str, Any], progress: str | None = None
@@ -512,8 +511,7 @@ class Core:
         if parent.conn is None:
             return
         for c in children:
-            r = c.rec
-            parent.conn.send(ChildUpdate(r.id, r.state.value, r.answer, r.reason, r.error))
+            parent.conn.send(_update(c.rec))
 
     # ---- concurrency slots -------------------------------------------------------------
     def _grant(self) -> None:
@@ -706,6 +704,7 @@ class Core:
             self._event(run, "remember", {"value": base64.b64encode(msg.value).decode()})
         elif isinstance(msg, Final):
             run.rec.answer = msg.answer
+            run.rec.products = msg.products
             self._task(self.finish(run, RunState.COMPLETED, msg.reason, answer=msg.answer))
         elif isinstance(msg, Failed):
             self._task(self.finish(run, RunState.FAILED, msg.reason, error=msg.error))
@@ -1248,6 +1247,7 @@ class Core:
                 answer=row["answer"],
                 error=row["error"],
                 usage=dict(row["usage"]),
+                products=row["products"],
                 created_at=row["created_at"],
                 started_at=row["started_at"],
                 ended_at=row["ended_at"],
@@ -1415,6 +1415,11 @@ class Core:
 
 
 _STOP = Stop()
+
+
+def _update(r: RunRecord) -> ChildUpdate:
+    """A child's state, as its parent's worker hears it."""
+    return ChildUpdate(r.id, r.state.value, r.answer, r.reason, r.error, r.products)
 
 
 async def _wait(fut: asyncio.Future[Any], timeout: float) -> bool:

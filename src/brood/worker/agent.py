@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, replace
 from typing import Any
@@ -186,15 +187,21 @@ class Agent:
         return self.final(reply.strip(), reason="answer after max_iterations")
 
     def final(self, answer: str, reason: str = "answer") -> Final | Failed:
-        """The run's end: its answer, or a failure when the answer is over the cap."""
+        """The run's end: its answer, or a failure when the answer (or its products, as
+        JSON) is over the cap."""
         cap = int(self.limits.get("answer_limit", 1_000_000))
-        if len(answer) > cap:
-            return Failed(
-                reason=f"the FINAL answer has {len(answer):,} characters, over "
-                f"Limits.answer_limit={cap:,}; nothing over the cap is sent",
-                error="",
-            )
-        return Final(answer, reason)
+        products = self.rt.products
+        for what, size in (
+            ("answer", len(answer)),
+            ("products", len(json.dumps(products)) if products is not None else 0),
+        ):
+            if size > cap:
+                return Failed(
+                    reason=f"the FINAL {what} has {size:,} characters, over "
+                    f"Limits.answer_limit={cap:,}; nothing over the cap is sent",
+                    error="",
+                )
+        return Final(answer, reason, products)
 
     def driven(self) -> None:
         """A Session root: steps come from the trainer's code, not from a model."""

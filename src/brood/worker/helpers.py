@@ -65,6 +65,7 @@ class Runtime:
         self.clock = clock
         self.step = 0
         self.final: str | None = None
+        self.products: dict[str, Any] | None = None  # FINAL(answer, products=...)
         self.model_name: str | None = None  # the model name this run was started with
         self.replay: Replay | None = None  # what the journal holds, for a resumed run
         self.in_flight: dict[str, int] = {}  # plain calls under way, by prompt
@@ -315,6 +316,12 @@ class ChildHandle:
             reason=u.reason or u.error,
         )
 
+    def products(self) -> dict[str, Any] | None:
+        """What the child gave with FINAL(answer, products=...) (None: nothing); raises as
+        result() does while it is going or if it did not complete."""
+        self.result()
+        return self._rt.state_of(self.id).products
+
     def wait_done(self, timeout: float | None) -> bool:
         self._rt.check_open()
         return self._rt.wait_for(
@@ -444,6 +451,35 @@ def _check_handle(value: object, where: str) -> Handle:
     return value
 
 
+def _check_child(value: object, where: str) -> ChildHandle:
+    if not isinstance(value, ChildHandle):
+        raise InvalidArgument(
+            f"{where} takes a child's handle from rlm_spawn/rlm_query(blocking=False), "
+            f"got {type(value).__name__}"
+        )
+    return value
+
+
+def _check_products(products: object) -> dict[str, Any] | None:
+    """FINAL's products: None, or a JSON object (str keys, finite JSON values)."""
+    if products is None:
+        return None
+    if not isinstance(products, dict) or not all(isinstance(k, str) for k in products):
+        raise InvalidArgument(
+            f"FINAL(answer, products=...): products must be a JSON object (a dict with str "
+            f"keys), got {type(products).__name__}"
+        )
+    try:
+        text = json.dumps(products, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(
+            f"FINAL(answer, products=...): products must be JSON ({exc}); use str, numbers, "
+            "bools, None, lists and dicts"
+        ) from None
+    result: dict[str, Any] = json.loads(text)  # a copy: later changes in the REPL do not count
+    return result
+
+
 def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
     """The functions placed in the REPL namespace, bound to one run."""
 
@@ -505,6 +541,11 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
         """The child's answer if completed; raises ChildNotReady if it is still going,
         ChildFailed (with the reason) if it ended otherwise."""
         return _check_handle(h, "rlm_result").result()
+
+    def rlm_products(h: Handle) -> dict[str, Any] | None:
+        """The products (a JSON object) the child gave with FINAL(answer, products=...), or
+        None if it gave none; raises like rlm_result if it did not complete."""
+        return _check_child(h, "rlm_products").products()
 
     def rlm_wait(h: Handle, timeout: float | None = None) -> Any:
         """Block until the child ends and return its answer (raises ChildFailed). On timeout
@@ -576,10 +617,12 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
         """rlm_await over several tasks or handles; results in order."""
         return rt.collect([_check_handle(t, "rlm_await_all") for t in tasks], timeout)
 
-    def FINAL(answer: Any) -> None:
-        """End the run with `answer` (converted to str). Nothing after it runs."""
+    def FINAL(answer: Any, products: dict[str, Any] | None = None) -> None:
+        """End the run with `answer` (converted to str). Nothing after it runs. `products`,
+        a JSON object, goes beside the answer: the parent reads it with rlm_products(h)."""
         if answer is None:
             raise InvalidArgument("FINAL(answer): answer is None; pass the answer text")
+        rt.products = _check_products(products)
         rt.final = answer if isinstance(answer, str) else str(answer)
         raise FinalSignal
 
@@ -690,6 +733,7 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
             rlm_spawn,
             rlm_status,
             rlm_result,
+            rlm_products,
             rlm_wait,
             rlm_wait_all,
             rlm_wait_any,
