@@ -61,6 +61,7 @@ class Quit(Msg):
 # ---- worker -> supervisor -------------------------------------------------------------------
 # Everything a worker sends is untrusted (DESIGN.md section 14): the supervisor decodes it
 # with `WorkerMsg` only, so the types, sizes and ranges below are checked at the boundary.
+MAX_RETRIES = 100  # a child's attempts after its first (rlm_query(..., retries=N))
 ReqId = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=2**31)]
 Seconds = Annotated[float, msgspec.Meta(ge=0, le=1e9)]  # NaN and -1 are refused here
@@ -78,6 +79,7 @@ class SpawnReq(Msg):
     step: Count = 0
     replaying: bool = False  # the step is one the journal holds: its children must be there
     pool: ShortText | None = None  # the capacity pool each child holds from start to end
+    retries: Annotated[int, msgspec.Meta(ge=0, le=MAX_RETRIES)] = 0  # attempts after the first
 
 
 class CancelReq(Msg):

@@ -164,8 +164,10 @@ def render_tree(node: dict[str, Any]) -> Tree:
         if r["children"]:
             usage += f"; subtree {_usage_text(sub)}"
         line = f"  [dim]» {_short(r['last_line'], 50)}[/dim]" if r.get("last_line") else ""
+        attempt = f" attempt {r['attempt'] + 1}" if r.get("attempt") else ""
+        pool = f" [dim]pool {r['pool']}[/dim]" if r.get("pool") else ""
         return (
-            f"[bold]{r['id']}[/bold] {_state_text(r)}{why} d{r['depth']} "
+            f"[bold]{r['id']}[/bold]{attempt} {_state_text(r)}{why}{pool} d{r['depth']} "
             f"{_secs(r['duration'])} [dim]{usage}[/dim]  {_short(r['prompt'])}{line}"
         )
 

@@ -122,6 +122,13 @@ class Run:
     conn: WorkerConn | None = None
     holds_slot: bool = False
     holds_pool: bool = False  # one place of its pool (rec.pool), from its start to its end
+    # Attempts (rlm_query(..., retries=N)): how many more a failure or timeout starts; the
+    # id its parent's handle has (the first attempt's); the attempt that followed it; and
+    # whether its end starts another (its parent then hears nothing of this one's end).
+    retries_left: int = 0
+    handle_id: str | None = None
+    next_attempt: Run | None = None
+    retrying: bool = False
     messages: list[str] = field(default_factory=list)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     started: asyncio.Event = field(default_factory=asyncio.Event)
@@ -297,8 +304,13 @@ class Core:
             if to.terminal:  # an end the journal does not hold is not the end it says
                 run.rec.state, run.rec.reason = RunState.FAILED, f"{STORE_FAILED}{exc}"
         parent = run.parent
-        if parent is not None and parent.conn is not None and not parent.rec.state.terminal:
-            parent.conn.send(_update(run.rec))
+        if (
+            parent is not None
+            and parent.conn is not None
+            and not parent.rec.state.terminal
+            and not run.retrying
+        ):
+            parent.conn.send(_update(run))
 
     def _event(
         self, run: Run, kind: str, data: dict[str, Any], progress: str | None = None
@@ -449,14 +461,24 @@ class Core:
             child = Run(
                 rec, parent.model, msg.context, msg.model or parent.model_name, timeout, parent
             )
+            child.retries_left = msg.retries
             parent.children.append(child)
             children.append(child)
         await self._journal_or_forget(children, parent, len(fresh))
         self.start_queue.extend(children)
         self.start_queue.extend(c for c in adopted.values() if c.launchable)
         self._grant()
+        ended = []
+        for c in adopted.values():  # each the latest attempt of its key
+            c.retries_left = max(0, msg.retries - c.rec.attempt)
+            if not c.rec.state.terminal:
+                continue
+            if self._retries(c, c.rec.state):  # it failed, and the crash beat its retry
+                c.retrying = True
+                self._task(self._next_attempt(c))
+            else:
+                ended.append(c)
         # Children that ended before the crash: tell the parent once it has their ids.
-        ended = [c for c in adopted.values() if c.rec.state.terminal]
         if ended:
             asyncio.get_running_loop().call_soon(self._announce, parent, ended)
         by_key = {c.rec.key: c for c in children} | adopted
@@ -511,7 +533,7 @@ class Core:
         if parent.conn is None:
             return
         for c in children:
-            parent.conn.send(_update(c.rec))
+            parent.conn.send(_update(c))
 
     # ---- concurrency slots -------------------------------------------------------------
     def _grant(self) -> None:
@@ -800,7 +822,10 @@ class Core:
         child = self.runs.get(msg.child_id)
         if child is None or child.parent is not run:
             raise InvalidArgument(f"{msg.child_id} is not a child of run {run.id}")
+        while child.next_attempt is not None:  # the handle stands for its latest attempt
+            child = child.next_attempt
         if isinstance(msg, CancelReq):
+            child.retries_left = 0  # a cancelled child is not retried (nor a retry started)
             state = await self.finish(child, RunState.CANCELLED, "cancelled by parent")
             return state.value
         if msg.replaying:
@@ -1015,6 +1040,7 @@ class Core:
         self, run: Run, state: RunState, reason: str, answer: str | None, error: str | None
     ) -> RunState:
         rec = run.rec
+        run.retrying = self._retries(run, state)
         if run.timer is not None:
             run.timer.cancel()
         self._stop_watch(run)
@@ -1050,12 +1076,62 @@ class Core:
         # Its pool place is given up once its end is journaled, so a pool's sections never
         # overlap in the journal's times.
         self._pool_release(run)
+        if run.retrying:  # its children were cancelled above, before its end
+            self._task(self._next_attempt(run))
         for fut in run.pending.values():
             if not fut.done():
                 fut.set_exception(BroodError(f"run {run.id} ended ({state.value}: {reason})"))
         run.done.set()
         self.observers.emit("on_end", run.info())
         return state
+
+    def _retries(self, run: Run, state: RunState) -> bool:
+        """Whether ending `run` in `state` starts its next attempt."""
+        parent = run.parent
+        return (
+            run.retries_left > 0
+            and state in (RunState.FAILED, RunState.TIMED_OUT)
+            and parent is not None
+            and parent.ending is None
+            and parent.rec.state is RUN
+            and not self.closing
+            and self.store_error is None
+        )
+
+    async def _next_attempt(self, old: Run) -> None:
+        """Start attempt k+1 of a child that ended failed or timed out: same parent, key,
+        prompt, context, model, timeout and pool; journaled under (parent, key, attempt).
+        If it cannot start, the parent hears how attempt k ended."""
+        parent = old.parent
+        assert parent is not None
+        rec = self._child_record(parent, old.rec.key or "", old.rec.prompt, old.rec.model)
+        rec.attempt, rec.pool = old.rec.attempt + 1, old.rec.pool
+        new = Run(rec, old.model, old.context_blob, old.model_name, old.timeout, parent)
+        new.retries_left = old.retries_left - 1
+        new.handle_id = old.handle_id or old.id
+        if not self._retries(old, old.rec.state):  # its parent ended, or it was cancelled
+            old.retrying = False
+            if parent.conn is not None and not parent.rec.state.terminal:
+                parent.conn.send(_update(old))
+            return
+        parent.children.append(new)
+        old.next_attempt = new  # from now on its parent's handle stands for this attempt
+        try:
+            await self._journal_or_forget([new], parent)
+        except Exception:
+            old.next_attempt, old.retrying = None, False
+            if parent.conn is not None and not parent.rec.state.terminal:
+                parent.conn.send(_update(old))
+            return
+        self._event(
+            new,
+            "attempt",
+            {"attempt": rec.attempt, "previous": old.id, "reason": old.rec.reason},
+        )
+        if parent.conn is not None and not parent.rec.state.terminal:
+            parent.conn.send(_update(new))  # queued again
+        self.start_queue.append(new)
+        self._grant()
 
     async def _stop_worker(self, run: Run) -> bool:
         """The one escalation: Stop → grace → SIGTERM group → term_grace → SIGKILL group.
@@ -1417,9 +1493,13 @@ class Core:
 _STOP = Stop()
 
 
-def _update(r: RunRecord) -> ChildUpdate:
-    """A child's state, as its parent's worker hears it."""
-    return ChildUpdate(r.id, r.state.value, r.answer, r.reason, r.error, r.products)
+def _update(run: Run) -> ChildUpdate:
+    """A child's state, as its parent's worker hears it: under the id of the parent's handle
+    (a later attempt goes on under its first attempt's id)."""
+    r = run.rec
+    return ChildUpdate(
+        run.handle_id or r.id, r.state.value, r.answer, r.reason, r.error, r.products
+    )
 
 
 async def _wait(fut: asyncio.Future[Any], timeout: float) -> bool:

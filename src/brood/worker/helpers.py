@@ -28,6 +28,7 @@ from brood.errors import (
     StaleHandle,
 )
 from brood.protocol import (
+    MAX_RETRIES,
     Blocked,
     CancelReq,
     ChildUpdate,
@@ -192,10 +193,20 @@ class Runtime:
         model: str | None = None,
         timeout: float | None = None,
         pool: str | None = None,
+        retries: int = 0,
     ) -> list[ChildHandle]:
         self.check_open()
         if pool is not None and not isinstance(pool, str):
             raise InvalidArgument(f"pool must be the name of a pool (a str), got {pool!r}")
+        if (
+            isinstance(retries, bool)
+            or not isinstance(retries, int)
+            or not 0 <= retries <= MAX_RETRIES
+        ):
+            raise InvalidArgument(
+                f"retries must be a whole number from 0 to {MAX_RETRIES} (attempts after the "
+                f"first, for a child that fails or times out), got {retries!r}"
+            )
         blob = cloudpickle.dumps(context) if context is not None else None
         try:
             ids: list[str] = self.link.request(
@@ -208,6 +219,7 @@ class Runtime:
                     step=self.step,
                     replaying=self.replaying,
                     pool=pool,
+                    retries=retries,
                 )
             )
         except ReplayDiverged as exc:
@@ -502,13 +514,15 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
         model: str | None = None,
         timeout: float | None = None,
         pool: str | None = None,
+        retries: int = 0,
     ) -> Any:
         """Start a child run (a whole RLM with its own REPL) on `prompt`.
 
         blocking=True waits and returns its answer (raises ChildFailed if it fails);
         blocking=False returns a ChildHandle at once. `context` becomes the child's
         `context` variable; `timeout` bounds its wall-clock seconds; `pool` names a
-        capacity pool the child holds a place in from its start to its end.
+        capacity pool the child holds a place in from its start to its end; `retries`
+        starts a child that failed or timed out again (same handle), up to that many times.
         """
         _check_prompt(prompt, "rlm_query")
         if not rt.can_spawn:
@@ -516,7 +530,9 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
             if blocking:
                 return llm_query(prompt, model)
             return spawn(llm_query, prompt, model)
-        (h,) = rt.spawn_children([prompt], context=context, model=model, timeout=timeout, pool=pool)
+        (h,) = rt.spawn_children(
+            [prompt], context=context, model=model, timeout=timeout, pool=pool, retries=retries
+        )
         return h.wait() if blocking else h
 
     def rlm_query_batched(prompts: list[str], **kw: Any) -> list[str]:
