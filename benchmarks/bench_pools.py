@@ -96,10 +96,13 @@ def gaps(spans: list[tuple[float, float]]) -> list[float]:
 
 def main() -> None:
     args = parse_args(__doc__ or "")
-    common = {"shutdown_grace": 0.3, "term_grace": 0.3, "step_timeout": None}
+
+    def make_limits(**kw: Any) -> brood.Limits:
+        return brood.Limits(shutdown_grace=0.3, term_grace=0.3, step_timeout=None, **kw)
+
     series = {
-        "floor": (brood.Limits(max_concurrency=1, **common), None),
-        "pool": (brood.Limits(pools={POOL: 1}, **common), POOL),
+        "floor": (make_limits(max_concurrency=1), None),
+        "pool": (make_limits(pools={POOL: 1}), POOL),
     }
     per_round: dict[str, list[list[float]]] = {name: [] for name in series}
     for n in range(ROUNDS):
