@@ -28,6 +28,7 @@ BENCHMARKS = (
     "bench_gateway",
     "bench_confine",
     "bench_pools",
+    "bench_asks",
 )
 TIMEOUT_S = 300.0  # each is meant to take under a minute; this only stops a hung one
 

@@ -15,7 +15,9 @@ FLAGS = {"confine", "network", "read_only"}
 PATHS = {"fs_read", "fs_write"}
 # The numeric fields: the tests below go through each of them.
 FIELDS = [
-    f.name for f in dataclasses.fields(Limits) if f.name not in FLAGS | PATHS | {"blocked_builtins"}
+    f.name
+    for f in dataclasses.fields(Limits)
+    if f.name not in FLAGS | PATHS | {"blocked_builtins", "pools"}
 ]
 WORKER = {
     "worker_memory",
@@ -47,9 +49,9 @@ INT_FIELDS = {
 
 def test_defaults_are_valid_and_round_trip_through_to_dict() -> None:
     limits = Limits()
-    assert set(limits.to_dict()) == set(FIELDS) | FLAGS | PATHS | {"blocked_builtins"}
+    assert set(limits.to_dict()) == set(FIELDS) | FLAGS | PATHS | {"blocked_builtins", "pools"}
     assert Limits(**limits.to_dict()) == limits
-    custom = Limits(max_depth=2, max_children=64, max_concurrency=8, child_timeout=None)
+    custom = Limits(max_depth=2, max_children=64, child_timeout=None, pools={"gpu": 2})
     assert Limits(**custom.to_dict()) == custom
 
 

@@ -79,7 +79,9 @@ def test_the_helper_names_match_the_design_table() -> None:
     # Beyond the table: remember() is the replay-safe pattern of DESIGN section 7's resume,
     # and the flow_* helpers are issue 5's way for a model to run a flow.
     flows = {"flow_run", "flow_status", "flow_wait", "flow_stop", "flow_resume"}
-    assert design_section_3 | {"remember"} | flows == HELPER_NAMES
+    # DESIGN section 9: products, asks to a person (and pi-rlm's form of them).
+    section_9 = {"rlm_products", "ask_person", "ask_user_question"}
+    assert design_section_3 | {"remember"} | flows | section_9 == HELPER_NAMES
 
 
 def test_the_prompt_explains_fences_final_and_context(prompt: str) -> None:

@@ -2,6 +2,7 @@
 
 from brood.api import FlowHandle, RunHandle, RunInfo, RunResult, Supervisor
 from brood.errors import (
+    AskCancelled,
     BackendError,
     BroodError,
     ChildCleanupError,
@@ -28,6 +29,7 @@ __version__ = "0.1.0"
 __all__ = [
     "PI_RLM_BLOCKED_BUILTINS",
     "TRANSITIONS",
+    "AskCancelled",
     "BackendError",
     "BroodError",
     "CallableModel",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import getpass
 import json
 import os
 import socket
@@ -58,6 +59,14 @@ class RunResult(NamedTuple):
     answer: str | None
     error: str | None
     usage: dict[str, Any]
+
+
+def os_user() -> str:
+    """Who answers an ask when no name is given: the OS user."""
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid (a container, say)
+        return f"uid {os.getuid()}"
 
 
 def _check_timeout(timeout: object) -> None:
@@ -336,6 +345,26 @@ class Supervisor:
             pool=pool,
         )
 
+    # ---- asks to a person --------------------------------------------------------------
+    def asks(self) -> list[dict[str, Any]]:
+        """The open asks of this supervisor's runs, oldest first: id, run_id, question,
+        options, default, deadline (epoch seconds, or None), opened_at, state."""
+        if self._closed:
+            raise SupervisorClosed("the supervisor is closed; make a new one")
+
+        async def listing() -> list[dict[str, Any]]:
+            return self._core.asks.listing()
+
+        return self._loop.call(listing())
+
+    def answer(self, ask_id: str, value: str, *, by: str | None = None) -> dict[str, Any]:
+        """Answer an open ask: an option id or label, or free text when it has no options;
+        `by` names who answers (default: the OS user). Returns the ask's result. Refused
+        with InvalidArgument: an unknown ask, an ended one, a value none of its options."""
+        if self._closed:
+            raise SupervisorClosed("the supervisor is closed; make a new one")
+        return self._loop.call(self._core.asks.answer(ask_id, value, by or os_user()))
+
     # ---- introspection -----------------------------------------------------------------
     @property
     def store(self) -> Store:
@@ -368,6 +397,7 @@ class Supervisor:
                     }
                     for name, p in core.pools.items()
                 },
+                "waiting_for_person": core.asks.waiting(),
             }
             return counts, serving, self._backend.idle_pids()
 

@@ -80,6 +80,18 @@ class ChildFailed(BroodError):
         self.answers = answers or []
 
 
+class AskCancelled(BroodError):
+    """An ask to a person ended without an answer: withdrawn (rlm_cancel), its deadline
+    passed with no default, or its run ended. `ask` is the ask's id; the message says why."""
+
+    def __init__(self, message: str, *, ask: str | None = None) -> None:
+        super().__init__(message)
+        self.ask = ask
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), str(self), vars(self)))
+
+
 class ChildNotReady(BroodError):
     """`rlm_result` was called on a child that has not ended yet."""
 

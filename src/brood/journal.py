@@ -14,9 +14,9 @@ from typing import Any
 
 from brood.backends.local import own_memory
 from brood.backends.owners import owner_alive
-from brood.errors import BroodError
+from brood.errors import BroodError, InvalidArgument
 from brood.lifecycle import TERMINAL
-from brood.protocol import CtlCancel, CtlFlow, CtlSend
+from brood.protocol import CtlAnswer, CtlCancel, CtlFlow, CtlSend
 from brood.store.base import Store, open_store
 from brood.supervisor.control import control_request
 
@@ -83,14 +83,19 @@ class Journal:
         run = self._decorate(self.store.get_run(run_id))
         tree = self._index(run["root_id"])
         run["subtree_usage"] = tree[run_id]["subtree_usage"]
+        run["waiting_for"] = tree[run_id]["waiting_for"]
         run["children"] = [c["id"] for c in tree[run_id]["children"]]
         return run
 
     def _index(self, root_id: str) -> dict[str, dict[str, Any]]:
         runs = [self._decorate(r) for r in self.store.runs(root_id)]
         by_id = {r["id"]: r for r in runs}
+        waiting = self._open_asks(root_id)
         for r in runs:
             r["children"] = []
+            # A live run with open asks is waiting for a person (on those asks).
+            live = r["state"] not in TERMINAL_VALUES and not r["stale"]
+            r["waiting_for"] = waiting.get(r["id"], []) if live else []
         for r in runs:
             parent = by_id.get(r["parent_id"])
             if parent is not None:
@@ -102,6 +107,17 @@ class Journal:
                 add_usage(total, c["subtree_usage"])
             r["subtree_usage"] = total
         return by_id
+
+    def _open_asks(self, root_id: str) -> dict[str, list[str]]:
+        """The open asks of a tree's runs, by run, from the journal's ask events."""
+        open_asks: dict[str, dict[str, None]] = {}
+        for e in self.store.events(root_id=root_id, kind="ask"):
+            asks = open_asks.setdefault(e["run_id"], {})
+            if e["data"].get("op") == "opened":
+                asks[e["data"]["ask"]] = None
+            else:
+                asks.pop(e["data"]["ask"], None)
+        return {run: list(asks) for run, asks in open_asks.items() if asks}
 
     def tree(self, run_id: str) -> dict[str, Any]:
         """The run and its descendants, nested under `children`, each with its usage and
@@ -119,6 +135,7 @@ class Journal:
             row = index[root["id"]]
             row["runs"] = len(index)
             row["open"] = sum(1 for r in index.values() if r["state"] not in TERMINAL_VALUES)
+            row["asks_open"] = sum(len(r["waiting_for"]) for r in index.values())
             live = [
                 r
                 for r in index.values()
@@ -204,8 +221,8 @@ class Journal:
         run = self._decorate(self.store.get_run(run_id))
         if run["state"] in TERMINAL_VALUES:
             raise BroodError(
-                f"run {run_id} is {run['state']}; a run that has ended cannot be "
-                "cancelled or sent to"
+                f"run {run_id} is {run['state']}; a run that has ended takes no cancel, "
+                "message or answer"
             )
         token = run["supervisor"]
         row = self.store.supervisor(token) if token else None
@@ -226,6 +243,51 @@ class Journal:
                 path, CtlCancel(1, run_id, "cancelled by user (brood cancel)"), CONTROL_TIMEOUT_S
             )
         )
+
+    # ---- asks to a person ----------------------------------------------------------------
+    def asks(self) -> list[dict[str, Any]]:
+        """The open asks of every live run in the journal, oldest first: id, run_id,
+        question, options, default, deadline (epoch seconds or None), opened_at."""
+        opened: dict[str, dict[str, Any]] = {}
+        for e in self.store.events(kind="ask"):
+            d = e["data"]
+            if d.get("op") == "opened":
+                opened[d["ask"]] = {
+                    "id": d["ask"],
+                    "run_id": e["run_id"],
+                    "question": d["question"],
+                    "options": d["options"],
+                    "default": d["default"],
+                    "deadline": d["deadline_at"],
+                    "opened_at": d["opened_at"],
+                }
+            else:
+                opened.pop(d["ask"], None)
+        states = {r: self.store.get_run(r)["state"] for r in {a["run_id"] for a in opened.values()}}
+        live = [a for a in opened.values() if states[a["run_id"]] not in TERMINAL_VALUES]
+        return sorted(live, key=lambda a: a["opened_at"])
+
+    def answer(self, ask_id: str, value: str, by: str) -> dict[str, Any]:
+        """Answer an open ask through the control socket of the supervisor that owns its
+        run; returns the ask's result."""
+        run_id = next(
+            (
+                e["run_id"]
+                for e in self.store.events(kind="ask")
+                if e["data"].get("op") == "opened" and e["data"]["ask"] == ask_id
+            ),
+            None,
+        )
+        if run_id is None:
+            raise InvalidArgument(
+                f"no ask {ask_id!r} in the journal {self.store.url}; `brood asks` lists the "
+                "open ones"
+            )
+        path = self._control(run_id)
+        result: dict[str, Any] = control_request(
+            path, CtlAnswer(1, ask_id, value, by), CONTROL_TIMEOUT_S
+        )
+        return result
 
     def flow(self, run_id: str, op: str) -> Any:
         """stop / resume / status of a flow another process runs (status of an ended or

@@ -87,6 +87,30 @@ class CancelReq(Msg):
     child_id: Id
 
 
+class AskOption(msgspec.Struct, frozen=True):
+    id: ShortText
+    label: ShortText
+
+
+class AskReq(Msg):
+    """ask_person: open an ask; the reply is its id (`a-…`)."""
+
+    req_id: ReqId
+    question: Annotated[str, msgspec.Meta(max_length=100_000)]
+    options: Annotated[list[AskOption], msgspec.Meta(max_length=100)] = []
+    deadline: Seconds | None = None  # seconds from now
+    default: ShortText | None = None  # an option id, or text
+    step: Count = 0
+    replaying: bool = False  # the step is one the journal holds: its asks must be there
+
+
+class AskCancelReq(Msg):
+    """rlm_cancel of an ask: withdraw it."""
+
+    req_id: ReqId
+    ask_id: Id
+
+
 class SendReq(Msg):
     req_id: ReqId
     child_id: Id
@@ -224,6 +248,16 @@ class ChildUpdate(Msg):
     products: dict[str, Any] | None = None
 
 
+class AskUpdate(Msg):
+    """An ask of the run moved: `answered` (with its result) or `cancelled` (withdrawn, or
+    its deadline passed with no default; `reason` says which)."""
+
+    ask_id: str
+    state: str
+    result: dict[str, Any] | None = None
+    reason: str | None = None
+
+
 class Deliver(Msg):
     message: str
     req_id: int = 0  # when set, the worker answers Reply(req_id) once the message is queued
@@ -273,10 +307,21 @@ class CtlFlow(Msg):
     op: str
 
 
+class CtlAnswer(Msg):
+    """Answer an open ask of a run this supervisor runs (`brood answer`)."""
+
+    req_id: int
+    ask_id: str
+    value: str
+    by: str
+
+
 # What a worker may send; anything else from a worker ends its run.
 WorkerMsg = (
     SpawnReq
     | CancelReq
+    | AskReq
+    | AskCancelReq
     | SendReq
     | Blocked
     | ModelReq
@@ -301,6 +346,7 @@ AnyMsg = (
     | Notice
     | Start
     | ChildUpdate
+    | AskUpdate
     | Deliver
     | Exec
     | Stop
@@ -308,6 +354,7 @@ AnyMsg = (
     | CtlCancel
     | CtlSend
     | CtlFlow
+    | CtlAnswer
 )
 
 _encoder = msgspec.msgpack.Encoder()

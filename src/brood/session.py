@@ -120,6 +120,17 @@ class Session:
             return []
         return [{"id": c.id, "status": c.rec.state.value} for c in root.children]
 
+    def asks(self) -> list[dict[str, Any]]:
+        """The open asks of the session's runs (a trainer that plays the person reads
+        them here; callable from another thread while a step waits on an ask)."""
+        self._check_open()
+        return self._sup.asks()
+
+    def answer(self, ask_id: str, value: str, *, by: str = "trainer") -> dict[str, Any]:
+        """Answer an open ask (an option id or label, or text); returns its result."""
+        self._check_open()
+        return self._sup.answer(ask_id, value, by=by)
+
     def handle(self) -> RunHandle:
         """A handle on this episode's root; stale after the next reset or close."""
         self._check_open()

@@ -25,6 +25,7 @@ from rich.text import Text
 from rich.tree import Tree
 
 import brood
+from brood.api import os_user
 from brood.journal import TERMINAL_VALUES, Journal, default_store_url
 from brood.models.demo import ROOT_TASK
 
@@ -146,7 +147,9 @@ def _usage_text(u: dict[str, Any]) -> str:
 def _state_text(run: dict[str, Any]) -> str:
     style = STATE_STYLE.get(run["state"], "")
     stale = " [red](stale)[/red]" if run.get("stale") else ""
-    return f"[{style}]{run['state']}[/{style}]{stale}"
+    asks = run.get("waiting_for")
+    person = f" [magenta](waiting for a person: {', '.join(asks)})[/magenta]" if asks else ""
+    return f"[{style}]{run['state']}[/{style}]{stale}{person}"
 
 
 def _short(text: str | None, n: int = 60) -> str:
@@ -342,7 +345,7 @@ def ps(
     with _journal(store) as journal:
         roots = journal.roots(limit)
     if as_json:
-        keys = ("runs", "open", "workers", "memory_bytes")
+        keys = ("runs", "open", "asks_open", "workers", "memory_bytes")
         _print_json([_flat(r) | {k: r[k] for k in keys} for r in roots])
         return
     table = Table("RUN", "STATE", "RUNS", "CALLS", "TOKENS", "TIME", "WORKERS", "PROMPT", box=None)
@@ -351,7 +354,9 @@ def ps(
         table.add_row(
             r["id"],
             _state_text(r),
-            f"{r['runs']}" + (f" ({r['open']} open)" if r["open"] else ""),
+            f"{r['runs']}"
+            + (f" ({r['open']} open)" if r["open"] else "")
+            + (f" ({r['asks_open']} asks open)" if r["asks_open"] else ""),
             str(int(u.get("model_calls", 0))),
             str(int(u.get("input_tokens", 0)) + int(u.get("output_tokens", 0))),
             _secs(r["duration"]),
@@ -382,6 +387,7 @@ def _flat(run: dict[str, Any]) -> dict[str, Any]:
         "prompt",
         "answer",
         "products",
+        "waiting_for",
         "error",
         "model",
         "pool",
@@ -547,6 +553,47 @@ def send(
     with _journal(store) as journal:
         journal.send(run_id, message)
     print(f"sent to {run_id}")
+
+
+@app.command()
+def asks(store: StoreOpt = None, as_json: JsonOpt = False) -> None:
+    """The open asks to a person of every live run: id, run, question, options, deadline."""
+    with _journal(store) as journal:
+        found = journal.asks()
+    if as_json:
+        _print_json(found)
+        return
+    if not found:
+        print("no open asks")
+        return
+    console = Console()
+    now = time.time()
+    for a in found:
+        left = f"  [dim]deadline in {a['deadline'] - now:.0f} s[/dim]" if a["deadline"] else ""
+        console.print(f"[bold]{a['id']}[/bold] run {a['run_id']}{left}")
+        console.print(Text(f"  {a['question']}"))
+        for o in a["options"]:
+            same = o["id"] == o["label"]
+            console.print(Text(f"  - {o['id']}" + ("" if same else f": {o['label']}")))
+
+
+@app.command()
+def answer(
+    ask_id: Annotated[str, typer.Argument(metavar="ASK", help="the ask's id (a-...)")],
+    value: Annotated[str, typer.Argument(help="an option id or label, or the answer text")],
+    by: Annotated[
+        str | None, typer.Option("--as", help="who answers (default: the OS user)")
+    ] = None,
+    store: StoreOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Answer an open ask; the run that asked goes on with the answer."""
+    with _journal(store) as journal:
+        result = journal.answer(ask_id, value, by or os_user())
+    if as_json:
+        _print_json(result)
+    else:
+        print(f"{ask_id} answered: {result['summary']}")
 
 
 # ---- flows ----------------------------------------------------------------------------------

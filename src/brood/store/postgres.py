@@ -47,6 +47,24 @@ class PostgresStore(SQLStore):
             conn.execute("SET default_transaction_read_only = on")
         return conn
 
+    def _transient(self, exc: BaseException) -> bool:
+        # A dropped connection or a server restarting (OperationalError), a serialization
+        # failure or a deadlock: a new try may succeed.
+        assert psycopg is not None
+        return isinstance(
+            exc,
+            psycopg.OperationalError
+            | psycopg.errors.SerializationFailure
+            | psycopg.errors.DeadlockDetected,
+        )
+
+    def _revive(self, conn: Any) -> Any:
+        if not conn.broken and not conn.closed:
+            return conn
+        with contextlib.suppress(Exception):
+            conn.close()
+        return self._connect(False)
+
     @contextlib.contextmanager
     def _transaction(self, conn: Any) -> Iterator[Any]:
         with conn.transaction(), conn.cursor() as cur:

@@ -14,7 +14,9 @@ starts no writer and never changes the journal.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import queue
 import threading
 import time
@@ -25,6 +27,8 @@ from typing import Any
 
 from brood.errors import StoreError
 from brood.lifecycle import RunRecord
+
+log = logging.getLogger("brood")
 
 SCHEMA_VERSION = 3
 BATCH_MAX = 500  # writes committed in one transaction at most
@@ -55,6 +59,8 @@ SCHEMA = [
         data TEXT NOT NULL, at {real} NOT NULL)""",
     "CREATE INDEX IF NOT EXISTS events_run ON events(run_id, seq)",
     "CREATE INDEX IF NOT EXISTS events_root ON events(root_id, seq)",
+    # `brood asks` / `brood answer` read one kind of event across every tree.
+    "CREATE INDEX IF NOT EXISTS events_kind ON events(kind, seq)",
 ]
 
 # What turns a journal of version N-1 into version N (the key).
@@ -64,8 +70,17 @@ MIGRATIONS: dict[int, list[str]] = {
         "ALTER TABLE runs ADD COLUMN model_name TEXT",  # rlm_query(model=...) of a child
         "CREATE UNIQUE INDEX IF NOT EXISTS runs_key ON runs(parent_id, key, attempt)",
     ],
-    3: ["ALTER TABLE runs ADD COLUMN products TEXT"],  # FINAL(answer, products=...)
+    3: [
+        "ALTER TABLE runs ADD COLUMN products TEXT",  # FINAL(answer, products=...)
+        "CREATE INDEX IF NOT EXISTS events_kind ON events(kind, seq)",
+    ],
 }
+
+# A write that fails for a passing reason (a locked database, a dropped connection) is tried
+# this many times in all, waiting TRANSIENT_WAIT_S, doubling to TRANSIENT_WAIT_MAX_S.
+TRANSIENT_TRIES = 6
+TRANSIENT_WAIT_S = 0.05
+TRANSIENT_WAIT_MAX_S = 2.0
 
 # What reads of runs return: every column but the context, which can be large.
 RUN_COLUMNS = (
@@ -87,6 +102,17 @@ class SQLStore:
     serial = "INTEGER PRIMARY KEY"
     errors: tuple[type[BaseException], ...] = ()
     refusals: tuple[type[BaseException], ...] = ()  # a constraint refused the write
+
+    def _transient(self, exc: BaseException) -> bool:
+        """Whether a failed write may succeed if tried again (a locked database, a dropped
+        connection): the writer then waits and tries again before it calls it a failure."""
+        return False
+
+    def _revive(self, conn: Conn) -> Conn:
+        """The connection to try again on after a transient failure (a new one if it
+        broke)."""
+        return conn
+
     where = ""  # how messages name this journal
 
     def _unopenable(self, exc: BaseException) -> StoreError:
@@ -108,6 +134,7 @@ class SQLStore:
         self._stats = {"writes": 0, "batches": 0, "busy_s": 0.0}
         self._readers: list[Conn] = []
         self._readers_lock = threading.Lock()
+        self._closed = False
         # The first failed write, for good; `on_failure` hears of it once (writer thread).
         self.failure: StoreError | None = None
         self.on_failure: Callable[[StoreError], None] | None = None
@@ -191,7 +218,6 @@ class SQLStore:
 
     # ---- writes ----------------------------------------------------------------------------
     def _write_loop(self) -> None:
-        conn = self._writer
         stop = False
         while not stop:
             item = self._queue.get()
@@ -210,10 +236,10 @@ class SQLStore:
                     break
                 batch.append(nxt)
             if batch:
-                self._commit(conn, batch)
-        conn.close()
+                self._commit(batch)
+        self._writer.close()
 
-    def _commit(self, conn: Conn, batch: list[tuple[Write, Future[Any]]]) -> None:
+    def _commit(self, batch: list[tuple[Write, Future[Any]]]) -> None:
         if self.failure is None and (lost := self._lost()) is not None:
             self._fail(lost)
         if self.failure is not None:
@@ -222,13 +248,12 @@ class SQLStore:
             return
         start = time.perf_counter()
         try:
-            with self._transaction(conn) as cur:
-                results = [write(cur) for write, _ in batch]
+            results = self._write_batch(batch)
         except self.errors as exc:
             if len(batch) > 1:
                 # One refused write must not take the others down with it: each alone.
                 for item in batch:
-                    self._commit(conn, [item])
+                    self._commit([item])
                 return
             if isinstance(exc, self.refusals):
                 batch[0][1].set_exception(self._write_failed(exc))  # this write only
@@ -241,6 +266,32 @@ class SQLStore:
         self._stats["busy_s"] += time.perf_counter() - start
         for (_, fut), result in zip(batch, results, strict=True):
             fut.set_result(result)
+
+    def _write_batch(self, batch: list[tuple[Write, Future[Any]]]) -> list[Any]:
+        """One transaction of the batch's writes. A transient failure is tried again, after
+        TRANSIENT_WAIT_S doubling, TRANSIENT_TRIES times in all (said in the log), so a
+        locked database or a dropped connection is not a failure of the journal."""
+        wait = TRANSIENT_WAIT_S
+        for tries in range(1, TRANSIENT_TRIES + 1):
+            try:
+                with self._transaction(self._writer) as cur:
+                    return [write(cur) for write, _ in batch]
+            except self.errors as exc:
+                if tries == TRANSIENT_TRIES or not self._transient(exc):
+                    raise
+                log.warning(
+                    "brood: %s: write failed (%s); trying again in %.2f s (%d of %d)",
+                    self.where,
+                    exc,
+                    wait,
+                    tries,
+                    TRANSIENT_TRIES,
+                )
+                time.sleep(wait)  # the writer thread's own wait: the journal is unavailable
+                wait = min(wait * 2, TRANSIENT_WAIT_MAX_S)
+                with contextlib.suppress(*self.errors, StoreError):
+                    self._writer = self._revive(self._writer)
+        raise AssertionError("unreachable")
 
     def _fail(self, exc: StoreError) -> None:
         self.failure = exc
@@ -257,6 +308,8 @@ class SQLStore:
     def _submit_many(self, statements: list[tuple[str, tuple[Any, ...]]]) -> Future[Any]:
         if self.readonly:
             raise StoreError(f"{self.where} was opened read-only")
+        if self._closed:
+            raise StoreError(f"the journal {self.where} is closed; it takes no more writes")
         fut: Future[Any] = Future()
         stmts = [(self.q(sql), args) for sql, args in statements]
 
@@ -379,8 +432,9 @@ class SQLStore:
         return self._submit_many(stmts)
 
     def flush(self) -> None:
-        """Block until everything queued so far is committed."""
-        if not self.readonly:
+        """Block until everything queued so far is committed (at once once closed: closing
+        committed it all)."""
+        if not self.readonly and not self._closed:
             self._submit_many([]).result()
 
     # ---- reads -----------------------------------------------------------------------------
@@ -468,9 +522,19 @@ class SQLStore:
         return rows
 
     def close(self) -> None:
+        self._closed = True
         if self._thread is not None and self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
+        while True:  # a write queued as it closed is refused, never left waiting
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None and not item[1].done():
+                item[1].set_exception(
+                    StoreError(f"the journal {self.where} closed before this write")
+                )
         with self._readers_lock:  # every reading thread's connection, not just this one's
             readers, self._readers = self._readers, []
         for conn in readers:

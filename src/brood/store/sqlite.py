@@ -17,6 +17,11 @@ class SQLiteStore(SQLStore):
     errors = (sqlite3.Error,)
     refusals = (sqlite3.IntegrityError,)
 
+    def _transient(self, exc: BaseException) -> bool:
+        # Locked or busy past the busy timeout: another process holds the database a while.
+        text = str(exc).lower()
+        return isinstance(exc, sqlite3.OperationalError) and ("locked" in text or "busy" in text)
+
     def __init__(
         self, path: str, *, url: str, readonly: bool = False, remove_dir: str | None = None
     ) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 from brood.errors import BroodError, InvalidArgument
 from brood.lifecycle import RunState
 from brood.protocol import (
+    CtlAnswer,
     CtlAuth,
     CtlCancel,
     CtlFlow,
@@ -73,6 +74,8 @@ class ControlServer:
             writer.close()
 
     async def _handle(self, msg: Msg) -> Any:
+        if isinstance(msg, CtlAnswer):
+            return await self.core.asks.answer(msg.ask_id, msg.value, msg.by)
         if isinstance(msg, CtlFlow):
             flow = self.core.flows.get(msg.run_id)
             if flow is None:
@@ -108,7 +111,7 @@ def key_path(socket_path: str) -> str:
 
 
 def control_request(
-    path: str, msg: CtlCancel | CtlSend | CtlFlow, timeout: float | None = None
+    path: str, msg: CtlCancel | CtlSend | CtlFlow | CtlAnswer, timeout: float | None = None
 ) -> Any:
     """Send one request to a supervisor's control socket and return its reply's value."""
     try:

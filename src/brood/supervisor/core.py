@@ -36,6 +36,8 @@ from brood.lifecycle import RunRecord, RunState, move
 from brood.limits import Limits
 from brood.models.base import Completion, Model
 from brood.protocol import (
+    AskCancelReq,
+    AskReq,
     Blocked,
     CancelReq,
     ChildUpdate,
@@ -59,6 +61,7 @@ from brood.protocol import (
     error_info,
 )
 from brood.store.base import Store
+from brood.supervisor.asks import Asks
 from brood.supervisor.gateway import ModelGateway
 from brood.supervisor.observers import Observers
 
@@ -261,6 +264,7 @@ class Core:
         self.runs: dict[str, Run] = {}
         self.free_slots = limits.max_concurrency
         self.pools = {name: Pool(name, cap) for name, cap in limits.pools.items()}
+        self.asks = Asks(self)
         self.start_queue: deque[Run] = deque()
         self.resume_queue: deque[tuple[Run, asyncio.Future[None]]] = deque()
         self.closing = False
@@ -686,6 +690,10 @@ class Core:
     def _on_msg(self, run: Run, msg: Msg) -> None:
         if isinstance(msg, SpawnReq | CancelReq | SendReq):
             self._ask(run, msg.req_id, self._request(run, msg))
+        elif isinstance(msg, AskReq):
+            self._ask(run, msg.req_id, self.asks.open(run, msg))
+        elif isinstance(msg, AskCancelReq):
+            self._ask(run, msg.req_id, self.asks.withdraw(run, msg))
         elif isinstance(msg, FlowReq):
             self._ask(run, msg.req_id, self._flow_request(run, msg))
         elif isinstance(msg, Blocked):
@@ -1062,6 +1070,8 @@ class Core:
         confirmed = await self._stop_worker(run)
         if confirmed and run.conn is not None:
             self.backend.discard_scratch(run.conn)
+        with contextlib.suppress(StoreError):  # a failed journal fails every tree anyway
+            await self.asks.end_of(run, f"its run ended ({state.value}: {reason})")
         self._release(run)
         if not confirmed and run.conn is not None:
             pids = self.backend.group_pids(run.conn)
@@ -1358,6 +1368,9 @@ class Core:
             )
             root.tree_usage["cost"] = root.tree_usage.get("cost", 0.0) + u.get("cost", 0.0)
         self.runs.update(runs)
+        for run in runs.values():  # answered asks replay; open ones are open again
+            if not run.rec.state.terminal:
+                self.asks.adopt(run, self.store.events(run.id, "ask"))
         await asyncio.wrap_future(self.store.claim_tree(root_id, self.owner))
         open_ids = [r.id for r in runs.values() if not r.rec.state.terminal]
         self._event(root, "resume", {"supervisor": self.owner, "open": open_ids})

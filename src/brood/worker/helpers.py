@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,6 +20,7 @@ from typing import Any
 import cloudpickle
 
 from brood.errors import (
+    AskCancelled,
     BroodError,
     ChildFailed,
     ChildNotReady,
@@ -29,6 +31,10 @@ from brood.errors import (
 )
 from brood.protocol import (
     MAX_RETRIES,
+    AskCancelReq,
+    AskOption,
+    AskReq,
+    AskUpdate,
     Blocked,
     CancelReq,
     ChildUpdate,
@@ -233,6 +239,42 @@ class Runtime:
             self.handles[h.id] = h
         return handles
 
+    # ---- asks to a person -----------------------------------------------------------------
+    def open_ask(
+        self, question: object, options: object, deadline: object, default: object
+    ) -> AskHandle:
+        self.check_open()
+        if not isinstance(question, str) or not question.strip():
+            raise InvalidArgument("ask_person(question): the question must be non-empty text")
+        if deadline is not None and not (
+            isinstance(deadline, int | float)
+            and not isinstance(deadline, bool)
+            and math.isfinite(deadline)
+            and deadline > 0
+        ):
+            raise InvalidArgument(
+                f"ask_person(deadline=...) is seconds from now, a number > 0, or None for "
+                f"none; got {deadline!r}"
+            )
+        if default is not None and (not isinstance(default, str) or not default.strip()):
+            raise InvalidArgument(
+                f"ask_person(default=...) is an option id or text, got {default!r}"
+            )
+        ask_id: str = self.link.request(
+            AskReq(
+                req_id=self.link.next_id(),
+                question=question,
+                options=_ask_options(options),
+                deadline=None if deadline is None else float(deadline),
+                default=default,
+                step=self.step,
+                replaying=self.replaying,
+            )
+        )
+        with self.link.cond:  # an update may have come first (a replayed, answered ask)
+            self.link.asks.setdefault(ask_id, AskUpdate(ask_id, "open"))
+        return AskHandle(self, ask_id, question)
+
     def note_depth(self) -> None:
         if not self.depth_noted:
             self.depth_noted = True
@@ -253,6 +295,8 @@ class Runtime:
         def ended(h: Handle) -> bool:
             if isinstance(h, Task):
                 return h._future.done()
+            if isinstance(h, AskHandle):
+                return self.link.asks[h.id].state != "open"
             return self.link.children[h.id].state in TERMINAL_STATES
 
         return self.wait_for(lambda: quantifier(ended(h) for h in handles), timeout)
@@ -273,6 +317,8 @@ class Runtime:
         for i, h in enumerate(handles):
             try:
                 answers.append(h.result())
+            except AskCancelled:
+                raise  # every wait on a withdrawn ask raises it
             except Exception:  # ChildFailed, or whatever a task raised
                 answers.append(None)
                 failed.append(i)
@@ -439,7 +485,71 @@ class Task:
         return f"{self.id} failed: {exc}"
 
 
-Handle = ChildHandle | Task
+class AskHandle:
+    """An ask to a person (`ask_person(..., blocking=False)`): the child verbs take it.
+    Its states: open, answered, cancelled (withdrawn, or its deadline passed with no
+    default, or its run ended)."""
+
+    def __init__(self, rt: Runtime, ask_id: str, question: str) -> None:
+        self._rt = rt
+        self.id = ask_id
+        self.question = question
+
+    def __repr__(self) -> str:
+        return f"<AskHandle {self.id} {self.status()}>"
+
+    def _update(self) -> AskUpdate:
+        with self._rt.link.cond:
+            return self._rt.link.asks[self.id]
+
+    @property
+    def done(self) -> bool:
+        return self.status() != "open"
+
+    def status(self) -> str:
+        self._rt.check_open()
+        return self._update().state
+
+    def result(self) -> dict[str, Any]:
+        """The ask's result once answered; ChildNotReady while open; AskCancelled once it
+        ended without an answer."""
+        self._rt.check_open()
+        u = self._update()
+        if u.state == "open":
+            raise ChildNotReady(
+                f"ask {self.id} is still open; rlm_wait(h) blocks until someone answers"
+            )
+        if u.state != "answered" or u.result is None:
+            raise AskCancelled(f"ask {self.id} was cancelled: {u.reason}", ask=self.id)
+        return dict(u.result)
+
+    def failure(self) -> str:
+        return f"{self.id} cancelled: {self._update().reason}"
+
+    def wait_done(self, timeout: float | None) -> bool:
+        self._rt.check_open()
+        return self._rt.wait_for(lambda: self._rt.link.asks[self.id].state != "open", timeout)
+
+    def wait(self, timeout: float | None = None) -> dict[str, Any]:
+        if not self.wait_done(timeout):
+            raise TimeoutError(
+                f"ask {self.id} is still open after {timeout} s; it stays open: wait again "
+                "later, or rlm_cancel(h) to withdraw it"
+            )
+        return self.result()
+
+    def cancel(self) -> str:
+        """Withdraw the ask (its waits then raise AskCancelled); returns its state."""
+        self._rt.check_open()
+        if self.done:
+            return self.status()
+        state: str = self._rt.link.request(
+            AskCancelReq(req_id=self._rt.link.next_id(), ask_id=self.id)
+        )
+        return state
+
+
+Handle = ChildHandle | Task | AskHandle
 
 
 def _check_prompt(value: object, where: str) -> str:
@@ -455,12 +565,43 @@ def _check_prompts(value: object, where: str) -> list[str]:
 
 
 def _check_handle(value: object, where: str) -> Handle:
-    if not isinstance(value, ChildHandle | Task):
+    if not isinstance(value, ChildHandle | Task | AskHandle):
         raise InvalidArgument(
             f"{where} takes a handle from rlm_spawn/rlm_query(blocking=False)/spawn, "
             f"got {type(value).__name__}"
         )
     return value
+
+
+def _ask_options(options: object) -> list[AskOption]:
+    """ask_person's options: strings (each its own id and label) or {"id", "label"}."""
+    if options is None:
+        return []
+    if isinstance(options, str) or not isinstance(options, list | tuple):
+        raise InvalidArgument(
+            f"ask_person(options=...) is a list of strings or {{'id', 'label'}} dicts, got "
+            f"{type(options).__name__}"
+        )
+    out = []
+    for i, o in enumerate(options):
+        if isinstance(o, str) and o.strip():
+            out.append(AskOption(o, o))
+        elif (
+            isinstance(o, dict)
+            and isinstance(o.get("id"), str)
+            and o["id"].strip()
+            and isinstance(o.get("label", o.get("id")), str)
+        ):
+            out.append(AskOption(o["id"], o.get("label") or o["id"]))
+        else:
+            raise InvalidArgument(
+                f"ask_person(options=...)[{i}] must be non-empty text or {{'id': ..., "
+                f"'label': ...}}, got {o!r}"
+            )
+    ids = [o.id for o in out]
+    if len(set(ids)) != len(ids):
+        raise InvalidArgument(f"ask_person(options=...): option ids must differ, got {ids}")
+    return out
 
 
 def _check_child(value: object, where: str) -> ChildHandle:
@@ -550,13 +691,51 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
 
     def rlm_status(h: Handle) -> str:
         """The child's state: queued, running, cancelling, completed, failed, cancelled or
-        timed_out. Never blocks."""
+        timed_out (an ask's: open, answered or cancelled). Never blocks."""
         return _check_handle(h, "rlm_status").status()
 
     def rlm_result(h: Handle) -> Any:
         """The child's answer if completed; raises ChildNotReady if it is still going,
         ChildFailed (with the reason) if it ended otherwise."""
         return _check_handle(h, "rlm_result").result()
+
+    def ask_person(
+        question: str,
+        *,
+        options: list[Any] | None = None,
+        deadline: float | None = None,
+        default: str | None = None,
+        blocking: bool = True,
+    ) -> Any:
+        """Ask a person. `options`: strings or {"id", "label"}; `deadline`: seconds from
+        now; `default`: an option id or text, applied when the deadline passes. Blocking,
+        returns {"answer": {"type": "choice"|"text", "id", "label", "text"}, "summary",
+        "resolved_by"} (raises AskCancelled if it ends unanswered); else an AskHandle that
+        rlm_status / rlm_result / rlm_wait* / rlm_cancel (withdraw) take."""
+        h = rt.open_ask(question, options, deadline, default)
+        return h.wait() if blocking else h
+
+    def ask_user_question(questions: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """pi-rlm's form: several questions ({"question", "options"?, "deadline"?,
+        "default"?}) asked at once; blocks until all are answered; results in order."""
+        if not isinstance(questions, list | tuple) or not all(
+            isinstance(q, dict) for q in questions
+        ):
+            raise InvalidArgument("ask_user_question(questions) takes a list of dicts")
+        handles = []
+        for i, q in enumerate(questions):
+            unknown = set(q) - {"question", "options", "deadline", "default"}
+            if unknown:
+                raise InvalidArgument(
+                    f"ask_user_question: questions[{i}] has unknown keys {sorted(unknown)}; "
+                    "use question, options, deadline, default"
+                )
+            handles.append(
+                rt.open_ask(
+                    q.get("question"), q.get("options"), q.get("deadline"), q.get("default")
+                )
+            )
+        return rt.collect(handles, None)
 
     def rlm_products(h: Handle) -> dict[str, Any] | None:
         """The products (a JSON object) the child gave with FINAL(answer, products=...), or
@@ -587,7 +766,7 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
 
     def rlm_cancel(h: Handle) -> str:
         """Cancel the child and its whole subtree; returns once their exit is confirmed,
-        with the final status."""
+        with the final status. For an ask: withdraw it."""
         return _check_handle(h, "rlm_cancel").cancel()
 
     def rlm_send(h: Handle, message: str) -> None:
@@ -750,6 +929,8 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
             rlm_status,
             rlm_result,
             rlm_products,
+            ask_person,
+            ask_user_question,
             rlm_wait,
             rlm_wait_all,
             rlm_wait_any,
@@ -781,7 +962,15 @@ def _notify(link: Link) -> None:
 # Errors the model's code may want to catch, placed in the namespace by name.
 ERRORS: dict[str, type[BaseException]] = {
     e.__name__: e
-    for e in (BroodError, ChildFailed, ChildNotReady, InvalidArgument, LimitExceeded, StaleHandle)
+    for e in (
+        AskCancelled,
+        BroodError,
+        ChildFailed,
+        ChildNotReady,
+        InvalidArgument,
+        LimitExceeded,
+        StaleHandle,
+    )
 }
 
 # The helpers' names, as the model sees them (make_helpers only defines functions).

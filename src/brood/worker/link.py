@@ -15,6 +15,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from brood.protocol import (
+    AskUpdate,
     ChildUpdate,
     Deliver,
     Exec,
@@ -39,6 +40,7 @@ class Link:
         self._pending_lock = threading.Lock()
         self.cond = threading.Condition()
         self.children: dict[str, ChildUpdate] = {}  # guarded by cond; insertion = start order
+        self.asks: dict[str, AskUpdate] = {}  # guarded by cond; the run's asks to people
         self.inbox: list[str] = []  # guarded by cond
         self.execs: queue.Queue[Exec] = queue.Queue()
         self.starts: queue.Queue[Start] = queue.Queue()
@@ -88,6 +90,10 @@ class Link:
         elif isinstance(msg, ChildUpdate):
             with self.cond:
                 self.children[msg.child_id] = msg
+                self.cond.notify_all()
+        elif isinstance(msg, AskUpdate):
+            with self.cond:
+                self.asks[msg.ask_id] = msg
                 self.cond.notify_all()
         elif isinstance(msg, Deliver | Notice):
             line = (

@@ -18,8 +18,9 @@ Helpers available in the REPL:
 
 OUTRO = """
 Finished children are announced at the start of your next turn. The errors ChildFailed
-(.status, .reason, and for batches .failed and .answers), ChildNotReady, InvalidArgument,
-LimitExceeded, StaleHandle and BroodError are defined for except clauses; a wait's timeout raises
+(.status, .reason, and for batches .failed and .answers), ChildNotReady, AskCancelled
+(.ask), InvalidArgument, LimitExceeded, StaleHandle and BroodError are defined for except
+clauses; a wait's timeout raises
 TimeoutError. Errors name the mistake and the fix; read them. Do not guess an answer you
 have not computed."""
 
