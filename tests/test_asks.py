@@ -247,11 +247,9 @@ def test_a_crash_with_asks_open_then_a_resume_adopts_them(tmp_path):
     supervisor is SIGKILLed; the resume replays the answered ask without asking again and
     adopts the two open ones (same ids, same deadline), which `brood answer` then answers
     through the new process."""
-    import subprocess
-    import sys
     import textwrap
 
-    from tests.test_resume import CRASH_TIMEOUT_S, wait_gone
+    from tests.test_resume import crash
 
     steps = [
         code(
@@ -279,18 +277,16 @@ def test_a_crash_with_asks_open_then_a_resume_adopts_them(tmp_path):
         out = runner.invoke(app, ["asks", "--store", url, "--json"])
         return json.loads(out.output) if out.exit_code == 0 else []
 
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    try:
-        root_id = proc.stdout.readline().strip()
+    def answer_one() -> None:
         until(lambda: len(open_asks()) == 3)
-        region, owner, budget = open_asks()
-        done = runner.invoke(app, ["answer", region["id"], "eu", "--store", url])
+        asked[:] = open_asks()
+        done = runner.invoke(app, ["answer", asked[0]["id"], "eu", "--store", url])
         assert done.exit_code == 0, done.output
-    finally:
-        proc.kill()
-        proc.wait(CRASH_TIMEOUT_S)
-        proc.stdout.close()
-    wait_gone(proc.pid)
+
+    asked: list[dict] = []
+    root_id = crash(script, answer_one)
+    region, owner, budget = asked
+    assert region["question"] == "Region?"
     assert [a["id"] for a in open_asks()] == [owner["id"], budget["id"]]
 
     with brood.Supervisor(brood.ScriptedModel({"root": steps}), store=url, limits=FAST) as sup:

@@ -166,11 +166,9 @@ def test_a_resume_between_attempts_adopts_the_latest_attempt(tmp_path):
     attempt 1 again."""
     import json
     import os
-    import subprocess
-    import sys
     import textwrap
 
-    from tests.test_resume import CRASH_TIMEOUT_S, wait_gone
+    from tests.test_resume import crash
     from tests.util import Signal
 
     root = code("FINAL(rlm_query('child: flaky', retries=2))")
@@ -197,15 +195,7 @@ def test_a_resume_between_attempts_adopts_the_latest_attempt(tmp_path):
         print(sup.spawn("root task").id, flush=True)
         signal.pause()
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    try:
-        root_id = proc.stdout.readline().strip()
-        in_second.wait()
-    finally:
-        proc.kill()
-        proc.wait(CRASH_TIMEOUT_S)
-        proc.stdout.close()
-    wait_gone(proc.pid)
+    root_id = crash(script, in_second.wait)
 
     def after(messages):
         if messages[1]["content"].startswith("child"):

@@ -187,11 +187,9 @@ def test_after_a_crash_pool_waits_are_queued_again_in_order(tmp_path):
     starts no key twice."""
     import json
     import os
-    import subprocess
-    import sys
     import textwrap
 
-    from tests.test_resume import CRASH_TIMEOUT_S, wait_gone
+    from tests.test_resume import crash
     from tests.util import Signal
 
     root = [
@@ -215,15 +213,7 @@ def test_after_a_crash_pool_waits_are_queued_again_in_order(tmp_path):
         print(sup.spawn("root task").id, flush=True)
         signal.pause()
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    try:
-        root_id = proc.stdout.readline().strip()
-        in_a.wait()
-    finally:
-        proc.kill()
-        proc.wait(CRASH_TIMEOUT_S)
-        proc.stdout.close()
-    wait_gone(proc.pid)
+    root_id = crash(script, in_a.wait)
 
     model = brood.ScriptedModel(
         {"root": root, **{f"child {n}": [final(n)] for n in "ABC"}},

@@ -67,6 +67,21 @@ def crashed_tree(tmp_path, root: list[str] = ROOT) -> tuple[str, str]:
     return url, root_id
 
 
+def crash(script: str, ready) -> str:
+    """Run `script` (a supervisor that prints its root's id, then waits) in another process
+    until `ready()` returns, then SIGKILL that process and what it left. Returns the id."""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        root_id = proc.stdout.readline().strip()
+        ready()
+    finally:
+        proc.kill()
+        proc.wait(CRASH_TIMEOUT_S)
+        proc.stdout.close()
+    wait_gone(proc.pid)
+    return root_id
+
+
 def wait_gone(owner_pid: int) -> None:
     """Kill what the crashed supervisor left (its zygote usually has) and wait until each
     process has died (a pidfd becomes readable when its process exits)."""
