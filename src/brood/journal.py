@@ -254,6 +254,7 @@ class Journal:
             if d.get("op") == "opened":
                 opened[d["ask"]] = {
                     "id": d["ask"],
+                    "run": e["run_id"],
                     "run_id": e["run_id"],
                     "question": d["question"],
                     "options": d["options"],

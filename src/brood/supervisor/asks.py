@@ -45,6 +45,7 @@ class Ask:
         """The ask as `brood asks` and `sup.asks()` list it."""
         return {
             "id": self.id,
+            "run": self.run.id,
             "run_id": self.run.id,
             "question": self.question,
             "options": [dict(o) for o in self.options],
