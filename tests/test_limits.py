@@ -32,6 +32,7 @@ POSITIVE = {"child_timeout", "step_timeout"}  # 0 s would mean "already expired"
 FLOOR = (
     {name: 1 for name in AT_LEAST_ONE}
     | {"output_limit": 100, "answer_limit": 100}
+    | {"max_prompt_chars": 2_000, "max_chunks": 1}
     | {"worker_memory": 64 * 2**20, "worker_cpu_seconds": 1, "worker_processes": 1}
     | {"worker_file_size": 1, "worker_open_files": 16}
 )
@@ -44,6 +45,8 @@ INT_FIELDS = {
     "token_budget",
     "output_limit",
     "answer_limit",
+    "max_prompt_chars",
+    "max_chunks",
 } | WORKER
 
 

@@ -81,7 +81,10 @@ def test_the_helper_names_match_the_design_table() -> None:
     flows = {"flow_run", "flow_status", "flow_wait", "flow_stop", "flow_resume"}
     # DESIGN section 9: products, asks to a person (and pi-rlm's form of them).
     section_9 = {"rlm_products", "ask_person", "ask_user_question"}
-    assert design_section_3 | {"remember"} | flows | section_9 == HELPER_NAMES
+    # The long-context toolkit (delegation and retrieval).
+    toolkit = {"llm_query_chunked", "map_files", "llm_map_reduce", "search", "grep_context"}
+    toolkit |= {"outline"}
+    assert design_section_3 | {"remember"} | flows | section_9 | toolkit == HELPER_NAMES
 
 
 def test_the_prompt_explains_fences_final_and_context(prompt: str) -> None:

@@ -35,6 +35,8 @@ INTEGER = frozenset(
         "max_iterations",
         "output_limit",
         "answer_limit",
+        "max_prompt_chars",
+        "max_chunks",
         "token_budget",
         "worker_memory",
         "worker_cpu_seconds",
@@ -50,6 +52,8 @@ FLOORS = {
     "max_iterations": 1,
     "output_limit": 100,  # below 100 characters no output would be readable
     "answer_limit": 100,
+    "max_prompt_chars": 2_000,  # a chunk needs 1,000 characters beside its prompt
+    "max_chunks": 1,
     "worker_memory": 64 * 2**20,  # a Python worker does not start in less
     "worker_cpu_seconds": 1,
     "worker_processes": 1,
@@ -95,6 +99,9 @@ class Limits:
     output_limit: characters of one step's output shown to the model (the journal keeps up
         to 50 times as much; beyond that output is dropped with a note).
     answer_limit: characters of a FINAL answer; a longer one fails the run saying so.
+    max_prompt_chars: characters of one plain model call's prompt (llm_query and the like);
+        a longer one is refused before it costs a call, pointing at llm_query_chunked.
+    max_chunks: model calls one llm_query_chunked / map_files / llm_map_reduce may make.
 
     Confinement of model code (DESIGN.md section 14), on by default:
     confine: False runs model code with everything the user has (trusted code only).
@@ -127,6 +134,8 @@ class Limits:
     step_grace: float = 5.0
     output_limit: int = 20_000
     answer_limit: int = 1_000_000
+    max_prompt_chars: int = 400_000
+    max_chunks: int = 1_000
     confine: bool = True
     fs_read: tuple[str, ...] = ()
     fs_write: tuple[str, ...] = ()

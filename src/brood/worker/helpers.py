@@ -26,6 +26,7 @@ from brood.errors import (
     ChildNotReady,
     InvalidArgument,
     LimitExceeded,
+    ModelError,
     ReplayDiverged,
     StaleHandle,
 )
@@ -47,6 +48,7 @@ from brood.protocol import (
 )
 from brood.worker.link import TERMINAL_STATES, Link
 from brood.worker.repl import FinalSignal, ReplayStop, StepClock
+from brood.worker.toolkit import make_toolkit
 
 BATCH_THREADS = 16  # concurrent plain model calls of one run
 
@@ -73,6 +75,7 @@ class Runtime:
         self.step = 0
         self.final: str | None = None
         self.products: dict[str, Any] | None = None  # FINAL(answer, products=...)
+        self.limits: dict[str, Any] = {}  # the tree's Limits, as the Start carried them
         self.model_name: str | None = None  # the model name this run was started with
         self.replay: Replay | None = None  # what the journal holds, for a resumed run
         self.in_flight: dict[str, int] = {}  # plain calls under way, by prompt
@@ -555,6 +558,8 @@ Handle = ChildHandle | Task | AskHandle
 def _check_prompt(value: object, where: str) -> str:
     if not isinstance(value, str):
         raise InvalidArgument(f"{where}: prompt must be str, got {type(value).__name__}")
+    if not value.strip():
+        raise InvalidArgument(f"{where}: the prompt is empty; write what to ask")
     return value
 
 
@@ -636,16 +641,51 @@ def _check_products(products: object) -> dict[str, Any] | None:
 def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
     """The functions placed in the REPL namespace, bound to one run."""
 
+    def _fits(prompt: str, where: str) -> str:
+        """Refuses a prompt over Limits.max_prompt_chars before it costs a call."""
+        cap = int(rt.limits.get("max_prompt_chars", 400_000))
+        if len(prompt) > cap:
+            raise InvalidArgument(
+                f"{where}: the prompt has {len(prompt):,} characters, over "
+                f"Limits.max_prompt_chars={cap:,}; use llm_query_chunked(text, prompt) (or "
+                "search / grep_context to find the part that matters) instead"
+            )
+        return prompt
+
     def llm_query(prompt: str, model: str | None = None) -> str:
         """One plain model call: the model's reply to `prompt`."""
-        _check_prompt(prompt, "llm_query")
+        _fits(_check_prompt(prompt, "llm_query"), "llm_query")
         return rt.call_model([{"role": "user", "content": prompt}], "llm_query", model)
 
     def llm_query_batched(prompts: list[str], model: str | None = None) -> list[str]:
-        """Concurrent plain model calls; replies in the order of `prompts`, same length."""
+        """Concurrent plain model calls; replies in the order of `prompts`, same length. If
+        some fail, raises ModelError once all have ended, with .failed (their indices) and
+        .answers (every reply, None where one failed): no reply is lost."""
         prompts = _check_prompts(prompts, "llm_query_batched")
+        for i, p in enumerate(prompts):
+            _fits(p, f"llm_query_batched[{i}]")
+
+        def one(p: str) -> tuple[str | None, BaseException | None]:
+            try:
+                return llm_query(p, model), None
+            except Exception as exc:  # every call ends before the batch says how it went
+                return None, exc
+
         with rt.clock.paused():
-            return list(rt.pool().map(lambda p: llm_query(p, model), prompts))
+            results = list(rt.pool().map(one, prompts))
+        failed = [i for i, (_, exc) in enumerate(results) if exc is not None]
+        if not failed:
+            return [reply for reply, _ in results]  # type: ignore[misc]
+        if isinstance(results[failed[0]][1], ReplayStop | StaleHandle):
+            raise results[failed[0]][1]  # type: ignore[misc]
+        reasons = "; ".join(f"#{i} {results[i][1]}" for i in failed[:5])
+        err = ModelError(
+            f"{len(failed)} of {len(prompts)} calls failed: {reasons}; e.answers holds every "
+            "reply (None where failed), e.failed the indices"
+        )
+        err.failed = failed  # type: ignore[attr-defined]
+        err.answers = [reply for reply, _ in results]  # type: ignore[attr-defined]
+        raise err
 
     def rlm_query(
         prompt: str,
@@ -665,7 +705,7 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
         capacity pool the child holds a place in from its start to its end; `retries`
         starts a child that failed or timed out again (same handle), up to that many times.
         """
-        _check_prompt(prompt, "rlm_query")
+        _fits(_check_prompt(prompt, "rlm_query"), "rlm_query")
         if not rt.can_spawn:
             rt.note_depth()
             if blocking:
@@ -918,11 +958,18 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
             if k not in reserved and not k.startswith("_")
         }
 
-    helpers = {
+    toolkit = make_toolkit(
+        rt.limits if rt is not None else {},
+        lambda: rt.namespace,
+        llm_query,
+        llm_query_batched,
+    )
+    helpers: dict[str, Callable[..., Any]] = {"llm_query": llm_query}
+    helpers["llm_query_batched"] = llm_query_batched
+    helpers |= toolkit
+    helpers |= {
         f.__name__: f
         for f in (
-            llm_query,
-            llm_query_batched,
             rlm_query,
             rlm_query_batched,
             rlm_spawn,

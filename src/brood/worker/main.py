@@ -72,6 +72,7 @@ def run(start: Start, link: Link) -> None:
     )
     rt.model_name = start.model_name
     rt.replay = start.replay
+    rt.limits = dict(limits)
     helpers = make_helpers(rt)
     repl = Repl(
         {**helpers, **ERRORS},
