@@ -83,7 +83,7 @@ def test_the_helper_names_match_the_design_table() -> None:
     section_9 = {"rlm_products", "ask_person", "ask_user_question"}
     # The long-context toolkit (delegation and retrieval).
     toolkit = {"llm_query_chunked", "map_files", "llm_map_reduce", "search", "grep_context"}
-    toolkit |= {"outline"}
+    toolkit |= {"outline", "budget_remaining"}
     assert design_section_3 | {"remember"} | flows | section_9 | toolkit == HELPER_NAMES
 
 

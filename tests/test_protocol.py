@@ -23,6 +23,7 @@ from brood.protocol import (
     AskReq,
     AskUpdate,
     Blocked,
+    BudgetReq,
     CancelReq,
     ChildUpdate,
     CtlAnswer,
@@ -118,6 +119,7 @@ SAMPLES: list[Msg] = [
     AskCancelReq(req_id=18, ask_id="a-1"),
     AskUpdate(ask_id="a-1", state="answered", result={"resolved_by": "alice"}),
     AskUpdate(ask_id="a-2", state="cancelled", reason="withdrawn"),
+    BudgetReq(req_id=19),
 ]
 
 

@@ -193,3 +193,54 @@ def test_a_batch_that_partly_fails_raises_model_error_keeping_every_reply():
 def test_toolkit_limits_have_floors(field, value):
     with pytest.raises(brood.InvalidArgument, match=f"Limits.{field} must be >="):
         brood.Limits(**{field: value})
+
+
+def test_the_system_prompt_and_budget_remaining_tell_a_run_its_place_and_budgets(tmp_path):
+    systems: dict[str, str] = {}
+
+    def chat_fn(messages):
+        prompt = messages[1]["content"]
+        systems.setdefault(prompt.split(":")[0], messages[0]["content"])
+        if prompt.startswith("child"):
+            return code("import json\nFINAL(json.dumps(budget_remaining()))")
+        return code(
+            "import json\n"
+            "before = budget_remaining()\n"
+            "child = json.loads(rlm_query('child: report'))\n"
+            "FINAL(json.dumps([before, child, budget_remaining()]))"
+        )
+
+    url = f"sqlite:///{tmp_path}/j.db"
+    limits = fast(max_depth=2, max_children=10, max_children_per_run=4, token_budget=10**6)
+    with brood.Supervisor(chat_fn, store=url, limits=limits) as sup:
+        result = sup.run("root: go")
+    before, child, after = json.loads(result.answer)
+    assert before == {
+        "depth": 0,
+        "max_depth": 2,
+        "children_left": 10,
+        "children_left_for_this_run": 4,
+        "tokens_left": 10**6,
+        "cost_left": None,
+        "tokens_used": 0,
+    }
+    assert (child["depth"], child["children_left"], after["children_left_for_this_run"]) == (
+        1,
+        9,
+        3,
+    )
+    assert systems["root"].endswith(
+        "Your place in the tree: depth 0 of max_depth 2; you may start 4 more child runs "
+        "(10 left in the whole tree); 1,000,000 tokens left in the tree. budget_remaining() "
+        "gives these figures as they stand."
+    )
+    assert "depth 1 of max_depth 2; you cannot start child runs" in systems["child"]
+    assert "Example: start a child, keep working, then collect it." in systems["root"]
+    # The journal keeps the shared part once and each run's end with its calls.
+    from brood.journal import Journal
+
+    with Journal(url) as journal:
+        exported = list(journal.export(result.run_id))
+    assert exported[0]["messages"][0]["content"] == systems["root"]
+    child_call = next(r for r in exported if r["depth"] == 1)
+    assert child_call["messages"][0]["content"] == systems["child"]

@@ -174,7 +174,9 @@ class Journal:
 
         def resolved(request: list[dict[str, Any]]) -> list[dict[str, Any]]:
             return [
-                {"role": m["role"], "content": prompts[m["prompt_ref"]]} if "prompt_ref" in m else m
+                {"role": m["role"], "content": prompts[m["prompt_ref"]] + m.get("suffix", "")}
+                if "prompt_ref" in m
+                else m
                 for m in request
             ]
 

@@ -225,6 +225,18 @@ class Start(Msg):
     messages: list[str] = []
     model_name: str | None = None  # rlm_query(model=...): passed to every model call
     replay: Replay | None = None  # set when the run is resumed from the journal
+    budget: dict[str, Any] | None = None  # its place in the tree and what is left, at start
+
+
+class BudgetReq(Msg):
+    """budget_remaining(): the run's place in the tree and the budgets left, now."""
+
+    req_id: ReqId
+
+
+# Where a system prompt's run-specific part (its place in the tree, the budgets left)
+# begins: the journal keeps what comes before once per tree, and the rest with each call.
+BUDGET_MARK = "\n\nYour place in the tree:"
 
 
 class ErrorInfo(msgspec.Struct, omit_defaults=True):
@@ -322,6 +334,7 @@ WorkerMsg = (
     | CancelReq
     | AskReq
     | AskCancelReq
+    | BudgetReq
     | SendReq
     | Blocked
     | ModelReq

@@ -36,9 +36,11 @@ from brood.lifecycle import RunRecord, RunState, move
 from brood.limits import Limits
 from brood.models.base import Completion, Model
 from brood.protocol import (
+    BUDGET_MARK,
     AskCancelReq,
     AskReq,
     Blocked,
+    BudgetReq,
     CancelReq,
     ChildUpdate,
     Deliver,
@@ -656,6 +658,7 @@ class Core:
                     messages=run.messages,
                     model_name=run.model_name,
                     replay=run.replay,
+                    budget=self.budget_of(run),
                 )
             )
             run.messages = []
@@ -690,6 +693,8 @@ class Core:
     def _on_msg(self, run: Run, msg: Msg) -> None:
         if isinstance(msg, SpawnReq | CancelReq | SendReq):
             self._ask(run, msg.req_id, self._request(run, msg))
+        elif isinstance(msg, BudgetReq):
+            self._ask(run, msg.req_id, _now(self.budget_of(run)))
         elif isinstance(msg, AskReq):
             self._ask(run, msg.req_id, self.asks.open(run, msg))
         elif isinstance(msg, AskCancelReq):
@@ -1012,16 +1017,36 @@ class Core:
     def _by_ref(self, run: Run, request: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The request as journaled: a system prompt (several KB, the same for most runs of
         a tree) is journaled once per tree, as a `prompt` event of the root, and a request
-        refers to it by hash (`Journal.export` puts it back)."""
+        refers to it by hash, with its run-specific end (from BUDGET_MARK) inline as
+        `suffix` (`Journal.export` puts them together again)."""
         if not request or request[0].get("role") != "system":
             return request
-        text = str(request[0].get("content", ""))
+        text, mark, rest = str(request[0].get("content", "")).partition(BUDGET_MARK)
         ref = hashlib.sha256(text.encode()).hexdigest()[:16]
         root = self.runs[run.rec.root_id]
         if ref not in root.prompts:
             root.prompts.add(ref)
             self._event(root, "prompt", {"ref": ref, "content": text})
-        return [{"role": "system", "prompt_ref": ref}, *request[1:]]
+        head: dict[str, Any] = {"role": "system", "prompt_ref": ref}
+        if mark:
+            head["suffix"] = mark + rest
+        return [head, *request[1:]]
+
+    def budget_of(self, run: Run) -> dict[str, Any]:
+        """A run's place in the tree and the budgets left now (budget_remaining())."""
+        lim = self.limits
+        root = self.runs[run.rec.root_id]
+        tokens = root.tree_usage.get("tokens", 0)
+        cost = root.tree_usage.get("cost", 0.0)
+        return {
+            "depth": run.rec.depth,
+            "max_depth": lim.max_depth,
+            "children_left": max(0, lim.max_children - root.tree_children),
+            "children_left_for_this_run": max(0, lim.max_children_per_run - len(run.children)),
+            "tokens_left": None if lim.token_budget is None else max(0, lim.token_budget - tokens),
+            "cost_left": None if lim.cost_budget is None else max(0.0, lim.cost_budget - cost),
+            "tokens_used": int(tokens),
+        }
 
     # ---- ending runs -------------------------------------------------------------------
     async def finish(
@@ -1513,6 +1538,10 @@ def _update(run: Run) -> ChildUpdate:
     return ChildUpdate(
         run.handle_id or r.id, r.state.value, r.answer, r.reason, r.error, r.products
     )
+
+
+async def _now(value: Any) -> Any:
+    return value
 
 
 async def _wait(fut: asyncio.Future[Any], timeout: float) -> bool:

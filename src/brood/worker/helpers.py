@@ -37,6 +37,7 @@ from brood.protocol import (
     AskReq,
     AskUpdate,
     Blocked,
+    BudgetReq,
     CancelReq,
     ChildUpdate,
     FlowReq,
@@ -949,6 +950,14 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
         rt.link.send(Remember(blob))
         return value
 
+    def budget_remaining() -> dict[str, Any]:
+        """This run's place in the tree and what is left now: depth, max_depth,
+        children_left (whole tree), children_left_for_this_run, tokens_left / cost_left
+        (None: no budget), tokens_used (the tree's)."""
+        rt.check_open()
+        budget: dict[str, Any] = rt.link.request(BudgetReq(req_id=rt.link.next_id()))
+        return budget
+
     def SHOW_VARS() -> dict[str, str]:
         """The user variables of the REPL, as {name: type}."""
         reserved = HELPER_NAMES | ERRORS.keys() | {"context"}
@@ -993,6 +1002,7 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
             flow_stop,
             flow_resume,
             remember,
+            budget_remaining,
             FINAL,
             FINAL_VAR,
             SHOW_VARS,

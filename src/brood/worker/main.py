@@ -12,7 +12,7 @@ from brood.protocol import MAX_WORKER_FRAME, Failed, Final, Start, SyncChannel
 from brood.worker.agent import Agent
 from brood.worker.helpers import ERRORS, Runtime, make_helpers
 from brood.worker.link import Link
-from brood.worker.prompt import cached_system_prompt, describe_context
+from brood.worker.prompt import cached_system_prompt, describe_budget, describe_context
 from brood.worker.repl import Repl, ReplayStop, StepClock
 
 
@@ -86,7 +86,10 @@ def run(start: Start, link: Link) -> None:
     if start.driven:
         agent.driven()
         return
-    final = agent.loop(first_message(start, context), cached_system_prompt(can_spawn))
+    system = cached_system_prompt(can_spawn)
+    if start.budget is not None:
+        system += describe_budget(start.budget)
+    final = agent.loop(first_message(start, context), system)
     link.send(final)
 
 

@@ -6,6 +6,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from brood.protocol import BUDGET_MARK
+
 INTRO = """You solve a task by writing Python in a persistent REPL. Put code in ```repl fences;
 every block of your reply runs in order and you see what it prints. Variables persist across
 steps. The variable `context` holds the task's context. Split big work into pieces: ask a
@@ -17,6 +19,13 @@ Helpers available in the REPL:
 """
 
 OUTRO = """
+Example: start a child, keep working, then collect it.
+```repl
+h = rlm_spawn("Summarize the first half of this text", context=context[: len(context) // 2])
+words = len(context.split())          # your own work while the child runs
+summary = rlm_wait(h)                 # collect it (ChildFailed if it failed)
+FINAL(f"{words} words. {summary}")
+```
 Finished children are announced at the start of your next turn. The errors ChildFailed
 (.status, .reason, and for batches .failed and .answers), ChildNotReady, AskCancelled
 (.ask), InvalidArgument, LimitExceeded, StaleHandle and BroodError are defined for except
@@ -42,6 +51,25 @@ def system_prompt(helpers: dict[str, Callable[..., Any]], *, can_spawn: bool) ->
         )
     parts.append(OUTRO)
     return "\n".join(parts)
+
+
+def describe_budget(budget: dict[str, Any]) -> str:
+    """The run-specific end of its system prompt: its place in the tree and what is left
+    (budget_remaining() gives the same figures, then)."""
+    left = budget.get("tokens_left")
+    tokens = "no token budget" if left is None else f"{left:,} tokens left in the tree"
+    cost = budget.get("cost_left")
+    money = "" if cost is None else f", {cost:g} of cost left"
+    spawn = (
+        f"you may start {budget['children_left_for_this_run']:,} more child runs "
+        f"({budget['children_left']:,} left in the whole tree)"
+        if budget["depth"] + 1 < budget["max_depth"]
+        else "you cannot start child runs (rlm_query is a plain model call here)"
+    )
+    return (
+        f"{BUDGET_MARK} depth {budget['depth']} of max_depth {budget['max_depth']}; "
+        f"{spawn}; {tokens}{money}. budget_remaining() gives these figures as they stand."
+    )
 
 
 def describe_context(context: Any) -> str:
