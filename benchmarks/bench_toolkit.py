@@ -48,18 +48,19 @@ MAX_PROMPT_CHARS = 100_000  # Limits.max_prompt_chars: about 100 chunks of the t
 PROMPT = "Count the words."
 REPEATS = 5
 MAX_HITS = 1_000
-WORD = "zephyr"  # not in VOCAB: it occurs only where planted
+WORD = "zephyr"  # not in WORDS: it occurs only where planted
 WORD_LINES = 1_000  # lines the word is planted on
 REFS = 10_000  # "(see line K)" references, K = 1..REFS: exactly REFS / 10 end in 7
 REGEX = r"\bline \d+7\b"
 RUN_TIMEOUT_S = 120.0  # the root's wall clock; only stops a hung run (it takes seconds)
 SEED = 20240611
 
-VOCAB = (
+# The words the text is drawn from (WORD and "line" are not among them).
+WORDS = (
     "the of and to in a is that for it as was with be by on not he this are or his from at "
     "which but have an they you were her she there been one all we their has would when "
     "river stone ledger harbour lantern meadow copper window quarrel engine"
-).split()
+)
 
 # The root's one turn. Its first lines (set in `root_code`) give MAX_PROMPT_CHARS, PROMPT
 # and REPEATS; the prompts are built as the toolkit builds them (toolkit.HEADER_ROOM = 40).
@@ -99,11 +100,12 @@ def make_text() -> str:
     """About TEXT_CHARS of paragraphs (3 to 8 lines of 12 words, blank lines between), with
     WORD on WORD_LINES lines and REFS "(see line K)" references spread evenly over it."""
     rng = random.Random(SEED)
+    vocab = WORDS.split()
     lines: list[str] = []
     size = 0
     while size < TEXT_CHARS:
         for _ in range(rng.randint(3, 8)):
-            line = " ".join(rng.choices(VOCAB, k=12))
+            line = " ".join(rng.choices(vocab, k=12))
             lines.append(line)
             size += len(line) + 1
         lines.append("")

@@ -29,6 +29,7 @@ BENCHMARKS = (
     "bench_confine",
     "bench_pools",
     "bench_asks",
+    "bench_toolkit",
 )
 TIMEOUT_S = 300.0  # each is meant to take under a minute; this only stops a hung one
 

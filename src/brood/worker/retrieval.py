@@ -270,8 +270,22 @@ def _item(line: int, offset: int, level: int, kind: str, title: str) -> dict:
 
 # ---- chunks ---------------------------------------------------------------------------
 
+
 # The end of a blank line (whitespace only, after a "\n"): where a paragraph may be cut.
-_PARAGRAPH_CUT = re.compile(r"(?<=\n)[^\S\n]*\n")
+def _paragraph_cut(text: str, start: int, limit: int) -> int:
+    """Just after the last blank line (only spaces, if anything) that ends before `limit`
+    and begins after a newline at or after `start - 1`; 0 if there is none. Walks back line
+    by line from the window's end, so a window costs its last paragraph, not its length."""
+    end = text.rfind("\n", start, limit)
+    floor = max(start - 1, 0)
+    while end >= start:
+        begin = text.rfind("\n", floor, end)
+        if begin < 0 or begin < start - 1:
+            return 0
+        if not text[begin + 1 : end].strip():
+            return end + 1
+        end = begin
+    return 0
 
 
 def split_chunks(text: str, chunk_chars: int) -> list[str]:
@@ -284,9 +298,7 @@ def split_chunks(text: str, chunk_chars: int) -> list[str]:
     start = 0
     while len(text) - start > chunk_chars:
         limit = start + chunk_chars
-        cut = 0
-        for m in _PARAGRAPH_CUT.finditer(text, start, limit):
-            cut = m.end()
+        cut = _paragraph_cut(text, start, limit)
         if not cut:
             cut = text.rfind("\n", start, limit) + 1
         if cut <= start:
