@@ -26,9 +26,15 @@ WORKER = {
     "worker_file_size",
     "worker_open_files",
 }
-OPTIONAL = {"child_timeout", "step_timeout", "token_budget", "cost_budget"} | WORKER
+OPTIONAL = {
+    "child_timeout",
+    "step_timeout",
+    "stall_timeout",
+    "token_budget",
+    "cost_budget",
+} | WORKER
 AT_LEAST_ONE = {"max_depth", "max_concurrency", "max_iterations"}
-POSITIVE = {"child_timeout", "step_timeout"}  # 0 s would mean "already expired"
+POSITIVE = {"child_timeout", "step_timeout", "stall_timeout"}  # 0 s: "already expired"
 FLOOR = (
     {name: 1 for name in AT_LEAST_ONE}
     | {"output_limit": 100, "answer_limit": 100}

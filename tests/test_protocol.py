@@ -44,6 +44,7 @@ from brood.protocol import (
     ModelReq,
     Msg,
     Notice,
+    Progress,
     ProtocolError,
     Quit,
     Remember,
@@ -120,6 +121,7 @@ SAMPLES: list[Msg] = [
     AskUpdate(ask_id="a-1", state="answered", result={"resolved_by": "alice"}),
     AskUpdate(ask_id="a-2", state="cancelled", reason="withdrawn"),
     BudgetReq(req_id=19),
+    Progress(child_id="r-2"),
 ]
 
 

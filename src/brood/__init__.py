@@ -16,6 +16,7 @@ from brood.errors import (
     RateLimited,
     ReplayDiverged,
     StaleHandle,
+    StallTimeout,
     StoreError,
     SupervisorClosed,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "ScriptedModel",
     "Session",
     "StaleHandle",
+    "StallTimeout",
     "StoreError",
     "Supervisor",
     "SupervisorClosed",

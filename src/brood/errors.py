@@ -80,6 +80,19 @@ class ChildFailed(BroodError):
         self.answers = answers or []
 
 
+class StallTimeout(BroodError):
+    """A wait of a step (on a model call, a child or a task) heard nothing from below for
+    `Limits.stall_timeout` seconds: no reply, no state change, no heartbeat. The work keeps
+    running; `waited_on` names it, and it can be awaited again (or cancelled)."""
+
+    def __init__(self, message: str, *, waited_on: str | None = None) -> None:
+        super().__init__(message)
+        self.waited_on = waited_on
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), str(self), vars(self)))
+
+
 class AskCancelled(BroodError):
     """An ask to a person ended without an answer: withdrawn (rlm_cancel), its deadline
     passed with no default, or its run ended. `ask` is the ask's id; the message says why."""

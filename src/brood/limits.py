@@ -17,6 +17,7 @@ OPTIONAL = frozenset(
     {
         "child_timeout",
         "step_timeout",
+        "stall_timeout",
         "token_budget",
         "cost_budget",
         "worker_memory",
@@ -45,7 +46,8 @@ INTEGER = frozenset(
         "worker_open_files",
     }
 )
-POSITIVE = frozenset({"child_timeout", "step_timeout"})  # 0 s would mean "already expired"
+# 0 s would mean "already expired"
+POSITIVE = frozenset({"child_timeout", "step_timeout", "stall_timeout"})
 FLOORS = {
     "max_depth": 1,
     "max_concurrency": 1,
@@ -88,6 +90,9 @@ class Limits:
     max_concurrency: runs computing at once (a run blocked waiting on children does not
         hold a slot, so a waiting parent never starves its children).
     child_timeout: wall-clock seconds per child run; expiry ends it `timed_out`.
+    stall_timeout: seconds a step's wait on a model call, a child or a task may hear
+        nothing from below (no reply, state change or heartbeat) before it raises
+        StallTimeout in the step; the work keeps running. None: no alarm.
     max_iterations: model turns per run. step_timeout: one REPL step's own compute seconds
         (time spent waiting on children is not counted). step_grace: seconds past
         step_timeout after which the supervisor's own clock of the step ends a step that
@@ -127,6 +132,7 @@ class Limits:
     child_timeout: float | None = 600.0
     max_iterations: int = 20
     step_timeout: float | None = 120.0
+    stall_timeout: float | None = 300.0
     token_budget: int | None = None
     cost_budget: float | None = None
     shutdown_grace: float = 1.0

@@ -260,6 +260,13 @@ class ChildUpdate(Msg):
     products: dict[str, Any] | None = None
 
 
+class Progress(Msg):
+    """A heartbeat from below: `child_id` (the id its parent's handle has), or something
+    under it, made progress (a step, a model call). A waiting step is not stalled."""
+
+    child_id: str
+
+
 class AskUpdate(Msg):
     """An ask of the run moved: `answered` (with its result) or `cancelled` (withdrawn, or
     its deadline passed with no default; `reason` says which)."""
@@ -359,6 +366,7 @@ AnyMsg = (
     | Notice
     | Start
     | ChildUpdate
+    | Progress
     | AskUpdate
     | Deliver
     | Exec

@@ -50,6 +50,7 @@ from brood.protocol import (
     FlowReq,
     ModelReq,
     Msg,
+    Progress,
     Remember,
     Replay,
     Reply,
@@ -68,6 +69,7 @@ from brood.supervisor.gateway import ModelGateway
 from brood.supervisor.observers import Observers
 
 DELIVER_ACK_S = 5.0  # how long a follow-up waits for the worker to confirm it is queued
+HEARTBEAT_S = 0.1  # at most one heartbeat from below per this many seconds to one worker
 ID_DRAWS = 8  # fresh ids tried for a run whose id the journal already holds
 KILL_CONFIRM_S = 5.0  # after SIGKILL, a group still present this long is reported, not awaited
 DRAIN_ON_EXIT_S = 1.0  # read what a dead worker sent last before calling its exit a crash
@@ -131,6 +133,7 @@ class Run:
     # id its parent's handle has (the first attempt's); the attempt that followed it; and
     # whether its end starts another (its parent then hears nothing of this one's end).
     retries_left: int = 0
+    last_beat: float = 0.0  # when its worker last heard a heartbeat from below (loop time)
     handle_id: str | None = None
     next_attempt: Run | None = None
     retrying: bool = False
@@ -317,6 +320,8 @@ class Core:
             and not run.retrying
         ):
             parent.conn.send(_update(run))
+        if parent is not None and parent.parent is not None:
+            self._progress(parent)  # a state change below is progress for the ancestors
 
     def _event(
         self, run: Run, kind: str, data: dict[str, Any], progress: str | None = None
@@ -718,6 +723,7 @@ class Core:
             self._step_began(run, msg)
         elif isinstance(msg, StepDone):
             self._stop_watch(run)
+            self._progress(run)
             if msg.replayed:
                 return
             run.last_line = last_line(msg.stdout) or run.last_line
@@ -968,6 +974,17 @@ class Core:
             return "cost"
         return None
 
+    def _progress(self, run: Run) -> None:
+        """`run` made progress: every ancestor's worker hears a heartbeat (at most one per
+        HEARTBEAT_S each), so a step waiting on work below is not taken for stalled."""
+        now = asyncio.get_running_loop().time()
+        below, parent = run, run.parent
+        while parent is not None:
+            if parent.conn is not None and now - parent.last_beat >= HEARTBEAT_S:
+                parent.last_beat = now
+                parent.conn.send(Progress(below.handle_id or below.id))
+            below, parent = parent, parent.parent
+
     def _account(
         self,
         run: Run,
@@ -1010,6 +1027,7 @@ class Core:
             root.calls_seen += 1
             root.largest_tokens = max(root.largest_tokens, tokens_in + tokens_out)
             root.largest_cost = max(root.largest_cost, cost)
+        self._progress(run)
         over = self._over_budget(root, 0)
         if over and root.ending is None:
             self._task(self.finish(root, RunState.CANCELLED, f"budget: {over}"))

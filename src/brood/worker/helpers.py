@@ -11,9 +11,9 @@ import itertools
 import json
 import math
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from typing import Any
 
@@ -29,6 +29,7 @@ from brood.errors import (
     ModelError,
     ReplayDiverged,
     StaleHandle,
+    StallTimeout,
 )
 from brood.protocol import (
     MAX_RETRIES,
@@ -47,7 +48,7 @@ from brood.protocol import (
     SendReq,
     SpawnReq,
 )
-from brood.worker.link import TERMINAL_STATES, Link
+from brood.worker.link import TERMINAL_STATES, Link, stalled
 from brood.worker.repl import FinalSignal, ReplayStop, StepClock
 from brood.worker.toolkit import make_toolkit
 
@@ -106,6 +107,7 @@ class Runtime:
         new_from = 0
         if kind == "turn":
             new_from, self.turn_sent = self.turn_sent, len(messages)
+        what = f"the model call ({kind}{': ' + repr(prompt[:60]) if prompt else ''})"
         try:
             with self.clock.paused():
                 reply: str = self.link.request(
@@ -115,7 +117,9 @@ class Runtime:
                         messages=messages,
                         new_from=new_from,
                         model=model or self.model_name,
-                    )
+                    ),
+                    stall=None if kind == "turn" else self.stall_timeout,  # steps' calls only
+                    what=what,
                 )
             return reply
         finally:
@@ -179,12 +183,36 @@ class Runtime:
                     # Answered once the supervisor grants a slot again.
                     self.link.request(Blocked(req_id=self.link.next_id(), blocked=False))
 
-    def wait_for(self, ready: Callable[[], bool], timeout: float | None) -> bool:
+    @property
+    def stall_timeout(self) -> float | None:
+        value = self.limits.get("stall_timeout")
+        return None if value is None else float(value)
+
+    def wait_for(
+        self, ready: Callable[[], bool], timeout: float | None, what: str | None = None
+    ) -> bool:
+        """Until `ready()` (True) or `timeout` (False). Waiting on `what` (work below: a
+        child, a task), hearing nothing from below for Limits.stall_timeout raises
+        StallTimeout; `timeout` bounds the total time, the stall alarm the silence."""
         with self.link.cond:
             if ready():
                 return True
+        stall = self.stall_timeout if what else None
+        began = time.monotonic()
+        deadline = None if timeout is None else began + timeout
         with self.blocked(), self.link.cond:
-            return self.link.cond.wait_for(ready, timeout)
+            while True:
+                now = time.monotonic()
+                bounds = [] if deadline is None else [deadline - now]
+                if stall is not None:
+                    bounds.append(max(self.link.heard, began) + stall - now)
+                if self.link.cond.wait_for(ready, max(min(bounds), 0.0) if bounds else None):
+                    return True
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    return False
+                if stall is not None and now - max(self.link.heard, began) >= stall:
+                    raise stalled(what or "the wait", stall)
 
     def state_of(self, child_id: str) -> ChildUpdate:
         with self.link.cond:
@@ -303,7 +331,9 @@ class Runtime:
                 return self.link.asks[h.id].state != "open"
             return self.link.children[h.id].state in TERMINAL_STATES
 
-        return self.wait_for(lambda: quantifier(ended(h) for h in handles), timeout)
+        below = [h.id for h in handles if not isinstance(h, AskHandle)]
+        what = (", ".join(below[:3]) + (", ..." if len(below) > 3 else "")) if below else None
+        return self.wait_for(lambda: quantifier(ended(h) for h in handles), timeout, what)
 
     def collect(self, handles: Sequence[Handle], timeout: float | None) -> list[Any]:
         """Wait for every handle, in one wait (one release of the compute slot); results in
@@ -387,7 +417,9 @@ class ChildHandle:
     def wait_done(self, timeout: float | None) -> bool:
         self._rt.check_open()
         return self._rt.wait_for(
-            lambda: self._rt.link.children[self.id].state in TERMINAL_STATES, timeout
+            lambda: self._rt.link.children[self.id].state in TERMINAL_STATES,
+            timeout,
+            f"child {self.id}",
         )
 
     def wait(self, timeout: float | None = None) -> str:
@@ -460,12 +492,8 @@ class Task:
     def wait_done(self, timeout: float | None) -> bool:
         if self._future.done():
             return True
-        try:
-            with self._rt.blocked():
-                self._future.exception(timeout)
-            return True
-        except FutureTimeout:
-            return False
+        self._future.add_done_callback(lambda _f: _notify(self._rt.link))
+        return self._rt.wait_for(self._future.done, timeout, f"task {self.id} ({self.what})")
 
     def wait(self, timeout: float | None = None) -> Any:
         if not self.wait_done(timeout):
@@ -1027,6 +1055,7 @@ ERRORS: dict[str, type[BaseException]] = {
         InvalidArgument,
         LimitExceeded,
         StaleHandle,
+        StallTimeout,
     )
 }
 

@@ -11,9 +11,12 @@ import itertools
 import os
 import queue
 import threading
+import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+from brood.errors import StallTimeout
 from brood.protocol import (
     AskUpdate,
     ChildUpdate,
@@ -21,6 +24,7 @@ from brood.protocol import (
     Exec,
     Msg,
     Notice,
+    Progress,
     Reply,
     Start,
     Stop,
@@ -32,6 +36,15 @@ from brood.protocol import (
 TERMINAL_STATES = frozenset({"completed", "failed", "cancelled", "timed_out"})
 
 
+def stalled(what: str, stall: float) -> StallTimeout:
+    return StallTimeout(
+        f"{what} made no progress for {stall:g} s (Limits.stall_timeout): no reply, state "
+        "change or heartbeat came from below. It keeps running: wait for it again (rlm_wait "
+        "/ rlm_await), cancel it, or do something else meanwhile",
+        waited_on=what,
+    )
+
+
 class Link:
     def __init__(self, chan: SyncChannel) -> None:
         self.chan = chan
@@ -41,6 +54,7 @@ class Link:
         self.cond = threading.Condition()
         self.children: dict[str, ChildUpdate] = {}  # guarded by cond; insertion = start order
         self.asks: dict[str, AskUpdate] = {}  # guarded by cond; the run's asks to people
+        self.heard = time.monotonic()  # when the supervisor last said anything (progress)
         self.inbox: list[str] = []  # guarded by cond
         self.execs: queue.Queue[Exec] = queue.Queue()
         self.starts: queue.Queue[Start] = queue.Queue()
@@ -54,15 +68,28 @@ class Link:
     def next_id(self) -> int:
         return next(self._ids)
 
-    def request(self, msg: Msg) -> Any:
+    def request(self, msg: Msg, *, stall: float | None = None, what: str = "") -> Any:
         """Send a request (a message with `req_id`) and block until its reply. A request
-        the supervisor could not decode is refused here, naming the field."""
+        the supervisor could not decode is refused here, naming the field. With `stall`,
+        a wait that hears nothing from the supervisor for that long raises StallTimeout
+        (the request stays under way; its reply, if it comes, is dropped)."""
         check(msg)
         fut: Future[Any] = Future()
         with self._pending_lock:
             self._pending[msg.req_id] = fut  # type: ignore[attr-defined]
         self.chan.send(msg)
-        return fut.result()
+        if stall is None:
+            return fut.result()
+        began = time.monotonic()
+        while True:
+            quiet = time.monotonic() - max(self.heard, began)
+            try:
+                return fut.result(timeout=max(stall - quiet, 0.0))
+            except FutureTimeout:
+                if time.monotonic() - max(self.heard, began) >= stall:
+                    with self._pending_lock:
+                        self._pending.pop(msg.req_id, None)  # type: ignore[attr-defined]
+                    raise stalled(what, stall) from None
 
     def _read_loop(self) -> None:
         try:
@@ -78,7 +105,11 @@ class Link:
         os._exit(0)
 
     def _dispatch(self, msg: Msg) -> None:
-        if isinstance(msg, Reply):
+        self.heard = time.monotonic()
+        if isinstance(msg, Progress):
+            with self.cond:
+                self.cond.notify_all()  # a waiter looks at `heard` again
+        elif isinstance(msg, Reply):
             with self._pending_lock:
                 fut = self._pending.pop(msg.req_id, None)
             if fut is None:

@@ -28,9 +28,10 @@ FINAL(f"{words} words. {summary}")
 ```
 Finished children are announced at the start of your next turn. The errors ChildFailed
 (.status, .reason, and for batches .failed and .answers), ChildNotReady, AskCancelled
-(.ask), InvalidArgument, LimitExceeded, StaleHandle and BroodError are defined for except
-clauses; a wait's timeout raises
-TimeoutError. Errors name the mistake and the fix; read them. Do not guess an answer you
+(.ask), StallTimeout, InvalidArgument, LimitExceeded, StaleHandle and BroodError are
+defined for except clauses. A wait's timeout raises TimeoutError; a wait on work that
+reports nothing for a long while raises StallTimeout (the work keeps running: wait again
+or cancel it). Errors name the mistake and the fix; read them. Do not guess an answer you
 have not computed."""
 
 
