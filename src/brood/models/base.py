@@ -82,7 +82,8 @@ def resolve_model(model: object) -> Model:
     """A `Model` for a callable, a spec string or a Model object.
 
     Spec strings: `openai:MODEL`, `openai:MODEL@BASE_URL`, either with `?timeout=S&tries=N`
-    (one try's seconds, tries in all), and `scripted:demo`.
+    (one try's seconds, tries in all), `local:smollm2` or `local:PATH.gguf` (the `[local]`
+    extra: a real model, offline), and `scripted:demo`.
     """
     if isinstance(model, Model):
         return model
@@ -92,13 +93,18 @@ def resolve_model(model: object) -> Model:
             from brood.models.openai import from_spec
 
             return from_spec(rest)
+        if kind == "local" and rest:
+            from brood.models.local import from_spec as local_spec
+
+            return local_spec(rest)
         if kind == "scripted" and rest == "demo":
             from brood.models.scripted import demo_model
 
             return demo_model()
         raise InvalidArgument(
-            f"unknown model spec {model!r}; use 'openai:MODEL', 'openai:MODEL@http://HOST/v1' "
-            "or 'scripted:demo', or pass a chat_fn callable or a brood.Model"
+            f"unknown model spec {model!r}; use 'openai:MODEL', 'openai:MODEL@http://HOST/v1', "
+            "'local:smollm2', 'local:PATH.gguf' or 'scripted:demo', or pass a chat_fn callable "
+            "or a brood.Model"
         )
     if callable(model):
         return CallableModel(model)
