@@ -244,3 +244,14 @@ def test_the_system_prompt_and_budget_remaining_tell_a_run_its_place_and_budgets
     assert exported[0]["messages"][0]["content"] == systems["root"]
     child_call = next(r for r in exported if r["depth"] == 1)
     assert child_call["messages"][0]["content"] == systems["child"]
+
+
+def test_delegation_helpers_can_be_spawned_and_awaited_later():
+    source = (
+        "import json\n"
+        "t = spawn(llm_query_chunked, context, 'Sum.')\n"
+        "m = spawn(llm_map_reduce, ['a', 'b'], 'Map', 'Reduce')\n"
+        "FINAL(json.dumps([rlm_await(t), rlm_await(m)]))"
+    )
+    result, _ = run_root(source, lambda p: p.split()[0], context="word " * 10)
+    assert json.loads(result.answer) == [["Sum."], "Reduce"], result

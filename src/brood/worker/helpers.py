@@ -852,9 +852,9 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
         return [rt.handles[i] for i in ids if i in rt.handles]
 
     def spawn(fn: Callable[..., Any], *args: Any, **kw: Any) -> Handle:
-        """Start a query helper (llm_query, llm_query_batched, rlm_query, rlm_query_batched)
-        without waiting; returns a Task, or a ChildHandle for rlm_query. Collect it later
-        with rlm_await."""
+        """Start a query helper (llm_query, llm_query_batched, rlm_query, rlm_query_batched,
+        llm_query_chunked, map_files, llm_map_reduce) without waiting; returns a Task, or a
+        ChildHandle for rlm_query. Collect it later with rlm_await."""
         if fn is rlm_query or fn is rlm_spawn:
             kw["blocking"] = False
             return rlm_query(*args, **kw)
@@ -865,11 +865,13 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
             handles = rt.spawn_children(prompts, **kw)
             fut = rt.pool().submit(rt.collect, handles, None)
             return Task(rt, fut, "rlm_query_batched", handles)
-        if fn in (llm_query, llm_query_batched, rlm_query_batched):
+        delegates = [toolkit[n] for n in ("llm_query_chunked", "map_files", "llm_map_reduce")]
+        if fn in (llm_query, llm_query_batched, rlm_query_batched, *delegates):
             return Task(rt, rt.pool().submit(fn, *args, **kw), fn.__name__)
         raise InvalidArgument(
             "spawn(fn, ...) starts one of llm_query, llm_query_batched, rlm_query, "
-            f"rlm_query_batched; got {getattr(fn, '__name__', fn)!r}"
+            "rlm_query_batched, llm_query_chunked, map_files, llm_map_reduce; got "
+            f"{getattr(fn, '__name__', fn)!r}"
         )
 
     def rlm_await(task: Handle, timeout: float | None = None) -> Any:
