@@ -75,7 +75,8 @@ def test_an_openai_compatible_llama_cpp_server_over_http():
             if "Uvicorn running" in line:
                 ready.set()
 
-    threading.Thread(target=watch, daemon=True).start()
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     try:
         assert ready.wait(120), "llama_cpp.server did not start"
         model = brood.OpenAIModel("smollm2", base_url=f"http://127.0.0.1:{port}/v1", timeout=300)
@@ -85,4 +86,7 @@ def test_an_openai_compatible_llama_cpp_server_over_http():
     finally:
         server.terminate()
         server.wait(30)
+        watcher.join(10)  # it reads the server's stderr to its end
+        assert server.stderr is not None
+        server.stderr.close()
     assert not os.path.exists(f"/proc/{server.pid}")

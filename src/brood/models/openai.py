@@ -141,6 +141,12 @@ class OpenAIModel(Model):
                     await asyncio.to_thread(self.sleep, wait)
         return self._completion(resp, name)
 
+    async def aclose(self) -> None:
+        """Close the async client's connections (the gateway does, as it closes)."""
+        client, self._async_client = self._async_client, None
+        if client is not None:
+            await client.close()
+
     def _completion(self, resp: Any, name: str | None) -> Completion:
         if not resp.choices:
             raise ModelError(f"model {name!r} returned no choices")

@@ -1524,7 +1524,7 @@ class Core:
         self.closing = True
         roots = self._live_roots()
         await asyncio.gather(*(self.finish(r, RunState.CANCELLED, reason) for r in roots))
-        self.gateway.close()
+        await self.gateway.aclose()
         await self.backend.close()
 
     def snapshot(self, run: Run) -> dict[str, Any]:

@@ -143,6 +143,8 @@ class ModelGateway:
         self.pool = CallPool(threads)
         # One rate-limit gate per endpoint: the loop time before which no call goes to it.
         self.gates: dict[str, float] = {}
+        # Models awaited on the loop: their async clients are closed with the gateway.
+        self.awaited: dict[int, Model] = {}
 
     async def complete(self, model: Model, messages: Messages, name: str | None) -> Completion:
         """One call. A RateLimited answer closes the endpoint's gate for every call of every
@@ -171,6 +173,7 @@ class ModelGateway:
         token = rate_gated.set(True)  # seen by the call's task, and copied to its thread
         try:
             if _is_async(cls):
+                self.awaited.setdefault(id(model), model)
                 done = await model.acomplete(messages, model=name)  # type: ignore[attr-defined]
             else:
                 ctx = contextvars.copy_context()
@@ -186,6 +189,17 @@ class ModelGateway:
 
     def close(self) -> None:
         self.pool.close()
+
+    async def aclose(self) -> None:
+        """Close the async clients of the models awaited here (their connections to the
+        server), then the thread pool."""
+        for model in self.awaited.values():
+            closing = getattr(model, "aclose", None)
+            if closing is not None:
+                with contextlib.suppress(Exception):  # a broken client closes as it can
+                    await closing()
+        self.awaited.clear()
+        self.close()
 
 
 def _rate_wait(asked: object, attempt: int, endpoint: str) -> float:
