@@ -352,7 +352,10 @@ def demo(
                 console.print(f"[bold]step {step['step']}[/bold]")
                 console.print(Text(_indent(step["code"], "  > ")))
     if result.state == "completed":
-        console.print(f"[bold]answer:[/bold] {result.answer}")
+        answer = result.answer or ""
+        if real and len(answer) > 600:  # a small model may ramble; the journal has it all
+            answer = answer[:600] + f" … ({len(result.answer or ''):,} characters)"
+        console.print(Text(f"answer: {answer}"))
     else:
         console.print(f"[bold]{result.state}:[/bold] {result.error}")
     console.print(f"[dim]journal: {url}; try `brood show {result.run_id}`[/dim]")
