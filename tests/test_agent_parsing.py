@@ -117,7 +117,7 @@ class GatewayLink(Link):
         super().__init__(chan)
         self.model = model
 
-    def request(self, msg: Msg) -> Any:
+    def request(self, msg: Msg, **_: Any) -> Any:  # stall=, what=: the real link waits
         if isinstance(msg, ModelReq):
             self.chan.send(msg)
             return self.model.complete(msg.messages, msg.model).text
