@@ -21,6 +21,7 @@ SUPERVISOR_SIDE = (
     "brood.api",
     "brood.session",
     "brood.cli",
+    "brood.serve",
     "brood.backends",
 )
 

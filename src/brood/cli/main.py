@@ -773,6 +773,52 @@ def flow_resume(run_id: RunArg, store: StoreOpt = None) -> None:
         print(f"{run_id} {journal.flow(run_id, 'resume')}")
 
 
+# ---- serve ----------------------------------------------------------------------------------
+@app.command()
+def serve(
+    store: StoreOpt = None,
+    host: Annotated[
+        str, typer.Option(help="address to listen on; one that is not loopback needs --token")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port to listen on")] = 8765,
+    model: Annotated[
+        str | None,
+        typer.Option(help="model spec of the runs started through the server (or BROOD_MODEL)"),
+    ] = None,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            envvar="BROOD_TOKEN",
+            help="every call must send Authorization: Bearer TOKEN (or BROOD_TOKEN)",
+        ),
+    ] = None,
+) -> None:
+    """Serve the journal as a JSON API under /v1 (runs, trees, events, asks, flows) and an
+    OpenAI-compatible /v1/chat/completions whose answer is an RLM tree's."""
+    try:
+        import uvicorn
+
+        from brood.serve import make_app
+        from brood.serve.guard import is_loopback
+    except ModuleNotFoundError as exc:
+        _fail(f"brood serve needs {exc.name}: pip install 'rlm-brood[serve]'")
+        return
+    token = token or None  # an empty BROOD_TOKEN is no token
+    if token is None and not is_loopback(host):
+        _fail(
+            f"--host {host} is not a loopback address, and there is no token: anyone who "
+            "reaches it could run code on this machine; pass --token TOKEN (or set "
+            "BROOD_TOKEN), or serve on 127.0.0.1"
+        )
+    try:
+        server_app = make_app(store_url=store or default_store_url(), model=model, token=token)
+    except brood.BroodError as exc:
+        _fail(str(exc))
+        return
+    print(f"brood serve: http://{host}:{port}/v1 (schema at /openapi.json)", file=sys.stderr)
+    uvicorn.run(server_app, host=host, port=port, log_level="warning")
+
+
 # ---- doctor ---------------------------------------------------------------------------------
 @app.command()
 def doctor(as_json: JsonOpt = False) -> None:

@@ -1,0 +1,14 @@
+"""`brood serve`: a JSON API over a journal, and an OpenAI-compatible chat completion whose
+answer is an RLM tree's (DESIGN.md section 10). Needs the optional extra:
+pip install 'rlm-brood[serve]'."""
+
+try:
+    from brood.serve.app import make_app
+except ModuleNotFoundError as exc:  # the extra is missing: say which one
+    if exc.name not in ("starlette", "uvicorn", "sse_starlette"):
+        raise
+    raise ModuleNotFoundError(
+        f"brood serve needs {exc.name}: pip install 'rlm-brood[serve]'", name=exc.name
+    ) from exc
+
+__all__ = ["make_app"]

@@ -1,0 +1,291 @@
+"""`make_app`: the Starlette app behind `brood serve` (DESIGN.md section 10).
+
+It reads the journal at one store URL and hosts one supervisor of its own for the runs
+started through it. Reads come from the journal; actions reach the supervisor that owns
+the run through its control socket (the hosted one's too, so there is one path). Every
+answer is JSON, refusals included (`brood.serve.errors`); who may call is `guard`'s.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any
+
+import anyio
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+import brood
+from brood.serve import openai_compat
+from brood.serve.bodies import (
+    int_param,
+    json_type,
+    object_field,
+    read_object,
+    seconds_field,
+    text_field,
+)
+from brood.serve.errors import ApiError, Json, error_response, from_brood
+from brood.serve.guard import CatchAll, Guard
+from brood.serve.host import RUN_TIMEOUT_S, Host
+from brood.serve.schema import openapi
+from brood.serve.stream import resume_point, tree_events
+
+MAX_PAGE = 1000  # roots one GET /v1/runs returns at most
+MAX_OFFSET = 10**9
+ANSWERED_BY = "brood serve"  # who answers an ask when the call names nobody
+STATES = frozenset(s.value for s in brood.RunState)
+
+
+def _host(request: Request) -> Host:
+    host: Host = request.app.state.host
+    return host
+
+
+def _run_id(request: Request) -> str:
+    return str(request.path_params["run_id"])
+
+
+# ---- runs ---------------------------------------------------------------------------------
+async def list_runs(request: Request) -> Response:
+    state = request.query_params.get("state") or None
+    if state is not None and state not in STATES:
+        raise ApiError(
+            422,
+            f"state {state!r} is not a run state; use one of {', '.join(sorted(STATES))}",
+            field="state",
+        )
+    limit = int_param(request, "limit", 20, 1, MAX_PAGE)
+    offset = int_param(request, "offset", 0, 0, MAX_OFFSET)
+    runs = await run_in_threadpool(_host(request).roots_page, state, limit, offset)
+    return Json({"runs": runs, "limit": limit, "offset": offset})
+
+
+async def start_run(request: Request) -> Response:
+    body = await read_object(request, allowed=("prompt", "context", "timeout"))
+    prompt = text_field(body, "prompt")
+    timeout = seconds_field(body, "timeout", RUN_TIMEOUT_S)
+    run_id = await run_in_threadpool(
+        _host(request).start, str(prompt), body.get("context"), timeout
+    )
+    return Json({"run_id": run_id}, status_code=201, headers={"Location": f"/v1/runs/{run_id}"})
+
+
+async def get_run(request: Request) -> Response:
+    host, run_id = _host(request), _run_id(request)
+    await run_in_threadpool(host.run_row, run_id)  # 404 for an unknown id
+    return Json(await run_in_threadpool(host.journal.run, run_id))
+
+
+async def get_tree(request: Request) -> Response:
+    host, run_id = _host(request), _run_id(request)
+    await run_in_threadpool(host.run_row, run_id)
+    return Json(await run_in_threadpool(host.journal.tree, run_id))
+
+
+async def run_events(request: Request) -> Response:
+    host, run_id = _host(request), _run_id(request)
+    after = resume_point(request)
+    row = await run_in_threadpool(host.run_row, run_id)
+    return tree_events(host, row["root_id"], after)
+
+
+async def cancel_run(request: Request) -> Response:
+    host, run_id = _host(request), _run_id(request)
+    await run_in_threadpool(host.live_row, run_id)
+    state = await run_in_threadpool(host.journal.cancel, run_id)
+    return Json({"run_id": run_id, "state": state})
+
+
+async def send_to_run(request: Request) -> Response:
+    host, run_id = _host(request), _run_id(request)
+    body = await read_object(request, allowed=("message",))
+    message = str(text_field(body, "message"))
+    await run_in_threadpool(host.live_row, run_id)
+    await run_in_threadpool(host.journal.send, run_id, message)
+    return Json({"run_id": run_id, "sent": True})
+
+
+# ---- asks ---------------------------------------------------------------------------------
+async def list_asks(request: Request) -> Response:
+    return Json({"asks": await run_in_threadpool(_host(request).journal.asks)})
+
+
+async def answer_ask(request: Request) -> Response:
+    host, ask_id = _host(request), str(request.path_params["ask_id"])
+    body = await read_object(request, allowed=("value", "by"))
+    value = body.get("value")
+    if not isinstance(value, str):
+        raise ApiError(422, f"value must be a string, got {json_type(value)}", field="value")
+    by = text_field(body, "by", required=False) or ANSWERED_BY
+    await run_in_threadpool(host.ask_run, ask_id)  # 404 for an unknown ask
+    if not await run_in_threadpool(host.is_open_ask, ask_id):
+        raise ApiError(409, f"ask {ask_id} has ended (answered, withdrawn, or its run ended)")
+    result = await run_in_threadpool(host.journal.answer, ask_id, value, by)
+    return Json(result)
+
+
+# ---- flows --------------------------------------------------------------------------------
+async def start_flow(request: Request) -> Response:
+    body = await read_object(request, allowed=("spec", "inputs"))
+    spec = body.get("spec")
+    if isinstance(spec, str) and spec.strip():
+        # A one-line string could be read as a path on this machine; a spec over HTTP is
+        # always text, which a line break makes it.
+        spec = spec + "\n"
+    elif not isinstance(spec, dict):
+        raise ApiError(
+            422, f"spec must be an object or YAML/JSON text, got {json_type(spec)}", field="spec"
+        )
+    inputs = object_field(body, "inputs")
+    host = _host(request)
+
+    def start() -> brood.FlowHandle:
+        return host.supervisor().flow_run(spec, inputs=inputs)
+
+    flow = await run_in_threadpool(start)
+    return Json(
+        {"run_id": flow.id, "started": flow.started},
+        status_code=201,
+        headers={"Location": f"/v1/flows/{flow.id}"},
+    )
+
+
+def _flow_row(host: Host, run_id: str, *, live: bool) -> None:
+    row = host.live_row(run_id) if live else host.run_row(run_id)
+    if row["model"] != "flow":
+        raise ApiError(404, f"run {run_id} is not a flow", fix="POST /v1/flows starts one")
+
+
+async def flow_status(request: Request) -> Response:
+    host, run_id = _host(request), _run_id(request)
+    await run_in_threadpool(partial(_flow_row, host, run_id, live=False))
+    status = await run_in_threadpool(host.journal.flow, run_id, "status")
+    return Json({"run_id": run_id} | status)
+
+
+async def _flow_op(request: Request, op: str) -> Response:
+    host, run_id = _host(request), _run_id(request)
+    await run_in_threadpool(partial(_flow_row, host, run_id, live=True))
+    state = await run_in_threadpool(host.journal.flow, run_id, op)
+    return Json({"run_id": run_id, "state": state})
+
+
+async def stop_flow(request: Request) -> Response:
+    return await _flow_op(request, "stop")
+
+
+async def resume_flow(request: Request) -> Response:
+    return await _flow_op(request, "resume")
+
+
+# ---- OpenAI-compatible, and the schema ---------------------------------------------------
+async def list_models(request: Request) -> Response:
+    return Json(openai_compat.models(_host(request), request.app.state.started))
+
+
+async def chat_completions(request: Request) -> Response:
+    return await openai_compat.chat_completions(request, _host(request))
+
+
+async def schema(request: Request) -> Response:
+    return Json(openapi())
+
+
+ROUTES = [
+    Route("/openapi.json", schema, methods=["GET"]),
+    Route("/v1/runs", list_runs, methods=["GET"]),
+    Route("/v1/runs", start_run, methods=["POST"]),
+    Route("/v1/runs/{run_id}", get_run, methods=["GET"]),
+    Route("/v1/runs/{run_id}/tree", get_tree, methods=["GET"]),
+    Route("/v1/runs/{run_id}/events", run_events, methods=["GET"]),
+    Route("/v1/runs/{run_id}/cancel", cancel_run, methods=["POST"]),
+    Route("/v1/runs/{run_id}/send", send_to_run, methods=["POST"]),
+    Route("/v1/asks", list_asks, methods=["GET"]),
+    Route("/v1/asks/{ask_id}/answer", answer_ask, methods=["POST"]),
+    Route("/v1/flows", start_flow, methods=["POST"]),
+    Route("/v1/flows/{run_id}", flow_status, methods=["GET"]),
+    Route("/v1/flows/{run_id}/stop", stop_flow, methods=["POST"]),
+    Route("/v1/flows/{run_id}/resume", resume_flow, methods=["POST"]),
+    Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+]
+
+
+# ---- refusals -----------------------------------------------------------------------------
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return exc.response()
+
+
+async def _brood_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, brood.BroodError)
+    return from_brood(exc).response()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        message = f"no endpoint {request.url.path}"
+    elif exc.status_code == 405:
+        message = f"{request.method} is not an endpoint of {request.url.path}"
+    else:
+        message = str(exc.detail)
+    return error_response(
+        exc.status_code, message, fix="GET /openapi.json lists the endpoints", headers=exc.headers
+    )
+
+
+def make_app(
+    *,
+    store_url: str,
+    model: Any = None,
+    token: str | None = None,
+    limits: brood.Limits | None = None,
+) -> Starlette:
+    """The app of `brood serve`: the JSON API under `/v1` over the journal at `store_url`.
+
+    `model` (a spec string, a chat_fn or a `brood.Model`; default `$BROOD_MODEL`) is the
+    model of the one supervisor the app hosts, made at the first run started through it
+    and closed, every worker's exit confirmed, when the app shuts down. Without a model the
+    app still reads the journal and acts on other processes' trees, and refuses to start
+    runs (503). With `token`, every `/v1` and `/openapi.json` call must carry
+    `Authorization: Bearer TOKEN`. A bad store URL or model spec raises at once.
+    """
+    if token is not None and (not isinstance(token, str) or not token.strip()):
+        raise brood.InvalidArgument("token must be a non-blank string, or None for no token")
+    if limits is not None and not isinstance(limits, brood.Limits):
+        raise brood.InvalidArgument(
+            f"limits must be brood.Limits(...), got {type(limits).__name__}"
+        )
+    host = Host(store_url, model, limits)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            with anyio.CancelScope(shield=True):  # the workers' exits are confirmed
+                await run_in_threadpool(host.close)
+
+    app = Starlette(
+        routes=ROUTES,
+        middleware=[Middleware(CatchAll), Middleware(Guard, token=token)],
+        exception_handlers={
+            ApiError: _api_error,
+            brood.BroodError: _brood_error,
+            HTTPException: _http_error,
+        },
+        lifespan=lifespan,
+    )
+    app.state.host = host
+    app.state.started = int(time.time())
+    return app

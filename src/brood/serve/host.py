@@ -1,0 +1,146 @@
+"""What a server holds: the journal it reads, and the one supervisor it hosts for the runs
+started through it.
+
+Every read goes to the journal, and every action (cancel, send, answer, flow stop/resume)
+goes through the control socket of the supervisor that owns the run, found in the
+journal: the hosted supervisor's own runs take the same path as another process's. All of
+this blocks, so endpoints call it from a worker thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+import brood
+from brood.journal import TERMINAL_VALUES, Journal
+from brood.models import resolve_model
+from brood.serve.errors import ApiError, is_unknown_run, unknown_run
+from brood.store.base import open_store
+
+log = logging.getLogger("brood.serve")
+
+RUN_TIMEOUT_S = 3600.0  # a tree started over HTTP is never unbounded by mistake
+
+
+def open_journal(store_url: str) -> Journal:
+    """The journal at `store_url`, read-only; one that does not exist yet is made first
+    (empty), as the hosted supervisor would at its first run, so that reads before then
+    answer with no runs rather than an error."""
+    if not isinstance(store_url, str) or store_url.partition("://")[2] in ("", "/", "/:memory:"):
+        raise brood.InvalidArgument(
+            f"store {store_url!r}: brood serve reads the journal its supervisor writes, so it "
+            "needs one both can open: sqlite:///PATH or postgresql://..."
+        )
+    try:
+        return Journal(store_url)
+    except brood.StoreError:
+        open_store(store_url).close()  # raises the store's own error if it cannot be made
+        return Journal(store_url)
+
+
+class Host:
+    """The journal and the hosted supervisor (made at the first run started here)."""
+
+    def __init__(self, store_url: str, model: Any, limits: brood.Limits | None) -> None:
+        model = model if model is not None else os.environ.get("BROOD_MODEL")
+        # Resolved here so that a bad spec stops the server at its start, not its first run.
+        self.model = None if model is None else resolve_model(model)
+        self.model_name = None if self.model is None else self.model.describe()
+        self.store_url = store_url
+        self.limits = limits
+        self.journal = open_journal(store_url)
+        self._supervisor: brood.Supervisor | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # ---- the hosted supervisor -----------------------------------------------------------
+    def supervisor(self) -> brood.Supervisor:
+        """The hosted supervisor, made on first use."""
+        with self._lock:
+            if self._closed:
+                raise ApiError(503, "the server is shutting down; it starts no more runs")
+            if self._supervisor is None:
+                if self.model is None:
+                    raise ApiError(
+                        503,
+                        "this server has no model, so it starts no runs",
+                        fix="start it with brood serve --model SPEC (or set BROOD_MODEL)",
+                    )
+                self._supervisor = brood.Supervisor(
+                    self.model, store=self.store_url, limits=self.limits
+                )
+            return self._supervisor
+
+    def start(self, prompt: str, context: Any = None, timeout: float = RUN_TIMEOUT_S) -> str:
+        """Start a root run in the hosted supervisor; returns its id at once."""
+        return self.supervisor().spawn(prompt, context=context, timeout=timeout).id
+
+    def close(self) -> None:
+        """Cancel the hosted supervisor's runs, confirm every exit, close the journal."""
+        with self._lock:
+            self._closed = True
+            supervisor, self._supervisor = self._supervisor, None
+        try:
+            if supervisor is not None:
+                supervisor.close()
+        except brood.BroodError:
+            log.exception("the hosted supervisor did not close cleanly")
+        finally:
+            self.journal.close()
+
+    # ---- reads -----------------------------------------------------------------------------
+    def run_row(self, run_id: str) -> dict[str, Any]:
+        """A run's journal row; 404 for an id the journal does not hold."""
+        try:
+            return self.journal.store.get_run(run_id)
+        except brood.StoreError as exc:
+            if is_unknown_run(exc):
+                raise unknown_run(run_id) from None
+            raise
+
+    def live_row(self, run_id: str) -> dict[str, Any]:
+        """A run's row, refused with 409 once it has ended (nothing acts on it then)."""
+        row = self.run_row(run_id)
+        if row["state"] in TERMINAL_VALUES:
+            raise ApiError(
+                409,
+                f"run {run_id} is {row['state']}; a run that has ended takes no cancel, "
+                "message or answer",
+            )
+        return row
+
+    def tree_done(self, root_id: str) -> bool:
+        """Whether a tree's root has ended, or its supervisor is gone (a stale tree writes
+        no more events until something resumes it)."""
+        row = self.run_row(root_id)
+        if row["state"] in TERMINAL_VALUES:
+            return True
+        return not self.journal.supervisor_alive(row["supervisor"])
+
+    def roots_page(self, state: str | None, limit: int, offset: int) -> list[dict[str, Any]]:
+        """Roots newest first, those in `state` only when given, `limit` from `offset`."""
+        want = offset + limit
+        fetch = want
+        while True:
+            rows = self.journal.roots(fetch)
+            picked = [r for r in rows if state is None or r["state"] == state]
+            if len(picked) >= want or len(rows) < fetch:
+                return picked[offset:want]
+            fetch *= 4  # a filter that keeps few: look further back
+
+    def ask_run(self, ask_id: str) -> str:
+        """The run that opened an ask; 404 for an ask the journal does not hold."""
+        for e in self.journal.store.events(kind="ask"):
+            if e["data"].get("op") == "opened" and e["data"]["ask"] == ask_id:
+                return str(e["run_id"])
+        raise ApiError(
+            404,
+            f"no ask {ask_id!r} in this server's journal",
+            fix="GET /v1/asks lists the open ones",
+        )
+
+    def is_open_ask(self, ask_id: str) -> bool:
+        return any(a["id"] == ask_id for a in self.journal.asks())

@@ -1,0 +1,213 @@
+"""The OpenAPI 3 document of `brood serve`, written by hand: every route, what it takes,
+what it answers. A test checks that it names every route the app has."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import brood
+from brood.serve.bodies import MAX_BODY_BYTES
+
+REF_ERROR = {"$ref": "#/components/schemas/Error"}
+ANY_OBJECT: dict[str, Any] = {"type": "object", "additionalProperties": True}
+RUN_ID = {"name": "run_id", "in": "path", "required": True, "schema": {"type": "string"}}
+ASK_ID = {"name": "ask_id", "in": "path", "required": True, "schema": {"type": "string"}}
+SSE = "text/event-stream"
+
+ERRORS = {
+    "400": "malformed JSON",
+    "401": "a missing or wrong token",
+    "403": "a Host or Origin this server does not answer",
+    "404": "an unknown id",
+    "409": "the run, ask or flow has ended (or is stale)",
+    "413": f"a body over {MAX_BODY_BYTES:,} bytes",
+    "422": "a field of the wrong type or value",
+    "503": "no model, or the journal cannot be read",
+}
+
+
+def _json(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"content": {"application/json": {"schema": schema}}}
+
+
+def _obj(required: list[str], **props: Any) -> dict[str, Any]:
+    return {"type": "object", "required": required, "properties": props}
+
+
+def _op(
+    summary: str,
+    *,
+    params: tuple[dict[str, Any], ...] = (),
+    body: dict[str, Any] | None = None,
+    status: str = "200",
+    answer: dict[str, Any] | None = None,
+    media: str = "application/json",
+) -> dict[str, Any]:
+    responses: dict[str, Any] = {
+        status: {"description": summary, "content": {media: {"schema": answer or ANY_OBJECT}}}
+    }
+    for code, why in ERRORS.items():
+        responses[code] = {"description": why} | _json(REF_ERROR)
+    op: dict[str, Any] = {"summary": summary, "responses": responses}
+    if params:
+        op["parameters"] = list(params)
+    if body is not None:
+        op["requestBody"] = {"required": True} | _json(body)
+    return op
+
+
+def _query(name: str, schema: dict[str, Any], what: str) -> dict[str, Any]:
+    return {"name": name, "in": "query", "required": False, "schema": schema, "description": what}
+
+
+STATES = sorted(s.value for s in brood.RunState)
+RUN_STATE = {
+    "type": "object",
+    "properties": {"run_id": {"type": "string"}, "state": {"type": "string"}},
+}
+MESSAGE = {
+    "type": "object",
+    "required": ["role"],
+    "properties": {"role": {"type": "string"}, "content": {"type": ["string", "array", "null"]}},
+}
+
+
+def openapi() -> dict[str, Any]:
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "brood serve",
+            "version": brood.__version__,
+            "description": "Runs, trees, journal events, asks and flows of a brood journal, "
+            "and an OpenAI-compatible chat completion whose answer is an RLM tree's.",
+        },
+        "components": {
+            "schemas": {
+                "Error": _obj(
+                    ["error"],
+                    error=_obj(
+                        ["message"],
+                        message={"type": "string"},
+                        field={"type": "string"},
+                        fix={"type": "string"},
+                    ),
+                )
+            },
+            "securitySchemes": {"token": {"type": "http", "scheme": "bearer"}},
+        },
+        "security": [{"token": []}],
+        "paths": {
+            "/openapi.json": {"get": _op("This document")},
+            "/v1/runs": {
+                "get": _op(
+                    "Recent trees (their roots), newest first",
+                    params=(
+                        _query("state", {"type": "string", "enum": STATES}, "only roots in it"),
+                        _query("limit", {"type": "integer", "minimum": 1, "maximum": 1000}, "20"),
+                        _query("offset", {"type": "integer", "minimum": 0}, "0"),
+                    ),
+                    answer=_obj(["runs"], runs={"type": "array", "items": ANY_OBJECT}),
+                ),
+                "post": _op(
+                    "Start a root run in the hosted supervisor; returns at once",
+                    body=_obj(
+                        ["prompt"],
+                        prompt={"type": "string"},
+                        context={},
+                        timeout={"type": "number", "exclusiveMinimum": 0, "default": 3600},
+                    ),
+                    status="201",
+                    answer=_obj(["run_id"], run_id={"type": "string"}),
+                ),
+            },
+            "/v1/runs/{run_id}": {
+                "get": _op("A run, with its own and its subtree's usage", params=(RUN_ID,))
+            },
+            "/v1/runs/{run_id}/tree": {
+                "get": _op("The run and its descendants, nested", params=(RUN_ID,))
+            },
+            "/v1/runs/{run_id}/events": {
+                "get": _op(
+                    "The journal events of the run's tree as Server-Sent Events (id: seq, "
+                    "event: kind, data: JSON), followed until the root ends; resumes after "
+                    "Last-Event-ID or ?after=",
+                    params=(
+                        RUN_ID,
+                        _query("after", {"type": "integer", "minimum": 0}, "a journal seq"),
+                        {
+                            "name": "Last-Event-ID",
+                            "in": "header",
+                            "required": False,
+                            "schema": {"type": "integer", "minimum": 0},
+                        },
+                    ),
+                    answer={"type": "string"},
+                    media=SSE,
+                )
+            },
+            "/v1/runs/{run_id}/cancel": {
+                "post": _op(
+                    "Cancel the run and its subtree; answers once every exit is confirmed",
+                    params=(RUN_ID,),
+                    answer=RUN_STATE,
+                )
+            },
+            "/v1/runs/{run_id}/send": {
+                "post": _op(
+                    "A follow-up message the run sees before its next model turn",
+                    params=(RUN_ID,),
+                    body=_obj(["message"], message={"type": "string"}),
+                )
+            },
+            "/v1/asks": {
+                "get": _op(
+                    "The open asks to a person of every live run",
+                    answer=_obj(["asks"], asks={"type": "array", "items": ANY_OBJECT}),
+                )
+            },
+            "/v1/asks/{ask_id}/answer": {
+                "post": _op(
+                    "Answer an open ask; returns the ask's result",
+                    params=(ASK_ID,),
+                    body=_obj(["value"], value={"type": "string"}, by={"type": "string"}),
+                )
+            },
+            "/v1/flows": {
+                "post": _op(
+                    "Start a flow in the hosted supervisor",
+                    body=_obj(
+                        ["spec"],
+                        spec={"type": ["object", "string"]},
+                        inputs={"type": "object"},
+                    ),
+                    status="201",
+                    answer=_obj(
+                        ["run_id", "started"],
+                        run_id={"type": "string"},
+                        started={"type": "array", "items": {"type": "string"}},
+                    ),
+                )
+            },
+            "/v1/flows/{run_id}": {"get": _op("A flow's status", params=(RUN_ID,))},
+            "/v1/flows/{run_id}/stop": {
+                "post": _op("Stop a flow", params=(RUN_ID,), answer=RUN_STATE)
+            },
+            "/v1/flows/{run_id}/resume": {
+                "post": _op("Let a paused flow go on", params=(RUN_ID,), answer=RUN_STATE)
+            },
+            "/v1/models": {"get": _op("The model this server's runs use (OpenAI's form)")},
+            "/v1/chat/completions": {
+                "post": _op(
+                    "OpenAI chat completion: the last user message is the task of a root "
+                    "run, the other messages its context; the answer is the tree's. "
+                    "stream: true gives chat.completion.chunk events, then [DONE]",
+                    body=_obj(
+                        ["model", "messages"],
+                        model={"type": "string"},
+                        messages={"type": "array", "items": MESSAGE},
+                        stream={"type": "boolean"},
+                    ),
+                )
+            },
+        },
+    }

@@ -1,0 +1,579 @@
+"""`brood serve`: a real uvicorn server on a loopback port, a file journal, a scripted model
+and real workers; the clients are httpx and the real `openai` client."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx2 as httpx
+import openai
+import pytest
+import uvicorn
+from typer.testing import CliRunner
+
+import brood
+from brood.cli.main import app as cli
+from brood.serve import make_app
+from brood.serve.bodies import MAX_BODY_BYTES
+from brood.serve.guard import is_loopback
+from tests.util import fast
+
+TOKEN = "s3cret-token"
+FENCE = "```"
+USAGE_PER_CALL = (10, 5)  # input, output tokens of each scripted call
+
+
+def code(source: str) -> str:
+    return f"{FENCE}repl\n{source}\n{FENCE}"
+
+
+def broken(messages: list[dict[str, Any]]) -> str:
+    raise RuntimeError("the scripted model breaks here")
+
+
+SCRIPT: dict[str, list[Any]] = {
+    # a root that spawns a child, waits for it, and answers with its answer and its context
+    "spawning root": [
+        code(
+            "h = rlm_spawn('child: a')\n"
+            "said = context[0]['content'] if context else 'no context'\n"
+            "FINAL(rlm_wait(h) + ' / ' + said)"
+        )
+    ],
+    "child: a": [code("FINAL('from child')")],
+    "quick root": [code("FINAL('quick')")],
+    "asking root": [
+        code("r = ask_person('Deploy?', options=['yes', 'no'])\nFINAL(r['answer']['id'])")
+    ],
+    "broken root": [broken],
+    "Greet": [code("FINAL('hello ' + 'owls')")],
+}
+
+
+HOLD_S = 60.0  # the longest a held reply waits: a failing test frees its thread after it
+
+
+class Hold:
+    """Scripted replies that wait until the test lets them go (bounded, so a failing test
+    does not hold a thread for long): the model runs in the server's process."""
+
+    def __init__(self) -> None:
+        self.released = threading.Event()
+
+    def reply(self, text: str) -> Callable[[list[dict[str, Any]]], str]:
+        def answer(messages: list[dict[str, Any]]) -> str:
+            self.released.wait(HOLD_S)
+            return text
+
+        return answer
+
+
+@pytest.fixture
+def hold() -> Iterator[Hold]:
+    h = Hold()
+    yield h
+    h.released.set()
+
+
+def until(condition: Callable[[], Any], timeout: float = 30.0) -> Any:
+    """Poll `condition` until it returns something true, bounded by `timeout`."""
+    pause = threading.Event()
+    for _ in range(int(timeout / 0.02)):
+        if value := condition():
+            return value
+        pause.wait(0.02)
+    raise AssertionError("the condition never held")
+
+
+@dataclass
+class Served:
+    client: httpx.Client
+    base_url: str
+    app: Any
+
+
+SCRIPTED = object()  # serving()'s default model: a ScriptedModel of `script`
+
+
+@contextmanager
+def serving(
+    tmp_path: Path,
+    model: Any = SCRIPTED,
+    *,
+    token: str | None = TOKEN,
+    script: dict[str, list[Any]] | None = None,
+) -> Iterator[Served]:
+    """A server in a thread on a loopback port bound here (no race for the port); it is
+    shut down, and its hosted supervisor closed, at the end."""
+    if model is SCRIPTED:
+        model = brood.ScriptedModel(script or SCRIPT, tokens_per_call=USAGE_PER_CALL)
+    app = make_app(
+        store_url=f"sqlite:///{tmp_path / 'brood.db'}",
+        model=model,
+        token=token,
+        limits=fast(max_iterations=2),
+    )
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        until(lambda: server.started or not thread.is_alive(), timeout=15)
+        assert server.started, "the server did not start"
+        with httpx.Client(base_url=base, headers=headers, timeout=30) as client:
+            yield Served(client, base, app)
+    finally:
+        server.should_exit = True
+        thread.join(60)
+        sock.close()
+        assert not thread.is_alive(), "the server did not stop"
+
+
+def sse(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
+    """Server-Sent Events from lines: {"id", "event", "data", "comments"}, as they come."""
+    event: dict[str, Any] = {}
+    for line in lines:
+        if not line:
+            if event:
+                yield event
+            event = {}
+        elif line.startswith(":"):
+            event.setdefault("comments", []).append(line[1:].strip())
+        else:
+            name, _, value = line.partition(":")
+            value = value.removeprefix(" ")
+            event[name] = f"{event[name]}\n{value}" if name in event else value
+    if event:
+        yield event
+
+
+def error_of(response: httpx.Response, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    assert "Traceback" not in response.text
+    error: dict[str, Any] = response.json()["error"]
+    assert error["message"]
+    return error
+
+
+def wait_state(client: httpx.Client, run_id: str, *states: str) -> dict[str, Any]:
+    return until(lambda: (r := client.get(f"/v1/runs/{run_id}").json())["state"] in states and r)
+
+
+# ---- runs -----------------------------------------------------------------------------------
+def test_a_run_started_over_http_is_listed_read_and_its_tree_sums_usage(tmp_path):
+    with serving(tmp_path) as s:
+        assert s.client.get("/v1/runs").json() == {"runs": [], "limit": 20, "offset": 0}
+        started = s.client.post("/v1/runs", json={"prompt": "spawning root", "timeout": 60})
+        assert started.status_code == 201, started.text
+        run_id = started.json()["run_id"]
+        assert started.headers["location"] == f"/v1/runs/{run_id}"
+        run = wait_state(s.client, run_id, "completed")
+        assert run["run_id"] == run_id and run["answer"] == "from child / no context"
+        assert run["subtree_usage"]["input_tokens"] == 2 * USAGE_PER_CALL[0]
+        quick = s.client.post("/v1/runs", json={"prompt": "quick root", "context": [1, 2]})
+        quick_id = quick.json()["run_id"]
+        wait_state(s.client, quick_id, "completed")
+
+        listed = s.client.get("/v1/runs").json()["runs"]
+        assert [r["id"] for r in listed] == [quick_id, run_id]  # roots only, newest first
+        assert listed[1]["runs"] == 2
+        page = s.client.get("/v1/runs", params={"limit": 1, "offset": 1}).json()
+        assert [r["id"] for r in page["runs"]] == [run_id]
+        assert page["limit"] == 1 and page["offset"] == 1
+        assert s.client.get("/v1/runs", params={"state": "failed"}).json()["runs"] == []
+        done = s.client.get("/v1/runs", params={"state": "completed", "limit": 5}).json()
+        assert len(done["runs"]) == 2
+
+        tree = s.client.get(f"/v1/runs/{run_id}/tree").json()
+        assert tree["id"] == run_id and len(tree["children"]) == 1
+        child = tree["children"][0]
+        assert child["prompt"] == "child: a" and child["state"] == "completed"
+        assert tree["usage"]["model_calls"] == 1 and tree["subtree_usage"]["model_calls"] == 2
+
+
+def test_cancel_and_send_reach_a_running_run_and_an_ended_one_is_a_conflict(tmp_path, hold):
+    script = {"held root": [hold.reply(code("FINAL('late')"))]}
+    with serving(tmp_path, script=script) as s:
+        run_id = s.client.post("/v1/runs", json={"prompt": "held root"}).json()["run_id"]
+        wait_state(s.client, run_id, "running")
+        sent = s.client.post(f"/v1/runs/{run_id}/send", json={"message": "hurry up"})
+        assert sent.json() == {"run_id": run_id, "sent": True}
+        cancelled = s.client.post(f"/v1/runs/{run_id}/cancel")
+        assert cancelled.json() == {"run_id": run_id, "state": "cancelled"}
+        assert s.client.get(f"/v1/runs/{run_id}").json()["reason"].startswith("cancelled by user")
+        events = s.client.get(f"/v1/runs/{run_id}/events").text
+        assert "event: message" in events and "hurry up" in events
+
+        again = error_of(s.client.post(f"/v1/runs/{run_id}/cancel"), 409)
+        assert run_id in again["message"] and "cancelled" in again["message"]
+        error_of(s.client.post(f"/v1/runs/{run_id}/send", json={"message": "x"}), 409)
+
+
+# ---- events ---------------------------------------------------------------------------------
+def test_events_resume_after_a_disconnect_with_exactly_the_rest(tmp_path):
+    with serving(tmp_path) as s:
+        run_id = s.client.post("/v1/runs", json={"prompt": "spawning root"}).json()["run_id"]
+        wait_state(s.client, run_id, "completed")
+        whole = list(sse(s.client.get(f"/v1/runs/{run_id}/events").text.splitlines()))
+        seqs = [int(e["id"]) for e in whole]
+        assert seqs == sorted(set(seqs)) and len(seqs) > 4
+        runs = {json.loads(e["data"])["run_id"] for e in whole}
+        assert len(runs) == 2  # the child's events are the tree's too
+        for e in whole:
+            data = json.loads(e["data"])
+            assert data["seq"] == int(e["id"]) and data["kind"] == e["event"]
+
+        first: list[dict[str, Any]] = []
+        with s.client.stream("GET", f"/v1/runs/{run_id}/events") as response:
+            for event in sse(response.iter_lines()):
+                first.append(event)
+                if len(first) == 3:
+                    break  # and the connection is dropped
+        resumed = s.client.get(
+            f"/v1/runs/{run_id}/events", headers={"Last-Event-ID": first[-1]["id"]}
+        )
+        rest = list(sse(resumed.text.splitlines()))
+        assert [e["id"] for e in first + rest] == [e["id"] for e in whole]
+        after = s.client.get(f"/v1/runs/{run_id}/events", params={"after": seqs[-2]}).text
+        assert [e["id"] for e in sse(after.splitlines())] == [str(seqs[-1])]
+
+
+def test_events_follow_a_live_tree_and_end_when_its_root_has_ended(tmp_path, hold):
+    script = dict(SCRIPT, **{"held root": [hold.reply(SCRIPT["spawning root"][0])]})
+    with serving(tmp_path, script=script) as s:
+        run_id = s.client.post("/v1/runs", json={"prompt": "held root"}).json()["run_id"]
+        with s.client.stream("GET", f"/v1/runs/{run_id}/events") as response:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            hold.released.set()  # the root can answer only now, while the stream is open
+            events = list(sse(response.iter_lines()))
+        kinds = [e["event"] for e in events]
+        assert kinds.count("step") == 2  # the root's and the child's
+        assert s.client.get(f"/v1/runs/{run_id}").json()["state"] == "completed"
+
+
+# ---- asks -----------------------------------------------------------------------------------
+def test_an_ask_is_listed_and_answered_and_bad_answers_are_refused(tmp_path):
+    with serving(tmp_path) as s:
+        run_id = s.client.post("/v1/runs", json={"prompt": "asking root"}).json()["run_id"]
+        asks = until(lambda: s.client.get("/v1/asks").json()["asks"])
+        (ask,) = asks
+        assert ask["run_id"] == run_id and ask["question"] == "Deploy?"
+        path = f"/v1/asks/{ask['id']}/answer"
+        bad = error_of(s.client.post(path, json={"value": "maybe"}), 422)
+        assert "maybe" in bad["message"]
+        error_of(s.client.post(path, json={"value": 3}), 422)
+        unknown = error_of(s.client.post("/v1/asks/a-nothing/answer", json={"value": "yes"}), 404)
+        assert "a-nothing" in unknown["message"]
+
+        answered = s.client.post(path, json={"value": "YES", "by": "alice"})
+        assert answered.status_code == 200, answered.text
+        assert answered.json()["resolved_by"] == "alice"
+        assert answered.json()["answer"]["id"] == "yes"
+        assert wait_state(s.client, run_id, "completed")["answer"] == "yes"
+        assert s.client.get("/v1/asks").json() == {"asks": []}
+        error_of(s.client.post(path, json={"value": "no"}), 409)
+
+
+# ---- flows ----------------------------------------------------------------------------------
+GREET = {
+    "name": "greet",
+    "states": [
+        {"id": "greet", "entry": True, "prompt": "Greet {name}", "inputs": ["name"]},
+    ],
+}
+BREAK = {
+    "name": "break",
+    "states": [{"id": "bad", "entry": True, "prompt": "broken root {name}", "inputs": ["name"]}],
+}
+
+
+def flow_status(client: httpx.Client, flow_id: str, status: str) -> dict[str, Any]:
+    return until(lambda: (f := client.get(f"/v1/flows/{flow_id}").json())["status"] == status and f)
+
+
+def test_flows_start_report_pause_resume_and_stop(tmp_path):
+    with serving(tmp_path) as s:
+        started = s.client.post("/v1/flows", json={"spec": GREET, "inputs": {"name": "owls"}})
+        assert started.status_code == 201, started.text
+        flow_id = started.json()["run_id"]
+        assert started.json()["started"] == ["greet"]
+        finished = flow_status(s.client, flow_id, "finished")
+        assert finished["run_id"] == flow_id
+        error_of(s.client.post(f"/v1/flows/{flow_id}/stop"), 409)  # it has ended
+
+        # a failed instance pauses the flow (failure_policy: escalate); resume runs it again
+        text = json.dumps(BREAK)  # a spec may come as JSON or YAML text too
+        broken = s.client.post("/v1/flows", json={"spec": text, "inputs": {"name": "x"}})
+        broken_id = broken.json()["run_id"]
+        paused = flow_status(s.client, broken_id, "paused")
+        assert paused["states"]["bad"]["entries_used"] == 1
+        resumed = s.client.post(f"/v1/flows/{broken_id}/resume")
+        assert resumed.json() == {"run_id": broken_id, "state": "running"}
+        until(lambda: s.client.get(f"/v1/flows/{broken_id}").json()["status"] == "paused")
+        stopped = s.client.post(f"/v1/flows/{broken_id}/stop")
+        assert stopped.json() == {"run_id": broken_id, "state": "stopped"}
+        assert flow_status(s.client, broken_id, "stopped")["run_id"] == broken_id
+        error_of(s.client.post(f"/v1/flows/{broken_id}/resume"), 409)
+
+
+def test_flow_refusals_name_the_problem(tmp_path):
+    with serving(tmp_path) as s:
+        run_id = s.client.post("/v1/runs", json={"prompt": "quick root"}).json()["run_id"]
+        not_flow = error_of(s.client.get(f"/v1/flows/{run_id}"), 404)
+        assert run_id in not_flow["message"] and "not a flow" in not_flow["message"]
+        error_of(s.client.post(f"/v1/flows/{run_id}/stop"), 409)  # ended before anything
+        error_of(s.client.get("/v1/flows/r-nothing"), 404)
+
+        bad = {"name": "bad", "states": [{"id": "a", "prompt": "x", "inputs": [{"from": "b.c"}]}]}
+        invalid = error_of(s.client.post("/v1/flows", json={"spec": bad}), 422)
+        assert "states[0]" in invalid["message"]
+        error_of(s.client.post("/v1/flows", json={"spec": 3}), 422)
+        error_of(s.client.post("/v1/flows", json={"spec": GREET, "inputs": []}), 422)
+        # a spec sent as a path is text, never a file of the server's
+        on_disk = tmp_path / "greet.json"
+        on_disk.write_text(json.dumps(GREET))
+        error_of(s.client.post("/v1/flows", json={"spec": str(on_disk)}), 422)
+        assert s.client.get("/v1/runs").json()["runs"][0]["id"] == run_id  # nothing started
+
+
+# ---- OpenAI-compatible ----------------------------------------------------------------------
+def test_the_openai_client_gets_a_trees_answer_with_the_trees_usage(tmp_path):
+    with serving(tmp_path) as s:
+        client = openai.OpenAI(base_url=f"{s.base_url}/v1", api_key=TOKEN, max_retries=0)
+        assert [m.id for m in client.models.list()] == ["scripted"]
+        messages: list[Any] = [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "spawning root"},
+        ]
+        raw = client.chat.completions.with_raw_response.create(model="scripted", messages=messages)
+        run_id = raw.headers["x-brood-run-id"]
+        completion = raw.parse()
+        assert completion.object == "chat.completion" and completion.model == "scripted"
+        assert completion.choices[0].message.content == "from child / be brief"
+        assert completion.choices[0].finish_reason == "stop"
+        assert completion.usage is not None
+        assert completion.usage.prompt_tokens == 2 * USAGE_PER_CALL[0]  # root and child
+        assert completion.usage.completion_tokens == 2 * USAGE_PER_CALL[1]
+        assert completion.usage.total_tokens == 2 * sum(USAGE_PER_CALL)
+        assert s.client.get(f"/v1/runs/{run_id}/tree").json()["children"]
+
+        chunks = list(
+            client.chat.completions.create(model="scripted", messages=messages, stream=True)
+        )
+        assert all(c.object == "chat.completion.chunk" for c in chunks)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == "from child / be brief"
+        assert chunks[-1].choices[0].finish_reason == "stop"
+
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.chat.completions.create(model="gpt-9", messages=messages)
+        assert "scripted" in str(missing.value)
+        with pytest.raises(openai.APIStatusError) as failed:
+            client.chat.completions.create(
+                model="scripted", messages=[{"role": "user", "content": "broken root"}]
+            )
+        assert failed.value.status_code == 502
+        failed_id = failed.value.response.headers["x-brood-run-id"]
+        assert f"run {failed_id} failed" in str(failed.value)
+
+
+def test_a_streamed_completion_tells_how_the_tree_grows_then_answers(tmp_path):
+    with serving(tmp_path) as s:
+        body = {
+            "model": "scripted",
+            "messages": [{"role": "user", "content": "spawning root"}],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        with s.client.stream("POST", "/v1/chat/completions", json=body) as response:
+            run_id = response.headers["x-brood-run-id"]
+            lines = list(response.iter_lines())
+        comments = [line for line in lines if line.startswith(":")]
+        child = s.client.get(f"/v1/runs/{run_id}/tree").json()["children"][0]["id"]
+        assert f": run {run_id} spawned {child}" in comments
+        assert f": run {child} completed" in comments
+        data = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+        assert data[-1] == "[DONE]"
+        chunks = [json.loads(d) for d in data[:-1]]
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert chunks[-1]["usage"]["total_tokens"] == 2 * sum(USAGE_PER_CALL)
+        assert "from child / no context" in [
+            c["choices"][0]["delta"].get("content") for c in chunks if c["choices"]
+        ]
+
+        bad = dict(body, messages=[{"role": "user", "content": "broken root"}])
+        with s.client.stream("POST", "/v1/chat/completions", json=bad) as response:
+            failed = [json.loads(line[6:]) for line in response.iter_lines() if "error" in line]
+        assert failed and "failed" in failed[-1]["error"]["message"]
+
+
+def newest_root(client: httpx.Client) -> str | None:
+    runs = client.get("/v1/runs").json()["runs"]
+    return runs[0]["id"] if runs else None
+
+
+def test_a_client_that_goes_away_cancels_its_tree(tmp_path, hold):
+    script = {"held root": [hold.reply(code("FINAL('late')"))]}
+    body = {"model": "scripted", "messages": [{"role": "user", "content": "held root"}]}
+    with serving(tmp_path, script=script) as s:
+        with pytest.raises(httpx.ReadTimeout):
+            s.client.post("/v1/chat/completions", json=body, timeout=0.5)
+        run_id = until(lambda: newest_root(s.client))
+        assert wait_state(s.client, run_id, "cancelled")["reason"].startswith("cancelled by user")
+
+        with s.client.stream("POST", "/v1/chat/completions", json=dict(body, stream=True)) as r:
+            streamed_id = r.headers["x-brood-run-id"]
+            next(r.iter_lines())  # the role chunk; then the client goes
+        wait_state(s.client, streamed_id, "cancelled")
+
+
+# ---- who may call ---------------------------------------------------------------------------
+def test_a_missing_or_wrong_token_is_refused_and_the_schema_lists_every_route(tmp_path):
+    with serving(tmp_path) as s:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+            for path in ("/v1/runs", "/v1/models", "/openapi.json", "/v1/nothing"):
+                r = httpx.get(s.base_url + path, headers=headers)
+                error = error_of(r, 401)
+                assert "Authorization: Bearer" in error["fix"]
+                assert r.headers["www-authenticate"] == "Bearer"
+        refused = httpx.post(s.base_url + "/v1/runs", json={"prompt": "quick root"})
+        error_of(refused, 401)
+        assert s.client.get("/v1/runs").json()["runs"] == []  # nothing started
+        assert "access-control-allow-origin" not in s.client.get("/v1/runs").headers
+
+        other_site = s.client.post(
+            "/v1/runs", json={"prompt": "quick root"}, headers={"Origin": "https://evil.test"}
+        )
+        assert "evil.test" in error_of(other_site, 403)["message"]
+
+        schema = s.client.get("/openapi.json").json()
+        assert schema["openapi"].startswith("3.")
+        for route in s.app.routes:
+            for method in route.methods - {"HEAD"}:
+                assert method.lower() in schema["paths"][route.path], (method, route.path)
+
+
+def test_a_server_without_a_token_or_a_model_reads_loopback_names_only(tmp_path, monkeypatch):
+    monkeypatch.delenv("BROOD_MODEL", raising=False)
+    with serving(tmp_path, model=None, token=None) as s:
+        assert s.client.get("/v1/runs").status_code == 200
+        assert s.client.get("/v1/runs", headers={"Host": "localhost"}).status_code == 200
+        rebound = s.client.get("/v1/runs", headers={"Host": "attacker.test:8765"})
+        assert "attacker.test" in error_of(rebound, 403)["message"]
+
+        assert s.client.get("/v1/models").json() == {"object": "list", "data": []}
+        no_model = error_of(s.client.post("/v1/runs", json={"prompt": "quick root"}), 503)
+        assert "--model" in no_model["fix"]
+        chat = {"model": "scripted", "messages": [{"role": "user", "content": "hi"}]}
+        assert (
+            "no model" in error_of(s.client.post("/v1/chat/completions", json=chat), 404)["message"]
+        )
+
+
+# ---- bad input ------------------------------------------------------------------------------
+def test_bad_bodies_and_unknown_ids_get_json_errors_naming_them(tmp_path):
+    with serving(tmp_path) as s:
+        c = s.client
+        malformed = c.post(
+            "/v1/runs", content=b"{nope", headers={"content-type": "application/json"}
+        )
+        assert "not JSON" in error_of(malformed, 400)["message"]
+        error_of(c.post("/v1/runs", content=b""), 400)
+        assert "object" in error_of(c.post("/v1/runs", json=["x"]), 422)["message"]
+        assert error_of(c.post("/v1/runs", json={"prompt": 3}), 422)["field"] == "prompt"
+        assert error_of(c.post("/v1/runs", json={"prompt": " "}), 422)["field"] == "prompt"
+        assert (
+            error_of(c.post("/v1/runs", json={"prompt": "x", "timeout": -1}), 422)["field"]
+            == "timeout"
+        )
+        assert (
+            error_of(c.post("/v1/runs", json={"prompt": "x", "promt": 1}), 422)["field"] == "promt"
+        )
+        assert (
+            error_of(c.post("/v1/runs/r-1/send", json={"message": None}), 422)["field"] == "message"
+        )
+        chat = "/v1/chat/completions"
+        assert (
+            error_of(c.post(chat, json={"model": "scripted", "messages": []}), 422)["field"]
+            == "messages"
+        )
+        only_system = {"model": "scripted", "messages": [{"role": "system", "content": "x"}]}
+        assert error_of(c.post(chat, json=only_system), 422)["field"] == "messages"
+        streamed = {
+            "model": "scripted",
+            "messages": [{"role": "user", "content": "x"}],
+            "stream": "yes",
+        }
+        assert error_of(c.post(chat, json=streamed), 422)["field"] == "stream"
+
+        big = b'{"prompt": "' + b"x" * MAX_BODY_BYTES + b'"}'
+        error_of(c.post("/v1/runs", content=big), 413)
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: the size is counted as read
+            yield b'{"prompt": "'
+            for _ in range(17):
+                yield b"x" * (1 << 16)
+            yield b'"}'
+
+        error_of(c.post("/v1/runs", content=chunks()), 413)
+
+        for method, path in [
+            ("GET", "/v1/runs/r-nothing"),
+            ("GET", "/v1/runs/r-nothing/tree"),
+            ("GET", "/v1/runs/r-nothing/events"),
+            ("POST", "/v1/runs/r-nothing/cancel"),
+            ("GET", "/v1/flows/r-nothing"),
+        ]:
+            assert "r-nothing" in error_of(c.request(method, path), 404)["message"], path
+        send = c.post("/v1/runs/r-nothing/send", json={"message": "hi"})
+        assert "r-nothing" in error_of(send, 404)["message"]
+
+        assert error_of(c.get("/v1/runs", params={"limit": "ten"}), 422)["field"] == "limit"
+        assert error_of(c.get("/v1/runs", params={"limit": 0}), 422)["field"] == "limit"
+        assert error_of(c.get("/v1/runs", params={"state": "done"}), 422)["field"] == "state"
+        run_id = c.post("/v1/runs", json={"prompt": "quick root"}).json()["run_id"]
+        resumed = c.get(f"/v1/runs/{run_id}/events", headers={"Last-Event-ID": "x"})
+        assert error_of(resumed, 422)["field"] == "Last-Event-ID"
+        error_of(c.get("/v1/nothing"), 404)
+        error_of(c.delete("/v1/runs"), 405)
+        wait_state(c, run_id, "completed")
+
+
+def test_an_unexpected_error_is_a_json_500_without_a_traceback(tmp_path, caplog):
+    with serving(tmp_path) as s:
+
+        def fail() -> list[dict[str, Any]]:
+            raise RuntimeError("a bug in the server")
+
+        s.app.state.host.journal.asks = fail
+        response = s.client.get("/v1/asks")
+        error = error_of(response, 500)
+        assert "a bug" not in error["message"]
+        logged = [r for r in caplog.records if r.name == "brood.serve" and r.exc_info]
+        assert logged and "GET /v1/asks" in logged[0].getMessage()
+
+
+# ---- the command ----------------------------------------------------------------------------
+def test_brood_serve_refuses_a_non_loopback_host_without_a_token(tmp_path, monkeypatch):
+    monkeypatch.delenv("BROOD_TOKEN", raising=False)
+    store = f"sqlite:///{tmp_path / 'brood.db'}"
+    result = CliRunner().invoke(cli, ["serve", "--host", "0.0.0.0", "--store", store])
+    assert result.exit_code == 2
+    assert "--token" in result.output and "0.0.0.0" in result.output
+    monkeypatch.setenv("BROOD_TOKEN", "")
+    result = CliRunner().invoke(cli, ["serve", "--host", "192.0.2.7", "--store", store])
+    assert result.exit_code == 2
+    assert all(is_loopback(h) for h in ("127.0.0.1", "127.8.0.1", "::1", "[::1]", "localhost"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "192.0.2.7", "example.test"))
