@@ -1049,3 +1049,25 @@ def test_a_real_tree_is_reproduced_exactly_from_the_journal(target: Target, tmp_
         sup_row = journal.store.supervisor(root["supervisor"])
         assert sup_row is not None and sup_row["closed_at"] is not None
     assert target.open_connections() == []
+
+
+def test_roots_page_newest_first_and_filter_by_state(store: Store):
+    for i in range(5):
+        rec = record(f"r-root0{i}", prompt=f"task {i}", created_at=1000.0 + i)
+        store.insert_run(rec, "sup-1").result()
+        if i % 2 == 0:
+            move(rec, RunState.RUNNING)
+            store.transition(rec, "queued", "running").result()
+    assert [r["id"] for r in store.roots(2)] == ["r-root04", "r-root03"]
+    assert [r["id"] for r in store.roots(2, offset=2)] == ["r-root02", "r-root01"]
+    running = store.roots(10, state="running")
+    assert [r["id"] for r in running] == ["r-root04", "r-root02", "r-root00"]
+    assert store.roots(10, offset=5) == []
+
+
+def test_an_unknown_run_is_its_own_error(store: Store):
+    with pytest.raises(brood.UnknownRun) as info:
+        store.get_run("r-nothere")
+    assert info.value.run_id == "r-nothere"
+    assert isinstance(info.value, brood.StoreError) and isinstance(info.value, LookupError)
+    assert "no run 'r-nothere'" in str(info.value)

@@ -19,6 +19,7 @@ from brood.errors import (
     StallTimeout,
     StoreError,
     SupervisorClosed,
+    UnknownRun,
 )
 from brood.lifecycle import TRANSITIONS, RunState
 from brood.limits import PI_RLM_BLOCKED_BUILTINS, Limits
@@ -61,4 +62,5 @@ __all__ = [
     "StoreError",
     "Supervisor",
     "SupervisorClosed",
+    "UnknownRun",
 ]

@@ -166,6 +166,17 @@ class StoreError(BroodError):
     """The journal could not be opened, read or written."""
 
 
+class UnknownRun(StoreError, LookupError):
+    """The journal holds no run with this id (`run_id`); the journal itself is fine."""
+
+    def __init__(self, message: str, *, run_id: str | None = None) -> None:
+        super().__init__(message)
+        self.run_id = run_id
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), str(self), vars(self)))
+
+
 class BackendError(BroodError):
     """A backend could not start, signal or reap a worker."""
 

@@ -125,12 +125,15 @@ class Journal:
         root_id = self.store.get_run(run_id)["root_id"]
         return self._index(root_id)[run_id]
 
-    def roots(self, limit: int = 20) -> list[dict[str, Any]]:
-        """The most recent trees, newest first, with their size, subtree usage, and the
-        live workers of their open runs (`workers`) with the memory those hold alone
-        (`memory_bytes`; read on this host only, else None)."""
+    def roots(
+        self, limit: int = 20, *, offset: int = 0, state: str | None = None
+    ) -> list[dict[str, Any]]:
+        """The most recent trees, newest first (`limit` from `offset`, in `state` only if
+        given), with their size, subtree usage, and the live workers of their open runs
+        (`workers`) with the memory those hold alone (`memory_bytes`; read on this host
+        only, else None)."""
         out = []
-        for root in self.store.roots(limit):
+        for root in self.store.roots(limit, offset=offset, state=state):
             index = self._index(root["id"])
             row = index[root["id"]]
             row["runs"] = len(index)

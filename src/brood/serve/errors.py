@@ -15,9 +15,9 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 import brood
+from brood.errors import UnknownRun
 
 # The one message of the store's that is the client's doing rather than the journal's.
-UNKNOWN_RUN_PREFIX = "no run "
 
 
 class Json(JSONResponse):
@@ -78,11 +78,8 @@ def unknown_run(run_id: str) -> ApiError:
 
 
 def is_unknown_run(exc: BaseException) -> bool:
-    """Whether a store error says only that a run id is not in the journal.
-
-    The store has no error class of its own for this (StoreError covers a journal that
-    cannot be read too), so its message is what tells them apart."""
-    return isinstance(exc, brood.StoreError) and str(exc).startswith(UNKNOWN_RUN_PREFIX)
+    """Whether a store error says only that a run id is not in the journal."""
+    return isinstance(exc, UnknownRun)
 
 
 def from_brood(exc: brood.BroodError) -> ApiError:

@@ -25,7 +25,7 @@ from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from typing import Any
 
-from brood.errors import StoreError
+from brood.errors import StoreError, UnknownRun
 from brood.lifecycle import RunRecord
 
 log = logging.getLogger("brood")
@@ -466,8 +466,9 @@ class SQLStore:
     def get_run(self, run_id: str) -> dict[str, Any]:
         rows = self._rows(f"SELECT {self._columns} FROM runs WHERE id=?", (run_id,))
         if not rows:
-            raise StoreError(
-                f"no run {run_id!r} in {self.where}; `brood ps` lists the recent trees"
+            raise UnknownRun(
+                f"no run {run_id!r} in {self.where}; `brood ps` lists the recent trees",
+                run_id=run_id,
             )
         return _decode_run(rows[0])
 
@@ -480,11 +481,18 @@ class SQLStore:
             )
         return [_decode_run(r) for r in rows]
 
-    def roots(self, limit: int = 20) -> list[dict[str, Any]]:
+    def roots(
+        self, limit: int = 20, *, offset: int = 0, state: str | None = None
+    ) -> list[dict[str, Any]]:
+        """Roots newest first, `limit` of them from `offset`, in `state` only if given."""
+        where, args = "parent_id IS NULL", []
+        if state is not None:
+            where += " AND state = ?"
+            args.append(state)
         rows = self._rows(
-            f"SELECT {self._columns} FROM runs WHERE parent_id IS NULL"
-            " ORDER BY created_at DESC LIMIT ?",
-            (limit,),
+            f"SELECT {self._columns} FROM runs WHERE {where}"
+            " ORDER BY created_at DESC LIMIT ? OFFSET ?",
+            (*args, limit, offset),
         )
         return [_decode_run(r) for r in rows]
 
