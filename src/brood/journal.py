@@ -110,14 +110,10 @@ class Journal:
 
     def _open_asks(self, root_id: str) -> dict[str, list[str]]:
         """The open asks of a tree's runs, by run, from the journal's ask events."""
-        open_asks: dict[str, dict[str, None]] = {}
-        for e in self.store.events(root_id=root_id, kind="ask"):
-            asks = open_asks.setdefault(e["run_id"], {})
-            if e["data"].get("op") == "opened":
-                asks[e["data"]["ask"]] = None
-            else:
-                asks.pop(e["data"]["ask"], None)
-        return {run: list(asks) for run, asks in open_asks.items() if asks}
+        by_run: dict[str, list[str]] = {}
+        for ask_id, e in _still_open(self.store.events(root_id=root_id, kind="ask")).items():
+            by_run.setdefault(e["run_id"], []).append(ask_id)
+        return by_run
 
     def tree(self, run_id: str) -> dict[str, Any]:
         """The run and its descendants, nested under `children`, each with its usage and
@@ -253,37 +249,34 @@ class Journal:
     def asks(self) -> list[dict[str, Any]]:
         """The open asks of every live run in the journal, oldest first: id, run_id,
         question, options, default, deadline (epoch seconds or None), opened_at."""
-        opened: dict[str, dict[str, Any]] = {}
-        for e in self.store.events(kind="ask"):
-            d = e["data"]
-            if d.get("op") == "opened":
-                opened[d["ask"]] = {
-                    "id": d["ask"],
-                    "run": e["run_id"],
-                    "run_id": e["run_id"],
-                    "question": d["question"],
-                    "options": d["options"],
-                    "default": d["default"],
-                    "deadline": d["deadline_at"],
-                    "opened_at": d["opened_at"],
-                }
-            else:
-                opened.pop(d["ask"], None)
+        opened = {
+            ask_id: {
+                "id": ask_id,
+                "run": e["run_id"],
+                "run_id": e["run_id"],
+                "question": e["data"]["question"],
+                "options": e["data"]["options"],
+                "default": e["data"]["default"],
+                "deadline": e["data"]["deadline_at"],
+                "opened_at": e["data"]["opened_at"],
+            }
+            for ask_id, e in _still_open(self.store.events(kind="ask")).items()
+        }
         states = {r: self.store.get_run(r)["state"] for r in {a["run_id"] for a in opened.values()}}
         live = [a for a in opened.values() if states[a["run_id"]] not in TERMINAL_VALUES]
         return sorted(live, key=lambda a: a["opened_at"])
 
+    def ask_run(self, ask_id: str) -> str | None:
+        """The run that opened an ask (None: the journal holds no such ask)."""
+        for e in self.store.events(kind="ask"):
+            if e["data"].get("op") == "opened" and e["data"]["ask"] == ask_id:
+                return str(e["run_id"])
+        return None
+
     def answer(self, ask_id: str, value: str, by: str) -> dict[str, Any]:
         """Answer an open ask through the control socket of the supervisor that owns its
         run; returns the ask's result."""
-        run_id = next(
-            (
-                e["run_id"]
-                for e in self.store.events(kind="ask")
-                if e["data"].get("op") == "opened" and e["data"]["ask"] == ask_id
-            ),
-            None,
-        )
+        run_id = self.ask_run(ask_id)
         if run_id is None:
             raise InvalidArgument(
                 f"no ask {ask_id!r} in the journal {self.store.url}; `brood asks` lists the "
@@ -360,3 +353,15 @@ class Journal:
 
 def default_store_url() -> str:
     return os.environ.get("BROOD_STORE") or "sqlite:///.brood/brood.db"
+
+
+def _still_open(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Of a list of `ask` events in journal order: each ask still open, by id, with the
+    event that opened it."""
+    opened: dict[str, dict[str, Any]] = {}
+    for e in events:
+        if e["data"].get("op") == "opened":
+            opened[e["data"]["ask"]] = e
+        else:
+            opened.pop(e["data"]["ask"], None)
+    return opened

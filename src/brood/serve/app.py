@@ -81,14 +81,12 @@ async def start_run(request: Request) -> Response:
 
 async def get_run(request: Request) -> Response:
     host, run_id = _host(request), _run_id(request)
-    await run_in_threadpool(host.run_row, run_id)  # 404 for an unknown id
-    return Json(await run_in_threadpool(host.journal.run, run_id))
+    return Json(await run_in_threadpool(host.journal.run, run_id))  # 404: UnknownRun
 
 
 async def get_tree(request: Request) -> Response:
     host, run_id = _host(request), _run_id(request)
-    await run_in_threadpool(host.run_row, run_id)
-    return Json(await run_in_threadpool(host.journal.tree, run_id))
+    return Json(await run_in_threadpool(host.journal.tree, run_id))  # 404: UnknownRun
 
 
 async def run_events(request: Request) -> Response:

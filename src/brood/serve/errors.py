@@ -77,19 +77,14 @@ def unknown_run(run_id: str) -> ApiError:
     )
 
 
-def is_unknown_run(exc: BaseException) -> bool:
-    """Whether a store error says only that a run id is not in the journal."""
-    return isinstance(exc, UnknownRun)
-
-
 def from_brood(exc: brood.BroodError) -> ApiError:
     """The HTTP refusal for an error brood raised on purpose."""
     message = str(exc)
     if isinstance(exc, brood.InvalidArgument | brood.InvalidSpec):
         return ApiError(422, message)
+    if isinstance(exc, UnknownRun):
+        return unknown_run(exc.run_id or "?")
     if isinstance(exc, brood.StoreError):
-        if is_unknown_run(exc):
-            return ApiError(404, message)
         return ApiError(503, message, fix="check the journal the server was started with")
     if isinstance(exc, brood.SupervisorClosed):
         return ApiError(503, message)

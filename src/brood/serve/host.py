@@ -17,7 +17,7 @@ from typing import Any
 import brood
 from brood.journal import TERMINAL_VALUES, Journal
 from brood.models import resolve_model
-from brood.serve.errors import ApiError, is_unknown_run, unknown_run
+from brood.serve.errors import ApiError
 from brood.store.base import open_store
 
 log = logging.getLogger("brood.serve")
@@ -93,13 +93,8 @@ class Host:
 
     # ---- reads -----------------------------------------------------------------------------
     def run_row(self, run_id: str) -> dict[str, Any]:
-        """A run's journal row; 404 for an id the journal does not hold."""
-        try:
-            return self.journal.store.get_run(run_id)
-        except brood.StoreError as exc:
-            if is_unknown_run(exc):
-                raise unknown_run(run_id) from None
-            raise
+        """A run's journal row; 404 (UnknownRun) for an id the journal does not hold."""
+        return self.journal.store.get_run(run_id)
 
     def live_row(self, run_id: str) -> dict[str, Any]:
         """A run's row, refused with 409 once it has ended (nothing acts on it then)."""
@@ -126,9 +121,9 @@ class Host:
 
     def ask_run(self, ask_id: str) -> str:
         """The run that opened an ask; 404 for an ask the journal does not hold."""
-        for e in self.journal.store.events(kind="ask"):
-            if e["data"].get("op") == "opened" and e["data"]["ask"] == ask_id:
-                return str(e["run_id"])
+        run_id = self.journal.ask_run(ask_id)
+        if run_id is not None:
+            return run_id
         raise ApiError(
             404,
             f"no ask {ask_id!r} in this server's journal",
