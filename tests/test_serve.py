@@ -263,6 +263,61 @@ def test_events_follow_a_live_tree_and_end_when_its_root_has_ended(tmp_path, hol
         assert s.client.get(f"/v1/runs/{run_id}").json()["state"] == "completed"
 
 
+def test_the_live_tree_sends_changed_runs_then_ends(tmp_path, hold):
+    script = dict(SCRIPT, **{"held root": [hold.reply(SCRIPT["spawning root"][0])]})
+    with serving(tmp_path, script=script) as s:
+        run_id = s.client.post("/v1/runs", json={"prompt": "held root"}).json()["run_id"]
+        with s.client.stream("GET", f"/v1/runs/{run_id}/tree/live") as response:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            events = sse(response.iter_lines())
+            first = json.loads(next(events)["data"])
+            assert [r["id"] for r in first["runs"]] == [run_id]  # the whole subtree at first
+            hold.released.set()
+            rest = list(events)
+        assert rest[-1]["event"] == "end"
+        batches = [json.loads(e["data"]) for e in rest if e["event"] == "runs"]
+        last: dict[str, dict[str, Any]] = {}
+        for b in batches:
+            last.update((r["id"], r) for r in b["runs"])
+            assert all(isinstance(seq, int) for seq in b["wrote"].values())
+        child = next(r for r in last.values() if r["id"] != run_id)
+        assert child["parent_id"] == run_id and child["depth"] == 1
+        assert child["prompt"] == "child: a" and child["state"] == "completed"
+        assert last[run_id]["state"] == "completed"
+        assert last[run_id]["subtree_tokens"] == 2 * sum(USAGE_PER_CALL)
+        assert any(run_id in b["wrote"] for b in batches)  # the root's steps were seen
+        error_of(s.client.get("/v1/runs/r-nope/tree/live"), 404)
+
+
+def test_the_dashboard_shell_holds_no_data_and_its_bodies_need_the_token(tmp_path):
+    with serving(tmp_path) as s:
+        prompt = "<img src=x onerror=alert(1)> & quick root"
+        script_prompt = s.client.post("/v1/runs", json={"prompt": prompt}).json()["run_id"]
+        wait_state(s.client, script_prompt, "failed", "completed")
+        for path in ("/", f"/runs/{script_prompt}", "/asks", "/flows/r-x"):
+            page = httpx.get(s.base_url + path)  # no token: the shell only
+            assert page.status_code == 200 and "<main" in page.text
+            assert script_prompt not in page.text and "onerror" not in page.text
+            assert "script-src 'self'" in page.headers["content-security-policy"]
+            assert page.headers["x-frame-options"] == "DENY"
+        assert "LiveTree" in httpx.get(s.base_url + "/static/dash.js").text
+        error_of(httpx.get(s.base_url + "/static/secrets.py"), 404)
+        for path in ("/ui/runs", "/ui/asks", f"/ui/runs/{script_prompt}"):
+            error_of(httpx.get(s.base_url + path), 401)
+        listed = s.client.get("/ui/runs")
+        assert listed.headers["content-type"].startswith("text/html")
+        body = s.client.get(f"/ui/runs/{script_prompt}").text
+        assert "&lt;img src=x onerror=alert(1)&gt; &amp; quick root" in body
+        assert "<img" not in body
+        assert "&lt;img" in listed.text
+        error_of(s.client.get("/ui/runs/r-nope"), 404)
+        error_of(s.client.get("/ui/runs", params={"state": "happy"}), 422)
+        flow_of_a_run = s.client.get(f"/ui/flows/{script_prompt}")
+        assert "not a flow" in error_of(flow_of_a_run, 404)["message"]
+        more = s.client.get(f"/ui/runs/{script_prompt}/trajectory", params={"after": 10**6})
+        assert more.status_code == 200 and 'data-seq="1000000"' in more.text
+
+
 # ---- asks -----------------------------------------------------------------------------------
 def test_an_ask_is_listed_and_answered_and_bad_answers_are_refused(tmp_path):
     with serving(tmp_path) as s:
@@ -460,7 +515,9 @@ def test_a_missing_or_wrong_token_is_refused_and_the_schema_lists_every_route(tm
 
         schema = s.client.get("/openapi.json").json()
         assert schema["openapi"].startswith("3.")
-        for route in s.app.routes:
+        api = [r for r in s.app.routes if r.path.startswith(("/v1/", "/openapi.json"))]
+        assert len(api) > 15
+        for route in api:  # the dashboard's pages and bodies are not API
             for method in route.methods - {"HEAD"}:
                 assert method.lower() in schema["paths"][route.path], (method, route.path)
 

@@ -5,7 +5,7 @@ pip install 'rlm-brood[serve]'."""
 try:
     from brood.serve.app import make_app
 except ModuleNotFoundError as exc:  # the extra is missing: say which one
-    if exc.name not in ("starlette", "uvicorn", "sse_starlette"):
+    if exc.name not in ("starlette", "uvicorn", "sse_starlette", "jinja2"):
         raise
     raise ModuleNotFoundError(
         f"brood serve needs {exc.name}: pip install 'rlm-brood[serve]'", name=exc.name

@@ -24,7 +24,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 import brood
-from brood.serve import openai_compat
+from brood.serve import dashboard, openai_compat
 from brood.serve.bodies import (
     int_param,
     json_type,
@@ -35,14 +35,13 @@ from brood.serve.bodies import (
 )
 from brood.serve.errors import ApiError, Json, error_response, from_brood
 from brood.serve.guard import CatchAll, Guard
-from brood.serve.host import RUN_TIMEOUT_S, Host
+from brood.serve.host import RUN_TIMEOUT_S, STATES, Host
 from brood.serve.schema import openapi
 from brood.serve.stream import resume_point, tree_events
 
 MAX_PAGE = 1000  # roots one GET /v1/runs returns at most
 MAX_OFFSET = 10**9
 ANSWERED_BY = "brood serve"  # who answers an ask when the call names nobody
-STATES = frozenset(s.value for s in brood.RunState)
 
 
 def _host(request: Request) -> Host:
@@ -215,6 +214,7 @@ ROUTES = [
     Route("/v1/flows/{run_id}/resume", resume_flow, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    *dashboard.ROUTES,
 ]
 
 
@@ -285,5 +285,6 @@ def make_app(
         lifespan=lifespan,
     )
     app.state.host = host
+    app.state.token = token
     app.state.started = int(time.time())
     return app

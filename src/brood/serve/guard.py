@@ -1,7 +1,7 @@
 """Who may call the server, and the net under every endpoint (DESIGN.md sections 10, 14).
 
 `Guard` refuses before any endpoint runs:
-- with a token, a call to `/v1` or `/openapi.json` without `Authorization: Bearer TOKEN`
+- with a token, a call to `/v1`, `/ui` or `/openapi.json` without `Authorization: Bearer TOKEN`
   (401; compared in constant time);
 - without one (a loopback server), a `Host` that is not a loopback name: a web page the
   user visits cannot reach the server by rebinding a name of its own to 127.0.0.1;
@@ -27,7 +27,8 @@ from brood.serve.errors import ApiError, error_response
 
 log = logging.getLogger("brood.serve")
 
-PROTECTED = ("/v1/", "/openapi.json")  # "/v1" itself is matched too
+# The dashboard's pages (`/`, `/runs/...`) and `/static/` hold no data; its bodies (`/ui/`) do.
+PROTECTED = ("/v1/", "/openapi.json", "/ui/")  # "/v1" itself is matched too
 LOOPBACK_NAMES = frozenset({"localhost", "localhost."})
 
 

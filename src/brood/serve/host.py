@@ -23,6 +23,7 @@ from brood.store.base import open_store
 log = logging.getLogger("brood.serve")
 
 RUN_TIMEOUT_S = 3600.0  # a tree started over HTTP is never unbounded by mistake
+STATES = frozenset(s.value for s in brood.RunState)
 
 
 def open_journal(store_url: str) -> Journal:

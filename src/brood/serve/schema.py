@@ -126,6 +126,15 @@ def openapi() -> dict[str, Any]:
             "/v1/runs/{run_id}/tree": {
                 "get": _op("The run and its descendants, nested", params=(RUN_ID,))
             },
+            "/v1/runs/{run_id}/tree/live": {
+                "get": _op(
+                    "The run's subtree as Server-Sent Events: `runs` events with the runs "
+                    "whose rows changed (all of them first) and `wrote` (run id: its last "
+                    "event seq), then `end` once the tree has ended. The dashboard draws its "
+                    "live tree from it",
+                    params=(RUN_ID,),
+                )
+            },
             "/v1/runs/{run_id}/events": {
                 "get": _op(
                     "The journal events of the run's tree as Server-Sent Events (id: seq, "

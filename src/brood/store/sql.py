@@ -529,6 +529,14 @@ class SQLStore:
             r["data"] = json.loads(r["data"])
         return rows
 
+    def event_marks(self, root_id: str, after: int = 0) -> list[dict[str, Any]]:
+        """`seq` and `run_id` of a tree's events with seq > `after`, without their data:
+        which runs wrote since a reader last looked."""
+        return self._rows(
+            "SELECT seq, run_id FROM events WHERE root_id = ? AND seq > ? ORDER BY seq",
+            (root_id, after),
+        )
+
     def close(self) -> None:
         self._closed = True
         if self._thread is not None and self._thread.is_alive():
