@@ -214,6 +214,35 @@ def test_open_store_creates_the_schema_once(target: Target):
     assert target.open_connections() == []
 
 
+def test_writers_opening_one_fresh_journal_at_once_create_its_schema_once(target: Target):
+    # Supervisors of a cluster open one new journal together; before the schema lock, the
+    # Postgres ones raced on CREATE TABLE and some failed with UniqueViolation.
+    writers = 6
+    together = threading.Barrier(writers)
+    opened: list[Store] = []
+    failed: list[BaseException] = []
+
+    def open_one() -> None:
+        together.wait()
+        try:
+            opened.append(open_store(target.url))
+        except BaseException as exc:
+            failed.append(exc)
+
+    threads = [threading.Thread(target=open_one) for _ in range(writers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    try:
+        assert failed == [] and len(opened) == writers
+        assert target.tables() == TABLES
+        assert target.query("SELECT key, value FROM meta") == [("schema", str(SCHEMA_VERSION))]
+    finally:
+        for s in opened:
+            s.close()
+
+
 def test_supervisor_rows(store: Store):
     before = time.time()
     store.insert_supervisor("4242:abc", 4242, "host-a", "/run/ctl.sock").result()

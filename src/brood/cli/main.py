@@ -793,8 +793,9 @@ def serve(
         ),
     ] = None,
 ) -> None:
-    """Serve the journal as a JSON API under /v1 (runs, trees, events, asks, flows) and an
-    OpenAI-compatible /v1/chat/completions whose answer is an RLM tree's."""
+    """Serve the journal: a live dashboard at /, a JSON API under /v1 (runs, trees, events,
+    asks, flows) and an OpenAI-compatible /v1/chat/completions whose answer is an RLM
+    tree's."""
     try:
         import uvicorn
 
@@ -815,7 +816,12 @@ def serve(
     except brood.BroodError as exc:
         _fail(str(exc))
         return
-    print(f"brood serve: http://{host}:{port}/v1 (schema at /openapi.json)", file=sys.stderr)
+    where = f"http://{host}:{port}"
+    print(
+        f"brood serve: the dashboard at {where}/, the API under {where}/v1 "
+        "(schema at /openapi.json)",
+        file=sys.stderr,
+    )
     uvicorn.run(server_app, host=host, port=port, log_level="warning")
 
 

@@ -120,16 +120,15 @@ class Host:
         """Roots newest first, those in `state` only when given, `limit` from `offset`."""
         return self.journal.roots(limit, offset=offset, state=state)
 
-    def ask_run(self, ask_id: str) -> str:
-        """The run that opened an ask; 404 for an ask the journal does not hold."""
-        run_id = self.journal.ask_run(ask_id)
-        if run_id is not None:
-            return run_id
-        raise ApiError(
-            404,
-            f"no ask {ask_id!r} in this server's journal",
-            fix="GET /v1/asks lists the open ones",
-        )
-
-    def is_open_ask(self, ask_id: str) -> bool:
-        return any(a["id"] == ask_id for a in self.journal.asks())
+    def open_ask(self, ask_id: str) -> dict[str, Any]:
+        """An open ask; 404 for an ask the journal does not hold, 409 for one that ended."""
+        for ask in self.journal.asks():
+            if ask["id"] == ask_id:
+                return ask
+        if self.journal.ask_run(ask_id) is None:
+            raise ApiError(
+                404,
+                f"no ask {ask_id!r} in this server's journal",
+                fix="GET /v1/asks lists the open ones",
+            )
+        raise ApiError(409, f"ask {ask_id} has ended (answered, withdrawn, or its run ended)")

@@ -13,6 +13,8 @@ ANY_OBJECT: dict[str, Any] = {"type": "object", "additionalProperties": True}
 RUN_ID = {"name": "run_id", "in": "path", "required": True, "schema": {"type": "string"}}
 ASK_ID = {"name": "ask_id", "in": "path", "required": True, "schema": {"type": "string"}}
 SSE = "text/event-stream"
+NOT_BLANK = "\\S"  # a string with some text: the server refuses a blank one (422)
+TEXT = {"type": "string", "pattern": NOT_BLANK}
 
 ERRORS = {
     "400": "malformed JSON",
@@ -32,6 +34,11 @@ def _json(schema: dict[str, Any]) -> dict[str, Any]:
 
 def _obj(required: list[str], **props: Any) -> dict[str, Any]:
     return {"type": "object", "required": required, "properties": props}
+
+
+def _body(required: list[str], **props: Any) -> dict[str, Any]:
+    """A request body that takes these fields only (the server refuses others, 422)."""
+    return _obj(required, **props) | {"additionalProperties": False}
 
 
 def _op(
@@ -110,9 +117,9 @@ def openapi() -> dict[str, Any]:
                 ),
                 "post": _op(
                     "Start a root run in the hosted supervisor; returns at once",
-                    body=_obj(
+                    body=_body(
                         ["prompt"],
-                        prompt={"type": "string"},
+                        prompt=TEXT,
                         context={},
                         timeout={"type": "number", "exclusiveMinimum": 0, "default": 3600},
                     ),
@@ -133,6 +140,7 @@ def openapi() -> dict[str, Any]:
                     "event seq), then `end` once the tree has ended. The dashboard draws its "
                     "live tree from it",
                     params=(RUN_ID,),
+                    media=SSE,
                 )
             },
             "/v1/runs/{run_id}/events": {
@@ -165,7 +173,7 @@ def openapi() -> dict[str, Any]:
                 "post": _op(
                     "A follow-up message the run sees before its next model turn",
                     params=(RUN_ID,),
-                    body=_obj(["message"], message={"type": "string"}),
+                    body=_body(["message"], message=TEXT),
                 )
             },
             "/v1/asks": {
@@ -178,15 +186,15 @@ def openapi() -> dict[str, Any]:
                 "post": _op(
                     "Answer an open ask; returns the ask's result",
                     params=(ASK_ID,),
-                    body=_obj(["value"], value={"type": "string"}, by={"type": "string"}),
+                    body=_body(["value"], value={"type": "string"}, by={"type": "string"}),
                 )
             },
             "/v1/flows": {
                 "post": _op(
                     "Start a flow in the hosted supervisor",
-                    body=_obj(
+                    body=_body(
                         ["spec"],
-                        spec={"type": ["object", "string"]},
+                        spec={"type": ["object", "string"], "pattern": NOT_BLANK},
                         inputs={"type": "object"},
                     ),
                     status="201",

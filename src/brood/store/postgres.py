@@ -16,6 +16,9 @@ except ImportError:  # pragma: no cover - depends on the install
     psycopg = None  # type: ignore[assignment]
 
 CONNECT_TIMEOUT_S = 10
+# The advisory lock that makes schema creation and migration happen once: supervisors
+# opening one fresh journal at once would otherwise race on CREATE TABLE (UniqueViolation).
+SCHEMA_LOCK = 0x62726F6F64  # "brood"
 
 
 class PostgresStore(SQLStore):
@@ -69,6 +72,9 @@ class PostgresStore(SQLStore):
     def _transaction(self, conn: Any) -> Iterator[Any]:
         with conn.transaction(), conn.cursor() as cur:
             yield cur
+
+    def _lock_schema(self, cur: Any) -> None:
+        cur.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK,))
 
     def _schema_version(self, conn: Any) -> int:
         try:

@@ -188,6 +188,7 @@ class SQLStore:
         """Create a new journal, or bring an older one up to SCHEMA_VERSION. A newer one is
         left as it is (and refused by the caller)."""
         fill = {"real": self.real, "serial": self.serial, "blob": self.blob}
+        self._lock_schema(cur)
         cur.execute(SCHEMA[0])
         cur.execute("SELECT value FROM meta WHERE key='schema'")
         row = cur.fetchone()
@@ -201,6 +202,10 @@ class SQLStore:
             for stmt in MIGRATIONS[target]:
                 cur.execute(stmt.format(**fill))
             cur.execute(self.q("UPDATE meta SET value=? WHERE key='schema'"), (str(target),))
+
+    def _lock_schema(self, cur: Any) -> None:
+        """Hold the schema lock until this transaction ends, so that writers opening one
+        journal at once create or migrate it once (SQLite's BEGIN IMMEDIATE already does)."""
 
     def _schema_version(self, conn: Conn) -> int:
         cur = conn.cursor()
