@@ -8,15 +8,17 @@ import getpass
 import json
 import os
 import socket
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import cloudpickle
 
+from brood import lease
 from brood.backends.base import make_backend
 from brood.backends.confinement import announce, unenforced, worker_settings
 from brood.backends.local import own_memory
-from brood.backends.owners import owner_alive, owner_token
+from brood.backends.owners import owner_token
 from brood.errors import (
     BroodError,
     ChildFailed,
@@ -126,6 +128,7 @@ class Supervisor:
         self._store: Store = open_store(store)
         self._observers = Observers(on_start, on_end)
         self._loop = LoopThread()
+        self._lease: asyncio.Future[None] | None = None
         owner = owner_token()
         try:
             self._backend = make_backend(backend, settings)
@@ -163,9 +166,33 @@ class Supervisor:
         await self._control.start()
         await asyncio.wrap_future(
             self._store.insert_supervisor(
-                self._core.owner, os.getpid(), socket.gethostname(), self._control.path
+                self._core.owner,
+                os.getpid(),
+                socket.gethostname(),
+                self._control.path,
+                lease_until=time.time() + lease.LEASE_S,
             )
         )
+        self._lease = asyncio.ensure_future(self._keep_lease())
+
+    async def _keep_lease(self) -> None:
+        """Renew this supervisor's lease on its trees; one found lapsed or revoked fences
+        it: the journal takes no more of its writes, and its runs end here."""
+        while True:
+            await asyncio.sleep(lease.RENEW_S)
+            until = time.time() + lease.LEASE_S
+            try:
+                renewed = await asyncio.wrap_future(
+                    self._store.renew_lease(self._core.owner, until)
+                )
+            except StoreError:
+                return  # the journal failed; the store has said so to the core
+            if not renewed:
+                self._store.fence(
+                    "this supervisor's lease on its trees lapsed or was revoked, so another "
+                    "supervisor may be resuming them; it writes nothing more (fenced)"
+                )
+                return
 
     # ---- starting runs -----------------------------------------------------------------
     def spawn(
@@ -223,10 +250,12 @@ class Supervisor:
             )
         for token in {r["supervisor"] for r in runs if not RunState(r["state"]).terminal}:
             row = self._store.supervisor(token) if token else None
-            if row is not None and row["closed_at"] is None and owner_alive(token):
+            if row is not None and not lease.lease_holder_gone(row):
                 raise BroodError(
-                    f"tree {root_id} is still run by a live supervisor (pid {row['pid']}); "
-                    "it can only be resumed once that process is gone (brood cancel stops it)"
+                    f"tree {root_id} is still run by a live supervisor (pid {row['pid']} on "
+                    f"{row['host']}, its lease runs to {time.ctime(row['lease_until'] or 0)}); "
+                    "it can be resumed once that supervisor is gone or its lease has lapsed "
+                    "(brood cancel stops it)"
                 )
         run = self._loop.call(self._core.resume_tree(root_id))
         return RunHandle(self, run)
@@ -429,6 +458,8 @@ class Supervisor:
     async def _close(self) -> None:
         """Every worker and the zygote are stopped even when the journal has failed; the
         journal's error is raised once, by close(), after that."""
+        if self._lease is not None:
+            self._lease.cancel()
         await self._core.close()
         await self._control.close()
         with contextlib.suppress(StoreError):  # kept on the store: close() raises it

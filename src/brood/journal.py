@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from brood.backends.local import own_memory
-from brood.backends.owners import owner_alive
 from brood.errors import BroodError, InvalidArgument
+from brood.lease import lease_holder_gone
 from brood.lifecycle import TERMINAL
 from brood.protocol import CtlAnswer, CtlCancel, CtlFlow, CtlSend
 from brood.store.base import Store, open_store
@@ -56,8 +56,7 @@ class Journal:
             return False
         if token in self._dead:
             return False
-        row = self.store.supervisor(token)
-        alive = bool(row and row["closed_at"] is None and owner_alive(token))
+        alive = not lease_holder_gone(self.store.supervisor(token))
         if not alive:
             self._dead.add(token)  # a supervisor that is gone stays gone; a live one may die
         return alive

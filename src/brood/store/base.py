@@ -23,10 +23,16 @@ class Store(Protocol):
     on_failure: Callable[[StoreError], None] | None  # told once, from the writer thread
 
     def insert_supervisor(
-        self, token: str, pid: int, host: str, control: str | None
+        self, token: str, pid: int, host: str, control: str | None, lease_until: float | None = None
     ) -> Future[Any]: ...
 
     def close_supervisor(self, token: str) -> Future[Any]: ...
+
+    def renew_lease(self, token: str, until: float) -> Future[Any]: ...
+
+    def revoke_lease(self, token: str) -> Future[Any]: ...
+
+    def fence(self, reason: str) -> None: ...
 
     def insert_run(
         self,

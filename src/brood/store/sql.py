@@ -30,7 +30,7 @@ from brood.lifecycle import RunRecord
 
 log = logging.getLogger("brood")
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 BATCH_MAX = 500  # writes committed in one transaction at most
 
 # {real} and {serial} are filled in per database.
@@ -38,7 +38,7 @@ SCHEMA = [
     "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
     """CREATE TABLE IF NOT EXISTS supervisors (
         id TEXT PRIMARY KEY, pid BIGINT NOT NULL, host TEXT, control TEXT,
-        started_at {real} NOT NULL, closed_at {real})""",
+        started_at {real} NOT NULL, closed_at {real}, lease_until {real})""",
     """CREATE TABLE IF NOT EXISTS runs (
         id TEXT PRIMARY KEY, root_id TEXT NOT NULL, parent_id TEXT, depth INTEGER NOT NULL,
         key TEXT, attempt INTEGER NOT NULL DEFAULT 0, prompt TEXT NOT NULL, model TEXT,
@@ -74,6 +74,7 @@ MIGRATIONS: dict[int, list[str]] = {
         "ALTER TABLE runs ADD COLUMN products TEXT",  # FINAL(answer, products=...)
         "CREATE INDEX IF NOT EXISTS events_kind ON events(kind, seq)",
     ],
+    4: ["ALTER TABLE supervisors ADD COLUMN lease_until {real}"],  # ownership (brood.lease)
 }
 
 # A write that fails for a passing reason (a locked database, a dropped connection) is tried
@@ -329,15 +330,35 @@ class SQLStore:
         return fut
 
     def insert_supervisor(
-        self, token: str, pid: int, host: str, control: str | None
+        self, token: str, pid: int, host: str, control: str | None, lease_until: float | None = None
     ) -> Future[Any]:
         return self._submit(
-            "INSERT INTO supervisors (id, pid, host, control, started_at) VALUES (?,?,?,?,?)",
-            (token, pid, host, control, time.time()),
+            "INSERT INTO supervisors (id, pid, host, control, started_at, lease_until)"
+            " VALUES (?,?,?,?,?,?)",
+            (token, pid, host, control, time.time(), lease_until),
         )
 
     def close_supervisor(self, token: str) -> Future[Any]:
         return self._submit("UPDATE supervisors SET closed_at=? WHERE id=?", (time.time(), token))
+
+    def renew_lease(self, token: str, until: float) -> Future[Any]:
+        """Extend a supervisor's lease to `until`. Resolves to 1, or to 0 when the lease
+        had lapsed, was revoked or the row is closed: the supervisor is fenced then."""
+        return self._submit(
+            "UPDATE supervisors SET lease_until=? WHERE id=? AND closed_at IS NULL"
+            " AND lease_until >= ?",
+            (until, token, time.time()),
+        )
+
+    def revoke_lease(self, token: str) -> Future[Any]:
+        """End a supervisor's lease now (its host is known dead): its trees may be resumed
+        at once, and it is fenced if it comes back."""
+        return self._submit("UPDATE supervisors SET lease_until=0 WHERE id=?", (token,))
+
+    def fence(self, reason: str) -> None:
+        """Refuse every write from now on, and tell `on_failure` why (once)."""
+        if self.failure is None:
+            self._fail(StoreError(f"{self.where}: {reason}"))
 
     def insert_run(
         self,
