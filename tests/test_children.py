@@ -277,7 +277,14 @@ def test_a_closed_supervisor_refuses_new_runs():
 def test_cancelling_a_spawned_batch_reports_it_cancelled(tmp_path):
     started = Signal(tmp_path, "started")
     never = Gate(tmp_path, "never")
-    model = brood.ScriptedModel({"child:": [started.notify_then(never.blocking_reply("x"))]})
+    # One child announces itself: a second announcement could find the test's end of the
+    # fifo closing (a BrokenPipeError in that child's model call, so a failed child).
+    model = brood.ScriptedModel(
+        {
+            "child: one": [started.notify_then(never.blocking_reply("x"))],
+            "child: two": [never.blocking_reply("x")],
+        }
+    )
     with brood.Session(model, limits=FAST) as env:
         env.reset("root task")
         env.step("t = spawn(rlm_query_batched, ['child: one', 'child: two'])")

@@ -1,5 +1,8 @@
 """Flows at scale: a 1,000-node fan (DAG form) and a 10,000-item foreach complete.
 
+The 10,000-item foreach is marked `scale` (make test-all; about 100 s here): make test runs
+its smaller version, the 1,000-item foreach of test_flow_more.
+
 Replies are self-contained lambdas over the prompt: a reply that calls a function of this
 module would make every worker import the test module (and pytest with it).
 """
@@ -31,6 +34,7 @@ def test_a_thousand_node_fan_completes():
     assert len(runs) == 1 + 1 + 1000 and {r["state"] for r in runs} == {"completed"}
 
 
+@pytest.mark.scale
 @pytest.mark.timeout(300)  # about 100 s here; a loaded machine must not fail it
 def test_a_ten_thousand_item_foreach_completes():
     spec = split_then_each("Item {item}", max_items=10000) | {"run": {"max_parallel": 16}}

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 import inspect
 import pickle
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -180,6 +182,18 @@ def test_the_import_parser_sees_relative_and_nested_imports() -> None:
     )
     assert all(forbidden(m) for m in ("brood.supervisor.core", "brood.api", "brood.store"))
     assert not forbidden("brood.apis") and not forbidden("brood.protocol")
+
+
+def test_import_brood_leaves_flows_to_their_first_use() -> None:
+    """Every supervisor's zygote and every CLI command imports brood: brood.flow (pydantic,
+    PyYAML, about 0.2 s) is imported only where a flow is first used."""
+    code = (
+        "import sys, brood\n"
+        "print(*[m for m in sys.modules if m.startswith(('brood.flow', 'pydantic', 'yaml'))])"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [], done.stdout
 
 
 # ---- errors survive pickling (cloudpickle ships them between processes, e.g. on Ray) ----

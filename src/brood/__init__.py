@@ -1,6 +1,7 @@
 """brood: a runtime for recursive language models with a managed child-run lifecycle."""
 
 from brood.api import FlowHandle, RunHandle, RunInfo, RunResult, Supervisor
+from brood.cluster import Cluster  # imports Ray only when a Cluster is made, never here
 from brood.errors import (
     AskCancelled,
     BackendError,
@@ -14,6 +15,7 @@ from brood.errors import (
     LimitExceeded,
     ModelError,
     RateLimited,
+    RayMissing,
     ReplayDiverged,
     StaleHandle,
     StallTimeout,
@@ -38,6 +40,7 @@ __all__ = [
     "ChildCleanupError",
     "ChildFailed",
     "ChildNotReady",
+    "Cluster",
     "Completion",
     "ConfinementError",
     "FlowHandle",
@@ -50,6 +53,7 @@ __all__ = [
     "Observation",
     "OpenAIModel",
     "RateLimited",
+    "RayMissing",
     "ReplayDiverged",
     "RunHandle",
     "RunInfo",

@@ -10,7 +10,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import cloudpickle
 
@@ -29,10 +29,6 @@ from brood.errors import (
     StoreError,
     SupervisorClosed,
 )
-from brood.flow.compile import compile_spec
-from brood.flow.executor import FlowExecutor
-from brood.flow.load import load_spec
-from brood.flow.schema import FlowSpec
 from brood.lifecycle import RunState
 from brood.limits import Limits, is_duration
 from brood.models.base import Model, resolve_model
@@ -42,6 +38,12 @@ from brood.supervisor.control import ControlServer
 from brood.supervisor.core import STORE_FAILED, Core, Run, RunInfo
 from brood.supervisor.loop import LoopThread
 from brood.supervisor.observers import Observers
+
+# brood.flow (pydantic, PyYAML) is imported where a flow is first used: every process that
+# imports brood (each supervisor's zygote, every CLI command) would pay about 0.2 s for it.
+if TYPE_CHECKING:
+    from brood.flow.executor import FlowExecutor
+    from brood.flow.schema import FlowSpec
 
 __all__ = ["FlowHandle", "RunHandle", "RunInfo", "RunResult", "Supervisor"]
 
@@ -266,6 +268,8 @@ class Supervisor:
         InvalidSpec listing every problem, and nothing starts."""
         if self._closed:
             raise SupervisorClosed("the supervisor is closed; make a new one")
+        from brood.flow.load import load_spec
+
         executor = self._loop.call(self._start_flow(load_spec(spec), inputs))
         return FlowHandle(self, executor, executor.started)
 
@@ -274,6 +278,9 @@ class Supervisor:
     ) -> FlowExecutor:
         """Start a validated flow (a child of `parent` when a run's code starts it, whose
         next turns then hear its milestones), and keep it by its run id."""
+        from brood.flow.compile import compile_spec
+        from brood.flow.executor import FlowExecutor
+
         machine = compile_spec(loaded)
         for st in machine.states.values():
             self._core.limits.check_pool(st.pool, where=f"flow state {st.id!r}: pool")
@@ -311,6 +318,8 @@ class Supervisor:
 
     def _resume_flow(self, run: Run) -> None:
         """Rebuild a flow from its ledger while its tree is resumed, and let it go on."""
+        from brood.flow.executor import FlowExecutor
+
         executor = FlowExecutor.from_ledger(self._core, run, self._store.events(run.id, "flow"))
         if run.parent is not None:
             executor.on_milestone = self._notifier(run.parent)
@@ -320,6 +329,8 @@ class Supervisor:
     async def _flow_request(self, run: Run, msg: FlowReq) -> Any:
         """A run's code starts or steers a flow (the REPL's flow_* helpers)."""
         if msg.op == "run":
+            from brood.flow.load import load_spec
+
             loaded = load_spec(msg.spec or "")
             inputs = json.loads(msg.inputs or "{}")
             adopted = self._core.adopt_flow(run)

@@ -20,6 +20,7 @@ __all__ = [
     "InvalidSpec",
     "LimitExceeded",
     "ModelError",
+    "RayMissing",
     "ReplayDiverged",
     "StaleHandle",
     "StoreError",
@@ -179,6 +180,10 @@ class UnknownRun(StoreError, LookupError):
 
 class BackendError(BroodError):
     """A backend could not start, signal or reap a worker."""
+
+
+class RayMissing(BroodError, ImportError):
+    """Ray is not installed; `brood.Cluster` needs the optional extra `[ray]`."""
 
 
 class ConfinementError(BroodError):

@@ -1,0 +1,717 @@
+"""Past one machine: trees placed on the nodes of a Ray cluster (DESIGN.md section 13).
+
+`Cluster` has the `Supervisor` API. On each Ray node it starts one node agent, a Ray actor
+pinned to that node, which hosts an ordinary `Supervisor`: a tree is placed whole on the
+least loaded agent and its children start locally there, with the local spawn latency,
+limits and confirmed cleanup. Ray is used for what it is good at (membership, placement,
+failure detection), not for children: an actor costs ~300 ms of CPU to start, a local
+child ~3 ms.
+
+The journal is one store shared by every node (Postgres; a SQLite file only on a single
+node). When an agent dies (Ray reports the actor or its node dead), the cluster revokes
+that agent's lease in the journal and resumes each of its unfinished trees on a surviving
+agent with `Supervisor.resume`: replay from the journal, children adopted by key. The
+trees' handles keep working; they now point at the new agent.
+
+Ray is imported only when a `Cluster` is made: `import brood` never imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import cloudpickle
+
+from brood.api import RunResult, _check_timeout
+from brood.errors import (
+    BackendError,
+    BroodError,
+    ChildCleanupError,
+    ChildFailed,
+    InvalidArgument,
+    RayMissing,
+    ReplayDiverged,
+    StaleHandle,
+    StoreError,
+    SupervisorClosed,
+)
+from brood.lifecycle import RunState
+from brood.limits import Limits
+from brood.store.base import open_store, redact
+
+if TYPE_CHECKING:
+    from brood.api import RunHandle, Supervisor
+    from brood.models.base import Model
+
+__all__ = ["Cluster", "ClusterHandle"]
+
+ADDRESS_CHECK_S = 3.0  # a TCP connect to the GCS; a bare ray.init retries for minutes
+AGENT_START_S = 120.0  # an agent's supervisor starts its zygote; a loaded machine is slow
+CALL_S = 60.0  # a call to an agent that does not wait on a run (spawn, status, cancel)
+CLOSE_S = 120.0  # an agent's close: cancel its runs, confirm every exit (escalation incl.)
+MONITOR_S = 0.5  # how often the cluster asks each agent whether it is alive
+PING_S = 10.0  # a ping unanswered this long is not a death: Ray's detector decides that
+WAIT_SLACK_S = 10.0  # an agent's bounded wait may return this much after its timeout
+AGENT_CONCURRENCY = 1000  # blocked waits each hold one of an agent's threads
+
+INSTALL_HINT = "pip install 'rlm-brood[ray]'"
+TERMINAL = frozenset(s.value for s in RunState if s.terminal)
+
+
+def _import_ray() -> Any:
+    try:
+        import ray
+    except ImportError as exc:
+        raise RayMissing(
+            f"brood.Cluster runs on Ray, which is not installed here: {INSTALL_HINT}"
+        ) from exc
+    return ray
+
+
+def _check_address(address: str) -> None:
+    """Refuse a Ray address that does not answer, within seconds.
+
+    A bare `ray.init` to a wrong port keeps retrying for minutes; a TCP connect to the GCS
+    port tells at once whether anything listens there. `auto` (Ray's own discovery of a
+    local cluster) is left to Ray.
+    """
+    if address == "auto":
+        return
+    hostport = address.split("://", 1)[1] if "://" in address else address
+    host, sep, port_text = hostport.rpartition(":")
+    if not sep or not host or not port_text.isdigit():
+        raise InvalidArgument(
+            f"ray_address must be HOST:PORT (the head node's GCS, e.g. 10.0.0.5:6379), "
+            f"ray://HOST:PORT or 'auto'; got {address!r}"
+        )
+    try:
+        with socket.create_connection((host, int(port_text)), timeout=ADDRESS_CHECK_S):
+            pass
+    except OSError as exc:
+        raise BackendError(
+            f"no Ray cluster answers at ray_address {address!r} ({exc}); start one with "
+            "`ray start --head` and pass the address it prints, or pass ray_address=None "
+            "to start a local Ray instance"
+        ) from exc
+
+
+def _shared_store(url: str) -> str:
+    """The journal URL as every agent must see it. A shared one is opened here first: a
+    store this process cannot open fails now with the store's own message, not once per
+    node, and a fresh journal's schema is made once, before the agents open it."""
+    scheme, _, rest = url.partition("://")
+    if scheme == "sqlite":
+        path = rest[1:] if rest.startswith("/") else rest
+        if path in ("", ":memory:"):
+            raise InvalidArgument(
+                f"store {url!r} is a private temporary journal; a cluster needs one its "
+                "nodes share: store='postgresql://USER@HOST/DB' (or a SQLite file on one node)"
+            )
+        # An agent's working directory is Ray's, not this process's. (Not opened here: on
+        # several nodes it is refused, and that is known only once Ray is.)
+        return f"sqlite:///{os.path.abspath(path)}"
+    open_store(url).close()
+    return url
+
+
+# ---- the node agent (a Ray actor) -------------------------------------------------------
+
+
+class NodeAgent:
+    """One per Ray node: an ordinary `Supervisor` and the handles of its trees by run id.
+
+    Runs as a threaded Ray actor: a blocked `wait` holds one thread, so spawns, statuses
+    and cancels go on beside it. Errors are returned as values, not raised, so the cluster
+    rebuilds brood's own exceptions (with their fields) rather than Ray's wrappers.
+    """
+
+    def __init__(self, model_blob: bytes, store: str, limits: Limits | None) -> None:
+        from brood.api import Supervisor
+
+        self.sup: Supervisor = Supervisor(cloudpickle.loads(model_blob), store=store, limits=limits)
+        self.handles: dict[str, RunHandle] = {}
+        self.lock = threading.Lock()
+
+    def info(self) -> dict[str, Any]:
+        import ray
+
+        return {
+            "token": self.sup._core.owner,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+        }
+
+    def ping(self) -> bool:
+        return True
+
+    def spawn(self, prompt: str, context: Any, timeout: float | None) -> str:
+        handle = self.sup.spawn(prompt, context=context, timeout=timeout)
+        with self.lock:
+            self.handles[handle.id] = handle
+        return handle.id
+
+    def resume(self, root_id: str) -> str:
+        handle = self.sup.resume(root_id)
+        with self.lock:
+            self.handles[handle.id] = handle
+        return handle.id
+
+    def _handle(self, run_id: str) -> RunHandle:
+        with self.lock:
+            return self.handles[run_id]
+
+    def wait(self, run_id: str, timeout: float | None) -> tuple[str, Any, Any]:
+        """("timeout", message, None) or ("ended", RunResult, (error class, message) or None)."""
+        handle = self._handle(run_id)
+        try:
+            result = handle.wait_result(timeout)
+        except TimeoutError as exc:
+            return ("timeout", str(exc), None)
+        try:
+            handle.result()
+        except BroodError as exc:
+            return ("ended", result, (type(exc).__name__, str(exc)))
+        return ("ended", result, None)
+
+    def status(self, run_id: str) -> str:
+        return self._handle(run_id).status()
+
+    def cancel(self, run_id: str) -> str:
+        return self._handle(run_id).cancel()
+
+    def statistics(self) -> dict[str, Any]:
+        return self.sup.statistics()
+
+    def close(self) -> dict[str, Any]:
+        """Close the supervisor; report what could not be confirmed gone (pids, error)."""
+        from brood.backends.owners import processes_owned
+
+        mark = getattr(self.sup._backend, "owner", None)
+        error, pids = None, []
+        try:
+            self.sup.close()
+        except ChildCleanupError as exc:
+            error, pids = str(exc), list(exc.pids)
+        except BroodError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        if mark:  # the backend's own sweep ran; this is the confirmation, read from /proc
+            pids += [p for p, m in processes_owned().items() if m == mark and p not in pids]
+        return {"error": error, "pids": sorted(pids)}
+
+
+class _Agent:
+    """The cluster's view of one node agent."""
+
+    def __init__(self, actor: Any, info: dict[str, Any]) -> None:
+        self.actor = actor
+        self.token: str = info["token"]
+        self.pid: int = info["pid"]
+        self.host: str = info["host"]
+        self.node_id: str = info["node_id"]
+        self.placed = 0  # trees placed here by this cluster: the tie-break of placement
+        self.dead = False
+
+    def __repr__(self) -> str:
+        return f"<agent pid {self.pid} on node {self.node_id[:12]}>"
+
+
+class _AgentLost(Exception):
+    def __init__(self, agent: _Agent) -> None:
+        super().__init__(f"{agent} died")
+        self.agent = agent
+
+
+_ERRORS: dict[str, type[BroodError]] = {
+    "ReplayDiverged": ReplayDiverged,
+    "StoreError": StoreError,
+    "StaleHandle": StaleHandle,
+}
+
+
+# ---- the cluster --------------------------------------------------------------------------
+
+
+class Cluster:
+    """Runs trees on the nodes of a Ray cluster, one node agent (a `Supervisor`) per node.
+
+    `model` is a spec string or a picklable model (a `brood.Model`, a chat_fn): every agent
+    gets its own copy. `store` is the journal URL every node writes to: a Postgres URL, or
+    a SQLite file when the cluster has a single node. `ray_address` is the head node's
+    HOST:PORT (checked to answer within seconds); None uses the Ray this process is
+    connected to, or starts a local one. `limits` apply per tree, in the agent holding it.
+
+    A tree is placed whole on the agent with the fewest live runs. When an agent dies, its
+    unfinished trees are resumed from the journal on a surviving agent; their handles keep
+    working. `close()` (or leaving the `with` block) cancels what is still running and
+    confirms every worker's exit on every node; it raises ChildCleanupError naming the
+    nodes and pids it could not confirm.
+    """
+
+    def __init__(
+        self,
+        model: str | Callable[..., Any] | Model,
+        *,
+        store: str,
+        ray_address: str | None = None,
+        limits: Limits | None = None,
+    ) -> None:
+        if not isinstance(store, str) or not store:
+            raise InvalidArgument(
+                "store is required: the journal every node writes to, e.g. "
+                "store='postgresql://USER@HOST/DB' (a SQLite file only on a single node)"
+            )
+        if limits is not None and not isinstance(limits, Limits):
+            raise InvalidArgument(f"limits must be brood.Limits(...), got {type(limits).__name__}")
+        if ray_address is not None and not isinstance(ray_address, str):
+            raise InvalidArgument(
+                f"ray_address must be 'HOST:PORT' or None, got {type(ray_address).__name__}"
+            )
+        try:
+            model_blob = cloudpickle.dumps(model)
+        except Exception as exc:
+            raise InvalidArgument(
+                f"model cannot be pickled for the node agents ({exc}); pass a spec string "
+                "like 'openai:MODEL@URL' or a picklable model"
+            ) from exc
+        store = _shared_store(store)
+        ray = _import_ray()
+        self._ray = ray
+        self._store_url = store
+        self._closed = False
+        self._lock = threading.RLock()
+        self._agents: list[_Agent] = []
+        self._trees: dict[str, _Agent] = {}  # root id -> the agent running it now
+        self._lost: dict[str, str] = {}  # root id -> why it could not be resumed
+        self._pending: list[Any] = []  # actors started, not yet answering
+        self._started_ray = False
+        if ray_address is not None:
+            _check_address(ray_address)
+        if ray.is_initialized():
+            current = ray.get_runtime_context().gcs_address
+            if ray_address not in (None, "auto", current):
+                raise BackendError(
+                    f"this process is already connected to the Ray cluster at {current}, "
+                    f"not {ray_address!r}; pass ray_address=None to use it, or "
+                    "ray.shutdown() first"
+                )
+        else:
+            ray.init(address=ray_address)
+            self._started_ray = True
+        try:
+            nodes = [n for n in ray.nodes() if n.get("Alive")]
+            scheme = store.partition("://")[0]
+            if scheme == "sqlite" and len(nodes) > 1:
+                raise InvalidArgument(
+                    f"store {redact(store)!r} is a SQLite file, which only one machine can "
+                    f"write; this Ray cluster has {len(nodes)} nodes: use a Postgres journal "
+                    "(store='postgresql://USER@HOST/DB') that every node can reach"
+                )
+            self._start_agents(model_blob, limits, [n["NodeID"] for n in nodes])
+        except BaseException:
+            self._stop_agents()
+            if self._started_ray:
+                ray.shutdown()
+            raise
+        self._stop_monitor = threading.Event()
+        self._monitor = threading.Thread(target=self._watch, name="brood-cluster", daemon=True)
+        self._monitor.start()
+
+    def _start_agents(self, model_blob: bytes, limits: Limits | None, node_ids: list[str]) -> None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        remote = self._ray.remote(NodeAgent)
+        actors = [
+            remote.options(
+                num_cpus=0,  # an agent waits; its CPUs are its workers', not Ray's to hold
+                max_concurrency=AGENT_CONCURRENCY,
+                max_restarts=0,  # a dead agent's trees are resumed elsewhere, from the journal
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+            ).remote(model_blob, self._store_url, limits)
+            for node_id in node_ids
+        ]
+        # Kept before they answer, so a failure below still kills every one of them.
+        self._pending = actors
+        try:
+            infos = self._ray.get([a.info.remote() for a in actors], timeout=AGENT_START_S)
+        except self._ray.exceptions.GetTimeoutError as exc:
+            raise BackendError(
+                f"the node agents did not start within {AGENT_START_S} s; is the store "
+                f"{redact(self._store_url)!r} reachable from every node?"
+            ) from exc
+        except self._ray.exceptions.RayError as exc:
+            raise BackendError(
+                f"a node agent could not start: {_cause(exc)}\n(the model is unpickled on "
+                "every node: what it refers to must be importable there)"
+            ) from exc
+        self._agents = [_Agent(a, i) for a, i in zip(actors, infos, strict=True)]
+        self._pending = []
+
+    def _stop_agents(self) -> None:
+        for actor in [*self._pending, *(a.actor for a in self._agents)]:
+            with contextlib.suppress(Exception):
+                self._ray.kill(actor)
+
+    # ---- calls to agents -------------------------------------------------------------
+    def _call(self, agent: _Agent, method: str, *args: Any, timeout: float | None = CALL_S) -> Any:
+        """Call an agent's method: brood's error for a refusal, _AgentLost for a dead agent,
+        TimeoutError when it does not answer within `timeout`."""
+        ray = self._ray
+        try:
+            return ray.get(getattr(agent.actor, method).remote(*args), timeout=timeout)
+        except ray.exceptions.RayActorError as exc:
+            raise _AgentLost(agent) from exc
+        except ray.exceptions.GetTimeoutError as exc:
+            raise TimeoutError(f"{agent} did not answer {method} within {timeout} s") from exc
+        except ray.exceptions.RayTaskError as exc:
+            cause = _cause(exc)
+            if isinstance(cause, Exception):
+                raise cause from None
+            raise BackendError(f"{agent}: {method} failed: {exc}") from exc
+
+    def _live(self) -> list[_Agent]:
+        with self._lock:
+            return [a for a in self._agents if not a.dead]
+
+    def _place(self) -> _Agent:
+        """The agent with the fewest live runs (by the agents' own statistics); ties go to
+        the one this cluster placed fewest trees on."""
+        while True:
+            agents = self._live()
+            if not agents:
+                raise BackendError("no node agent is alive: every node of the cluster was lost")
+            refs = [a.actor.statistics.remote() for a in agents]
+            loads = []
+            for agent, ref in zip(agents, refs, strict=True):
+                try:
+                    stats = self._ray.get(ref, timeout=CALL_S)
+                except self._ray.exceptions.RayActorError:
+                    self._recover(agent)
+                    break
+                live = sum(n for s, n in stats["runs"].items() if s not in TERMINAL)
+                loads.append((live + stats["queued"], agent.placed, agent))
+            else:
+                return min(loads, key=lambda t: t[:2])[2]
+
+    def _agent_of(self, root_id: str) -> _Agent | None:
+        """The agent running tree `root_id` now; None when the tree ended with a lost agent
+        (its outcome is in the journal). Raises when it was lost and could not be resumed."""
+        with self._lock:
+            if root_id in self._lost:
+                raise BackendError(f"tree {root_id} was lost with its node: {self._lost[root_id]}")
+            agent = self._trees[root_id]
+            return None if agent.dead else agent
+
+    # ---- node loss ---------------------------------------------------------------------
+    def _watch(self) -> None:
+        """Find dead agents even when no handle is being used, and resume their trees."""
+        while not self._stop_monitor.wait(MONITOR_S):
+            for agent in self._live():
+                try:
+                    self._ray.get(agent.actor.ping.remote(), timeout=PING_S)
+                except self._ray.exceptions.RayActorError:
+                    with contextlib.suppress(Exception):  # kept on self._lost per tree
+                        self._recover(agent)
+                except Exception:
+                    continue  # slow or shutting down: Ray's failure detector decides
+
+    def _recover(self, agent: _Agent) -> None:
+        """`agent` died: revoke its lease and resume its unfinished trees elsewhere. Once
+        per agent; a caller that comes second waits here until the first is done."""
+        with self._lock:
+            if agent.dead or self._closed:
+                return
+            agent.dead = True
+            mine = [root for root, a in self._trees.items() if a is agent]
+            handled: list[str] = []
+            try:
+                store = open_store(self._store_url)
+            except Exception as exc:
+                for root_id in mine:
+                    self._lost[root_id] = f"{agent} died and the journal could not be opened: {exc}"
+                return
+            try:
+                # Its supervisor cannot renew any more; revoking makes the trees resumable
+                # now rather than when the lease would lapse (lease.LEASE_S).
+                store.revoke_lease(agent.token).result(timeout=CALL_S)
+                for root_id in mine:
+                    if store.get_run(root_id)["state"] not in TERMINAL:
+                        self._resume_elsewhere(root_id)
+                    # (else it ended before the node did: the journal has its outcome)
+                    handled.append(root_id)
+            except Exception as exc:  # every tree not handled yet is lost, and says why
+                for root_id in mine:
+                    if root_id not in handled:
+                        self._lost.setdefault(
+                            root_id, f"{agent} died and its tree could not be resumed: {exc}"
+                        )
+            finally:
+                store.close()
+
+    def _resume_elsewhere(self, root_id: str) -> None:
+        for _ in range(len(self._agents)):
+            try:
+                target = self._place()
+            except BackendError as exc:
+                self._lost[root_id] = str(exc)
+                return
+            try:
+                self._call(target, "resume", root_id)
+            except _AgentLost:
+                self._recover(target)  # nested: this tree is not in its list yet
+                continue
+            except Exception as exc:
+                self._lost[root_id] = f"resume on {target} failed: {type(exc).__name__}: {exc}"
+                return
+            self._trees[root_id] = target
+            target.placed += 1
+            return
+        self._lost[root_id] = "every node agent died"
+
+    # ---- the Supervisor API ----------------------------------------------------------
+    def spawn(
+        self, prompt: str, *, context: Any = None, timeout: float | None = None
+    ) -> ClusterHandle:
+        """Place a new tree on the least loaded node and return its handle at once.
+        `timeout` is the root's wall-clock seconds (a number > 0, or None)."""
+        self._check_open()
+        _check_timeout(timeout)
+        if context is not None:
+            try:
+                cloudpickle.dumps(context)
+            except Exception as exc:
+                raise InvalidArgument(f"context cannot be pickled: {exc}") from exc
+        for _ in range(len(self._agents)):
+            agent = self._place()
+            try:
+                run_id = self._call(agent, "spawn", prompt, context, timeout)
+            except _AgentLost:
+                self._recover(agent)
+                continue
+            with self._lock:
+                self._trees[run_id] = agent
+                agent.placed += 1
+            return ClusterHandle(self, run_id)
+        raise BackendError("no node agent could start the tree: each died while asked to")
+
+    def run(self, prompt: str, *, context: Any = None, timeout: float | None = None) -> RunResult:
+        """Run a tree to its end on the cluster; never raises for a failed run."""
+        return self.spawn(prompt, context=context, timeout=timeout).wait_result()
+
+    def resume(self, run_id: str) -> ClusterHandle:
+        """Resume the crashed tree `run_id` belongs to on the least loaded node (refused as
+        `Supervisor.resume` refuses: unknown, ended, or still owned by a live supervisor)."""
+        self._check_open()
+        store = open_store(self._store_url, readonly=True)
+        try:
+            root_id = store.get_run(run_id)["root_id"]
+        finally:
+            store.close()
+        agent = self._place()
+        try:
+            self._call(agent, "resume", root_id)
+        except _AgentLost:
+            self._recover(agent)
+            raise BackendError(f"{agent} died while resuming tree {root_id}; try again")
+        with self._lock:
+            self._trees[root_id] = agent
+            agent.placed += 1
+        return ClusterHandle(self, root_id)
+
+    def statistics(self) -> dict[str, Any]:
+        """A snapshot: `nodes` = {node id: the agent's `Supervisor.statistics()` plus its
+        host, pid and trees}, `lost_nodes` (ids), and `totals` (runs by state, free slots,
+        queued, workers) over the live nodes."""
+        self._check_open()
+        nodes: dict[str, Any] = {}
+        totals: dict[str, Any] = {
+            "runs": {},
+            "free_slots": 0,
+            "queued": 0,
+            "workers": {"runs": 0, "warm": 0, "memory_bytes": 0},
+        }
+        for agent in self._live():
+            try:
+                stats = self._call(agent, "statistics")
+            except _AgentLost:
+                self._recover(agent)
+                continue
+            with self._lock:
+                trees = sorted(r for r, a in self._trees.items() if a is agent)
+            nodes[agent.node_id] = stats | {"host": agent.host, "pid": agent.pid, "trees": trees}
+            for state, n in stats["runs"].items():
+                totals["runs"][state] = totals["runs"].get(state, 0) + n
+            totals["free_slots"] += stats["free_slots"]
+            totals["queued"] += stats["queued"]
+            for k in totals["workers"]:
+                totals["workers"][k] += stats["workers"][k]
+        with self._lock:
+            lost = [a.node_id for a in self._agents if a.dead]
+        return {"nodes": nodes, "lost_nodes": lost, "totals": totals}
+
+    def close(self) -> None:
+        """Cancel every tree still going and confirm every worker's exit on every node,
+        then stop the agents (and Ray, if this cluster started it).
+
+        Raises ChildCleanupError naming each node and the pids it could not confirm gone.
+        """
+        if self._closed:
+            return
+        self._stop_monitor.set()
+        self._monitor.join(PING_S + MONITOR_S)
+        with self._lock:
+            self._closed = True
+            agents = [a for a in self._agents if not a.dead]
+        refs = [a.actor.close.remote() for a in agents]
+        failures: list[str] = []
+        pids: list[int] = []
+        for agent, ref in zip(agents, refs, strict=True):
+            try:
+                report = self._ray.get(ref, timeout=CLOSE_S)
+            except self._ray.exceptions.RayActorError:
+                continue  # died while closing: its node's processes went with it
+            except Exception as exc:
+                failures.append(
+                    f"node {agent.node_id} ({agent.host}, agent pid {agent.pid}): {exc}"
+                )
+                continue
+            if report["pids"] or report["error"]:
+                pids += report["pids"]
+                failures.append(
+                    f"node {agent.node_id} ({agent.host}, agent pid {agent.pid}): pids "
+                    f"{report['pids']} not confirmed gone"
+                    + (f" ({report['error']})" if report["error"] else "")
+                )
+        self._stop_agents()
+        if self._started_ray:
+            self._ray.shutdown()
+        if failures:
+            raise ChildCleanupError(
+                "the exit of some workers could not be confirmed: "
+                + "; ".join(failures)
+                + "; kill them by pid on those nodes",
+                pids=pids,
+            )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SupervisorClosed("the cluster is closed; make a new one")
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The exception an actor raised, out of Ray's wrapper."""
+    return getattr(exc, "cause", None) or exc
+
+
+class ClusterHandle:
+    """A tree started by `Cluster.spawn` (or resumed by `Cluster.resume`). It follows its
+    tree when a node is lost and the tree is resumed on another. Used after the cluster's
+    close it raises StaleHandle."""
+
+    def __init__(self, cluster: Cluster, run_id: str) -> None:
+        self._cluster = cluster
+        self.id = run_id
+
+    def __repr__(self) -> str:
+        return f"<ClusterHandle {self.id}>"
+
+    def _agent(self) -> _Agent | None:
+        if self._cluster._closed:
+            raise StaleHandle(f"handle {self.id} belongs to a cluster that was closed")
+        return self._cluster._agent_of(self.id)
+
+    @property
+    def node_id(self) -> str | None:
+        """The Ray node the tree runs on now (None once it ended with a lost node)."""
+        agent = self._agent()
+        return agent.node_id if agent is not None else None
+
+    def _journaled(self) -> RunResult:
+        store = open_store(self._cluster._store_url, readonly=True)
+        try:
+            row = store.get_run(self.id)
+        finally:
+            store.close()
+        error = None if row["state"] == RunState.COMPLETED.value else row["reason"]
+        return RunResult(row["id"], row["state"], row["answer"], error, row["usage"])
+
+    def status(self) -> str:
+        """The tree's root's state; does not wait on the run."""
+        while True:
+            agent = self._agent()
+            if agent is None:
+                return self._journaled().state
+            try:
+                return str(self._cluster._call(agent, "status", self.id))
+            except _AgentLost:
+                self._cluster._recover(agent)
+
+    @property
+    def done(self) -> bool:
+        return self.status() in TERMINAL
+
+    def cancel(self) -> str:
+        """Cancel the tree; returns once every exit is confirmed on its node."""
+        while True:
+            agent = self._agent()
+            if agent is None:
+                return self._journaled().state
+            try:
+                return str(self._cluster._call(agent, "cancel", self.id, timeout=CLOSE_S))
+            except _AgentLost:
+                self._cluster._recover(agent)
+
+    def _wait(self, timeout: float | None) -> tuple[RunResult, Any]:
+        _check_timeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            agent = self._agent()
+            if agent is None:
+                return self._journaled(), None
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                kind, value, error = self._cluster._call(
+                    agent,
+                    "wait",
+                    self.id,
+                    left or (None if deadline is None else 1e-3),
+                    timeout=None if left is None else left + WAIT_SLACK_S,
+                )
+            except _AgentLost:
+                self._cluster._recover(agent)  # the tree goes on elsewhere: wait there
+                continue
+            if kind == "timeout":
+                raise TimeoutError(value)
+            return value, error
+
+    def wait_result(self, timeout: float | None = None) -> RunResult:
+        """Block until the tree's root ends and return how it ended (never raises for a run
+        that did not complete). On timeout raises TimeoutError and the run keeps running."""
+        return self._wait(timeout)[0]
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Block until the tree's root ends and return its answer; raises ChildFailed if it
+        did not complete. On timeout raises TimeoutError and the run keeps running."""
+        result, error = self._wait(timeout)
+        if result.state == RunState.COMPLETED.value:
+            return result.answer or ""
+        if error is not None and error[0] in _ERRORS:
+            raise _ERRORS[error[0]](error[1])
+        raise ChildFailed(
+            f"run {self.id} {result.state}: {result.error}",
+            run_id=self.id,
+            status=result.state,
+            reason=result.error,
+        )

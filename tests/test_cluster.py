@@ -1,0 +1,353 @@
+"""brood.Cluster on a real Ray cluster of two nodes on this machine, with a Postgres journal.
+
+The Ray cluster is started once for the module (about 12 s here) and shut down at its end.
+The autouse leak check of conftest.py looks for processes whose brood owner is this test
+process; the node agents' workers are owned by the agents' processes, so each test here
+checks those itself, by the agents' pids, after close().
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+import cloudpickle  # noqa: E402
+
+import brood  # noqa: E402
+from brood.backends.owners import processes_of  # noqa: E402
+from brood.errors import RayMissing  # noqa: E402
+from brood.models.scripted import read_log  # noqa: E402
+from brood.store.base import open_store  # noqa: E402
+from tests.util import FAST  # noqa: E402
+
+# The scripted replies below are functions of this module, which Ray's workers cannot
+# import: pickle them by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+FENCE = "```"
+BOUND_S = 60.0  # every poll in these tests gives up after this long
+
+
+def repl(code: str) -> str:
+    return f"{FENCE}repl\n{code}\n{FENCE}"
+
+
+ROOT = [
+    repl("h = rlm_spawn('child A: count')\nr = rlm_query('child B: slow')\nprint(r)"),
+    repl("FINAL(rlm_wait(h) + '|' + r)"),
+]
+CHILD_A = [repl("FINAL('A done')")]
+
+
+def poll(check, what: str, bound: float = BOUND_S):
+    """Poll `check()` until it returns something true; fail naming `what` after `bound` s."""
+    deadline = time.monotonic() + bound
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.05)
+    pytest.fail(f"{what}: not seen within {bound} s")
+
+
+def pid_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def assert_nothing_left(agent_pids: list[int]) -> None:
+    """No brood process of any agent is left; each agent process itself has exited."""
+    poll(lambda: not [p for a in agent_pids for p in processes_of(a)], "agents' workers gone")
+    poll(lambda: all(pid_gone(p) for p in agent_pids), "agent processes gone")
+
+
+def tree_model(tmp_path: Path) -> brood.ScriptedModel:
+    """A root that starts children A and B and waits for both. Child B's model call
+    announces itself (file `in-b-PID`, PID the agent's) and answers only in an agent whose
+    pid has a `release-PID` file: the test releases the agents it chooses."""
+    folder = str(tmp_path)
+
+    def child_b(messages):
+        open(os.path.join(folder, f"in-b-{os.getpid()}"), "w").close()
+        release = os.path.join(folder, f"release-{os.getpid()}")
+        deadline = time.monotonic() + BOUND_S
+        while not os.path.exists(release) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return repl("FINAL('B done')")
+
+    return brood.ScriptedModel(
+        {"root": ROOT, "child A": CHILD_A, "child B": [child_b]},
+        log_path=tmp_path / "calls.jsonl",  # key, turn and pid (the agent's) of each call
+    )
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[object]:
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
+    )
+    try:
+        cluster.add_node(num_cpus=1)
+        ray.init(address=cluster.address, log_to_driver=False)
+        cluster.wait_for_nodes()
+        yield cluster
+    finally:
+        ray.shutdown()
+        nodes = [cluster.head_node, *cluster.worker_nodes]
+        pids = [
+            info.process.pid
+            for node in nodes
+            if node is not None
+            for infos in node.all_processes.values()
+            for info in infos
+            if info.process is not None
+        ]
+        cluster.shutdown()
+        # Ray's own processes (GCS, raylets, their workers) are gone before the next module.
+        poll(lambda: all(pid_gone(p) for p in pids), "Ray's processes gone")
+
+
+def agent_pids(cluster: brood.Cluster) -> list[int]:
+    return [n["pid"] for n in cluster.statistics()["nodes"].values()]
+
+
+def test_trees_are_placed_on_different_nodes_and_close_leaves_nothing(
+    ray_cluster, fresh_pg_url, tmp_path
+):
+    model = tree_model(tmp_path)
+    with brood.Cluster(model, store=fresh_pg_url, limits=FAST) as cluster:
+        pids = agent_pids(cluster)
+        assert len(pids) == 2
+        for pid in pids:
+            (tmp_path / f"release-{pid}").touch()
+        handles = [cluster.spawn(f"root task {i}") for i in range(2)]
+        nodes = {h.node_id for h in handles}
+        assert len(nodes) == 2, "two trees on an idle two-node cluster go to both nodes"
+        for h in handles:
+            assert h.wait(timeout=BOUND_S) == "A done|B done"
+            assert h.status() == "completed"
+        result = cluster.run("root task 3")
+        assert (result.state, result.answer) == ("completed", "A done|B done")
+        # An agent's refusal arrives as brood's own error, not Ray's wrapper of it.
+        with pytest.raises(brood.BroodError, match="has nothing to resume"):
+            cluster.resume(result.run_id)
+        with pytest.raises(brood.UnknownRun):
+            cluster.resume("r-nosuchrun")
+        stats = cluster.statistics()
+        assert set(stats["nodes"]) == nodes
+        assert stats["totals"]["runs"]["completed"] == 9
+        # The journal names each tree's owner: two supervisors, each with its tree whole.
+        store = open_store(fresh_pg_url, readonly=True)
+        try:
+            owners = {h.id: {r["supervisor"] for r in store.runs(h.id)} for h in handles}
+        finally:
+            store.close()
+    assert all(len(o) == 1 for o in owners.values())
+    assert len(set().union(*owners.values())) == 2
+    assert_nothing_left(pids)
+
+
+def test_cancel_and_a_failed_root_through_the_cluster(ray_cluster, fresh_pg_url, tmp_path):
+    model = tree_model(tmp_path)  # nothing released: child B waits
+    with brood.Cluster(model, store=fresh_pg_url, limits=FAST) as cluster:
+        pids = agent_pids(cluster)
+        h = cluster.spawn("root task")
+        poll(lambda: list(tmp_path.glob("in-b-*")), "child B's model call")
+        with pytest.raises(TimeoutError, match="keeps running"):
+            h.wait(timeout=0.2)
+        assert h.cancel() == "cancelled"
+        with pytest.raises(brood.ChildFailed) as info:
+            h.wait(timeout=BOUND_S)
+        assert info.value.status == "cancelled"
+        failed = cluster.run("no such key")
+        assert failed.state == "failed" and "ScriptedModel" in (failed.error or "")
+    assert_nothing_left(pids)
+    with pytest.raises(brood.StaleHandle):
+        h.status()
+    with pytest.raises(brood.SupervisorClosed):
+        cluster.spawn("root task")
+
+
+def test_a_node_removed_mid_tree_is_resumed_on_the_other_node(ray_cluster, fresh_pg_url, tmp_path):
+    model = tree_model(tmp_path)
+    head = ray_cluster.head_node
+    with brood.Cluster(model, store=fresh_pg_url, limits=FAST) as cluster:
+        stats = cluster.statistics()["nodes"]
+        head_id = next(n for n in stats if n == head.node_id)
+        survivor_pid = stats[head_id]["pid"]
+        lost_pid = next(s["pid"] for n, s in stats.items() if n != head_id)
+        (tmp_path / f"release-{survivor_pid}").touch()  # only the head answers child B
+        # An idle cluster places its first two trees on both nodes: take the other one's.
+        handles = [cluster.spawn(f"root task {i}") for i in range(2)]
+        h = next(h for h in handles if h.node_id != head_id)
+        poll(lambda: (tmp_path / f"in-b-{lost_pid}").exists(), "child B's call on the lost node")
+        other = next(n for n in ray_cluster.worker_nodes if n.node_id != head_id)
+        ray_cluster.remove_node(other)
+        assert h.wait(timeout=BOUND_S) == "A done|B done"
+        assert h.node_id == head_id
+        assert cluster.statistics()["lost_nodes"] == [other.node_id]
+        for g in handles:
+            assert g.wait(timeout=BOUND_S) == "A done|B done"
+        store = open_store(fresh_pg_url, readonly=True)
+        try:
+            runs = store.runs(h.id)
+            events = [e["kind"] for e in store.events(h.id)]
+        finally:
+            store.close()
+    # One child per key: adopted on the resume, none started twice.
+    children = sorted((r["key"], r["state"]) for r in runs if r["parent_id"])
+    assert children == [("1:0", "completed"), ("1:1", "completed")]
+    assert "resume" in events
+    # No recorded model call was made again: the survivor asked the root's first turn once,
+    # for its own tree; the resumed tree's first turn was replayed from the journal.
+    on_survivor = [
+        (c["key"], c["turn"])
+        for c in read_log(tmp_path / "calls.jsonl")
+        if c["pid"] == survivor_pid
+    ]
+    assert on_survivor.count(("root", 0)) == 1
+    assert on_survivor.count(("root", 1)) == 2
+    assert on_survivor.count(("child B", 0)) == 2
+    assert_nothing_left([survivor_pid])
+    # The lost node's processes went with it (Ray killed its workers); nothing of it stays.
+    assert_nothing_left([lost_pid])
+    ray_cluster.add_node(num_cpus=1)  # the next tests get two nodes again
+    ray_cluster.wait_for_nodes()
+
+
+def test_a_wrong_address_is_refused_within_seconds(fresh_pg_url):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free once closed: nothing listens there
+    start = time.monotonic()
+    with pytest.raises(
+        brood.BackendError, match=f"no Ray cluster answers at ray_address '127.0.0.1:{port}'"
+    ):
+        brood.Cluster("scripted:demo", store=fresh_pg_url, ray_address=f"127.0.0.1:{port}")
+    assert time.monotonic() - start < 10
+    with pytest.raises(brood.InvalidArgument, match="ray_address must be HOST:PORT"):
+        brood.Cluster("scripted:demo", store=fresh_pg_url, ray_address="nowhere")
+
+
+def test_a_store_this_process_cannot_open_is_refused_before_ray(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # refused before Ray is even imported
+    with pytest.raises(brood.StoreError, match="cannot open journal postgres"):
+        brood.Cluster("scripted:demo", store="postgresql://u@/brood?host=/nonexistent")
+    with pytest.raises(brood.InvalidArgument, match="private temporary journal"):
+        brood.Cluster("scripted:demo", store="sqlite:///:memory:")
+
+
+def test_sqlite_is_refused_on_two_nodes_and_store_is_required(ray_cluster, tmp_path):
+    url = f"sqlite:///{tmp_path}/j.db"
+    with pytest.raises(brood.InvalidArgument, match=r"SQLite file.*2 nodes: use a Postgres"):
+        brood.Cluster("scripted:demo", store=url)
+    with pytest.raises(brood.InvalidArgument, match="store is required"):
+        brood.Cluster("scripted:demo", store=None)  # type: ignore[arg-type]
+    lock = threading.Lock()
+
+    def chat(messages):  # holds a lock: it cannot be pickled for the agents
+        with lock:
+            return "FINAL('x')"
+
+    with pytest.raises(brood.InvalidArgument, match="model cannot be pickled"):
+        brood.Cluster(chat, store=url)
+
+
+def test_the_address_of_the_connected_cluster_is_accepted(ray_cluster, fresh_pg_url, tmp_path):
+    model = tree_model(tmp_path)
+    with brood.Cluster(model, store=fresh_pg_url, ray_address=ray_cluster.address) as cluster:
+        pids = agent_pids(cluster)
+        assert len(pids) == 2
+    assert_nothing_left(pids)
+
+
+def test_without_ray_the_error_says_what_to_install(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    with pytest.raises(RayMissing, match=r"pip install 'rlm-brood\[ray\]'"):
+        brood.Cluster("scripted:demo", store=f"sqlite:///{tmp_path}/j.db")
+    assert issubclass(RayMissing, ImportError) and issubclass(RayMissing, brood.BroodError)
+
+
+def test_a_killed_agent_on_a_live_node_has_its_tree_resumed_and_leaves_nothing(
+    ray_cluster, fresh_pg_url, tmp_path
+):
+    model = tree_model(tmp_path)
+    with brood.Cluster(model, store=fresh_pg_url, limits=FAST) as cluster:
+        agents = {a.pid: a for a in cluster._agents}  # the test kills one by its actor
+        first, second = (cluster.spawn(f"root task {i}") for i in range(2))
+        victim = next(a for a in agents.values() if a.node_id == second.node_id)
+        survivor = next(a for a in agents.values() if a is not victim)
+        (tmp_path / f"release-{survivor.pid}").touch()
+        poll(lambda: (tmp_path / f"in-b-{victim.pid}").exists(), "child B's call on the victim")
+        ray.kill(victim.actor, no_restart=True)
+        # No handle is used: the cluster's monitor finds the death and resumes the tree.
+        poll(lambda: second.node_id == survivor.node_id, "the tree resumed on the survivor")
+        assert second.wait(timeout=BOUND_S) == first.wait(timeout=BOUND_S) == "A done|B done"
+        store = open_store(fresh_pg_url, readonly=True)
+        try:
+            runs = store.runs(second.id)
+            lease = store.supervisor(victim.token)
+        finally:
+            store.close()
+    assert lease is not None and lease["lease_until"] == 0  # revoked
+    # The survivor owns what was unfinished (the root, child B); a child that had ended on
+    # the victim (child A, if it was quick) keeps its owner there.
+    owners = {r["key"] or "root": r["supervisor"] for r in runs}
+    assert owners["root"] == owners["1:1"] == survivor.token
+    assert sorted(r["key"] for r in runs if r["parent_id"]) == ["1:0", "1:1"]
+    # The killed agent's zygote and workers, on a node that lives on, are gone too.
+    assert_nothing_left([survivor.pid, victim.pid])
+
+
+SINGLE_NODE = """
+import json, sys
+import ray
+from ray.cluster_utils import Cluster
+import brood
+c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+try:
+    model = brood.ScriptedModel(["```repl\\nFINAL(str(6*7))\\n```"])
+    with brood.Cluster(model, store=sys.argv[1], ray_address=c.address) as cluster:
+        nodes = len(cluster.statistics()["nodes"])
+        result = cluster.run("any task")
+        connected = ray.is_initialized()
+    print(json.dumps({"nodes": nodes, "answer": result.answer, "connected": connected,
+                      "after_close": ray.is_initialized()}))
+finally:
+    c.shutdown()
+"""
+
+
+def test_one_node_takes_a_relative_sqlite_file_and_close_disconnects_what_it_connected(
+    tmp_path,
+):
+    """In a process of its own (this one is connected to the module's cluster): connect by
+    address, run on the one node with a SQLite journal named relative to the working
+    directory (the agent's own working directory is Ray's), and leave Ray at close."""
+    proc = subprocess.run(
+        [sys.executable, "-c", SINGLE_NODE, "sqlite:///j.db"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=BOUND_S * 2,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report == {"nodes": 1, "answer": "42", "connected": True, "after_close": False}
+    assert (tmp_path / "j.db").exists()
