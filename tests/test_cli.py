@@ -137,3 +137,20 @@ def test_a_journal_on_a_read_only_filesystem_is_named_so_not_damaged(tmp_path):
     assert out.stdout.split() == ["exit=2", "exit=2", "exit=0"], out
     assert out.stderr.count("cannot be written") == 2, out.stderr
     assert "read-only filesystem" in out.stderr and "damaged" not in out.stderr
+
+
+def test_a_bare_ray_flag_means_a_ray_started_here():
+    from brood.cli.main import with_bare_ray
+
+    assert with_bare_ray(["run", "task", "--ray"]) == ["run", "task", "--ray", "local"]
+    assert with_bare_ray(["run", "--ray", "task"]) == ["run", "--ray", "local", "task"]
+    assert with_bare_ray(["run", "--ray", "--json", "t"]) == [
+        "run",
+        "--ray",
+        "local",
+        "--json",
+        "t",
+    ]
+    for address in ("10.0.0.5:6379", "auto", "ray://head:10001", "localhost:6379"):
+        assert with_bare_ray(["run", "t", "--ray", address]) == ["run", "t", "--ray", address]
+    assert with_bare_ray(["run", "t"]) == ["run", "t"]

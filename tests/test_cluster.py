@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ import cloudpickle  # noqa: E402
 import brood  # noqa: E402
 from brood.backends.owners import processes_of  # noqa: E402
 from brood.errors import RayMissing  # noqa: E402
+from brood.models.demo import ROOT_TASK  # noqa: E402
 from brood.models.scripted import read_log  # noqa: E402
 from brood.store.base import open_store  # noqa: E402
 from tests.util import FAST  # noqa: E402
@@ -351,3 +353,27 @@ def test_one_node_takes_a_relative_sqlite_file_and_close_disconnects_what_it_con
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report == {"nodes": 1, "answer": "42", "connected": True, "after_close": False}
     assert (tmp_path / "j.db").exists()
+
+
+def test_brood_run_with_ray_runs_the_tree_on_the_cluster(ray_cluster, fresh_pg_url):
+    from typer.testing import CliRunner
+
+    from brood.cli.main import app
+
+    notes = resources.files("brood").joinpath("data", "field_notes.md")
+    args = ["run", ROOT_TASK, "--context", str(notes), "--model", "scripted:demo"]
+    args += ["--store", fresh_pg_url, "--ray", ray_cluster.address, "--json"]
+    done = CliRunner().invoke(app, args)
+    assert done.exit_code == 0, done.output
+    result = json.loads(done.stdout)
+    assert result["state"] == "completed" and result["answer"].startswith("15 sightings")
+    store = open_store(fresh_pg_url, readonly=True)
+    try:
+        owner = store.get_run(result["run_id"])["supervisor"]
+        assert store.supervisor(owner)["pid"] != os.getpid()  # a node agent ran it
+    finally:
+        store.close()
+
+    wrong = ["run", "task", "--model", "scripted:demo", "--store", fresh_pg_url]
+    refused = CliRunner().invoke(app, [*wrong, "--ray", "127.0.0.1:9"])
+    assert refused.exit_code == 2 and "no Ray cluster answers" in refused.output

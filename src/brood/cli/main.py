@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console, Group
@@ -28,6 +29,9 @@ import brood
 from brood.api import os_user
 from brood.journal import TERMINAL_VALUES, Journal, default_store_url
 from brood.models.demo import ROOT_TASK
+
+if TYPE_CHECKING:
+    from brood.cluster import ClusterHandle
 
 app = typer.Typer(
     help="brood: run recursive language models with managed child runs.",
@@ -49,6 +53,15 @@ StoreOpt = Annotated[
     str | None, typer.Option("--store", help="journal URL (default: BROOD_STORE or .brood)")
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON only")]
+RAY_HERE = "local"  # --ray with no address: a Ray started here, for this command
+RayOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--ray",
+        help="run on a Ray cluster: its head's HOST:PORT, 'auto', or 'local' (a bare --ray: "
+        "one started here); several nodes need a Postgres --store (the [ray] extra)",
+    ),
+]
 RunArg = Annotated[str, typer.Argument(help="a run id, e.g. r-8f3a2c")]
 FsReadOpt = Annotated[
     list[Path] | None,
@@ -194,7 +207,22 @@ def _report(result: brood.RunResult, as_json: bool) -> None:
         _fail(f"run {result.run_id} {result.state}: {result.error}", code=1)
 
 
-def _watch(handle: brood.RunHandle, url: str, live: bool) -> brood.RunResult:
+def _runner(
+    model: str | None, limits: brood.Limits, url: str, ray: str | None
+) -> brood.Supervisor | brood.Cluster:
+    """A local supervisor, or with --ray a cluster on the Ray cluster at that address
+    (`local`: one started here for this command)."""
+    if ray is None:
+        return brood.Supervisor(model, limits=limits, store=url)
+    if model is None and not os.environ.get("BROOD_MODEL"):
+        raise brood.InvalidArgument("no model: pass --model SPEC, or set BROOD_MODEL")
+    address = None if ray == RAY_HERE else ray
+    return brood.Cluster(
+        model or os.environ["BROOD_MODEL"], store=url, ray_address=address, limits=limits
+    )
+
+
+def _watch(handle: brood.RunHandle | ClusterHandle, url: str, live: bool) -> brood.RunResult:
     """Draw the live tree while the run goes (on a terminal), then its RunResult."""
     if live and sys.stderr.isatty():
         with Journal(url) as journal:
@@ -241,6 +269,7 @@ def run(
     model_timeout: ModelTimeoutOpt = None,
     live: Annotated[bool, typer.Option(help="show the live tree on stderr")] = True,
     as_json: JsonOpt = False,
+    ray: RayOpt = None,
 ) -> None:
     """Run PROMPT as a root run, show its tree live, and print its answer."""
     text = None
@@ -268,8 +297,9 @@ def run(
             **{k: v for k, v in given.items() if v is not None},
             **_confinement(fs_read, fs_write, network, confine),
         )
-        with brood.Supervisor(_model(model, model_timeout), limits=limits, store=url) as sup:
-            result = _watch(sup.spawn(prompt, context=text, timeout=timeout), url, live)
+        runner = _runner(_model(model, model_timeout), limits, url, ray)
+        with runner:
+            result = _watch(runner.spawn(prompt, context=text, timeout=timeout), url, live)
     except brood.BroodError as exc:
         _fail(str(exc))
         return
@@ -872,9 +902,29 @@ def doctor(as_json: JsonOpt = False) -> None:
         console.print("gaps for the default policy: none")
 
 
+def _ray_address(arg: str) -> bool:
+    """Whether an argument after a bare `--ray` is its address (else it is the next one)."""
+    return arg in ("auto", RAY_HERE) or arg.startswith("ray://") or bool(_ADDRESS.fullmatch(arg))
+
+
+_ADDRESS = re.compile(r"[\w.\-\[\]:]+:\d+")
+
+
+def with_bare_ray(args: list[str]) -> list[str]:
+    """`--ray` given without an address means a Ray started here (`--ray local`); click
+    cannot take an option whose value is optional, so the command line is completed."""
+    out: list[str] = []
+    for i, arg in enumerate(args):
+        out.append(arg)
+        if arg == "--ray" and (i + 1 == len(args) or not _ray_address(args[i + 1])):
+            out.append(RAY_HERE)
+    return out
+
+
 def main() -> None:  # pragma: no cover - console entry
-    app()
+    """The `brood` command."""
+    app(args=with_bare_ray(sys.argv[1:]))
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(app())
+    main()
