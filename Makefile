@@ -21,7 +21,8 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 test: $(STAMP) lint
-	$(BIN)/pytest -q -m "not local and not browser and not scale"
+	$(BIN)/pytest -q -m "not local and not browser and not scale and not ray"
+	$(BIN)/pytest -q -m ray
 
 # The heavier suites: the dashboard in a real Chromium (Debian's `chromium` package; browser
 # downloads are not needed), the full-size scale tests (make test runs smaller versions),

@@ -23,6 +23,11 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+# Ray's driver leaves gRPC threads in this process, and a process forked beside them may
+# crash (tests of confinement fork the test process): make test runs these in a pytest of
+# their own (`-m ray`).
+pytestmark = pytest.mark.ray
+
 import cloudpickle  # noqa: E402
 
 import brood  # noqa: E402

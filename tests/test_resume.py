@@ -19,6 +19,7 @@ from tests.util import FAST, Signal, pid_alive
 
 FENCE = "```"
 CRASH_TIMEOUT_S = 60
+KILL_ROUNDS = 10  # rounds of kills of what a crashed supervisor left
 
 
 def repl(code: str) -> str:
@@ -84,19 +85,24 @@ def crash(script: str, ready) -> str:
 
 def wait_gone(owner_pid: int) -> None:
     """Kill what the crashed supervisor left (its zygote usually has) and wait until each
-    process has died (a pidfd becomes readable when its process exits)."""
-    for pid in processes_of(owner_pid):
-        try:
-            fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            continue
-        try:
-            os.kill(pid, signal.SIGKILL)
-            assert select.select([fd], [], [], CRASH_TIMEOUT_S)[0], f"pid {pid} did not die"
-        except ProcessLookupError:
-            pass
-        finally:
-            os.close(fd)
+    process has died (a pidfd becomes readable when its process exits). A zygote may fork
+    one more worker while it is being killed, so this goes round until none is left."""
+    for _ in range(KILL_ROUNDS):
+        left = [p for p in processes_of(owner_pid) if pid_alive(p)]
+        if not left:
+            return
+        for pid in left:
+            try:
+                fd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                continue
+            try:
+                os.kill(pid, signal.SIGKILL)
+                assert select.select([fd], [], [], CRASH_TIMEOUT_S)[0], f"pid {pid} did not die"
+            except ProcessLookupError:
+                pass
+            finally:
+                os.close(fd)
     assert not [p for p in processes_of(owner_pid) if pid_alive(p)]
 
 
