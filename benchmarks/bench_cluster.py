@@ -38,23 +38,23 @@ from __future__ import annotations
 import argparse
 import glob
 import os
-import pwd
 import shutil
-import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
-import psycopg
 import ray
 from ray.cluster_utils import Cluster as RayCluster
 
 import brood
 from _common import MS, Row, finish, median, no_leftovers, wait_until
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from brood.backends.owners import processes_of
 from brood.store.base import open_store
+from tests.pg import local_postgres, new_database
 
 BENCH = "cluster"
 TREES = 300
@@ -63,7 +63,6 @@ ROUNDS = 3  # recovery rounds
 TREES_RECOVERY = 4  # per round, on two agents: two on the agent that is killed
 POLL_S = 0.005
 BOUND_S = 120.0  # every wait here gives up after this long
-PG_START_S = 60
 
 FENCE = "```"
 ROOT = f"{FENCE}repl\nFINAL('|'.join(rlm_query_batched(['leaf 0', 'leaf 1', 'leaf 2'])))\n{FENCE}"
@@ -95,80 +94,16 @@ def stall_reply(folder: str) -> Any:
     return stall
 
 
-# ---- Postgres ----------------------------------------------------------------------------
+# ---- Postgres: started as the tests start theirs (tests/pg.py) ----------------------------
 
 
-def _pg_bin(name: str) -> str:
-    found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
-    path = found[-1] if found else shutil.which(name)
-    if not path:
-        raise RuntimeError(f"no {name}: install the Debian package `postgresql`")
-    return path
-
-
-def _as_postgres(cmd: list[str]) -> list[str]:
-    return ["runuser", "-u", "postgres", "--", *cmd] if os.geteuid() == 0 else cmd
-
-
-@contextmanager
-def postgres() -> Iterator[str]:
+def postgres() -> AbstractContextManager[str]:
     """A PostgreSQL server on a Unix socket in a temporary folder; its URL. Stopped after."""
-    initdb, pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
-    base = tempfile.mkdtemp(prefix="brood-bench-pg-")
-    data, sock = os.path.join(base, "data"), os.path.join(base, "sock")
-    os.makedirs(sock)
-    if os.geteuid() == 0:
-        owner = pwd.getpwnam("postgres")
-        for path in (base, sock):
-            os.chown(path, owner.pw_uid, owner.pw_gid)
-    port = "54339"
-    started = False
-    try:
-        subprocess.run(
-            _as_postgres([initdb, "-D", data, "-U", "postgres", "-A", "trust", "--no-sync"]),
-            check=True,
-            capture_output=True,
-            timeout=PG_START_S,
-        )
-        subprocess.run(
-            _as_postgres(
-                [
-                    pg_ctl,
-                    "-D",
-                    data,
-                    "-w",
-                    "-t",
-                    str(PG_START_S),
-                    "-l",
-                    os.path.join(base, "log"),
-                    "-o",
-                    f"-k {sock} -p {port} -c listen_addresses='' -c fsync=off "
-                    "-c max_connections=300",
-                    "start",
-                ]
-            ),
-            check=True,
-            capture_output=True,
-            timeout=PG_START_S + 10,
-        )
-        started = True
-        yield f"postgresql://postgres@/postgres?host={sock}&port={port}"
-    finally:
-        if started:
-            subprocess.run(
-                _as_postgres([pg_ctl, "-D", data, "-m", "fast", "-w", "stop"]),
-                capture_output=True,
-                timeout=60,
-            )
-        shutil.rmtree(base, ignore_errors=True)
+    return local_postgres("54339", "max_connections=300")
 
 
 def fresh_database(server: str) -> str:
-    name = "brood_bench_" + os.urandom(4).hex()
-    with psycopg.connect(server, autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    base, _, query = server.partition("?")
-    return f"{base.rsplit('/', 1)[0]}/{name}?{query}"
+    return new_database(server, prefix="brood_bench_")
 
 
 # ---- Ray -----------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 
 import pytest
 
@@ -33,15 +34,18 @@ def _as_postgres(cmd: list[str]) -> list[str]:
     return cmd
 
 
-@pytest.fixture(scope="session")
-def postgres_url() -> Iterator[str]:
-    url = os.environ.get("BROOD_TEST_PG_URL")
-    if url:
-        yield url
-        return
+class NoPostgres(Exception):
+    """No PostgreSQL server can be started here; the message says why."""
+
+
+@contextmanager
+def local_postgres(port: str, *options: str) -> Iterator[str]:
+    """A PostgreSQL server on a Unix socket in a temporary folder (`-c` settings
+    `options` added); its URL. Stopped and removed after. Raises NoPostgres when none can
+    be started here."""
     initdb, pg_ctl = _bin("initdb"), _bin("pg_ctl")
     if not initdb or not pg_ctl:
-        pytest.skip(
+        raise NoPostgres(
             "no PostgreSQL server can be started here: install the Debian package "
             "`postgresql` (.ci/run does), or set BROOD_TEST_PG_URL"
         )
@@ -49,14 +53,16 @@ def postgres_url() -> Iterator[str]:
         try:
             owner = pwd.getpwnam("postgres")
         except KeyError:
-            pytest.skip("running as root and there is no `postgres` user to run the server")
+            raise NoPostgres(
+                "running as root and there is no `postgres` user to run the server"
+            ) from None
     base = tempfile.mkdtemp(prefix="brood-pg-")
     data, sock = os.path.join(base, "data"), os.path.join(base, "sock")
     os.makedirs(sock)
     if os.geteuid() == 0:
         for path in (base, sock):
             os.chown(path, owner.pw_uid, owner.pw_gid)
-    port = "54329"
+    settings = " ".join(f"-c {o}" for o in ("listen_addresses=''", "fsync=off", *options))
     try:
         subprocess.run(
             _as_postgres([initdb, "-D", data, "-U", "postgres", "-A", "trust", "--no-sync"]),
@@ -76,7 +82,7 @@ def postgres_url() -> Iterator[str]:
                     "-l",
                     os.path.join(base, "log"),
                     "-o",
-                    f"-k {sock} -p {port} -c listen_addresses='' -c fsync=off",
+                    f"-k {sock} -p {port} {settings}",
                     "start",
                 ]
             ),
@@ -87,7 +93,9 @@ def postgres_url() -> Iterator[str]:
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
         out = getattr(exc, "stderr", b"") or b""
         shutil.rmtree(base, ignore_errors=True)
-        pytest.skip(f"PostgreSQL could not be started: {out.decode(errors='replace')[-500:]}")
+        raise NoPostgres(
+            f"PostgreSQL could not be started: {out.decode(errors='replace')[-500:]}"
+        ) from exc
     try:
         yield f"postgresql://postgres@/postgres?host={sock}&port={port}"
     finally:
@@ -99,15 +107,38 @@ def postgres_url() -> Iterator[str]:
         shutil.rmtree(base, ignore_errors=True)
 
 
+def new_database(server_url: str, prefix: str = "brood_") -> str:
+    """The URL of a new, empty database on the server at `server_url`."""
+    import psycopg
+
+    name = prefix + os.urandom(4).hex()
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    base, _, query = server_url.partition("?")
+    return f"{base.rsplit('/', 1)[0]}/{name}?{query}"
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    url = os.environ.get("BROOD_TEST_PG_URL")
+    if url:
+        yield url
+        return
+    with ExitStack() as stack:
+        try:
+            url = stack.enter_context(local_postgres("54329"))
+        except NoPostgres as exc:
+            pytest.skip(str(exc))
+        yield url
+
+
 @pytest.fixture
 def fresh_pg_url(postgres_url: str) -> Iterator[str]:
     """A new, empty database on the test server for one test."""
     import psycopg
 
-    name = "brood_" + os.urandom(4).hex()
-    with psycopg.connect(postgres_url, autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    base, _, query = postgres_url.partition("?")
-    yield f"{base.rsplit('/', 1)[0]}/{name}?{query}"
+    url = new_database(postgres_url)
+    yield url
+    name = url.partition("?")[0].rsplit("/", 1)[1]
     with psycopg.connect(postgres_url, autocommit=True) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
