@@ -156,6 +156,10 @@ def format_value(value: float, unit: str) -> str:
         return f"{value / MIB:.2f} MiB"
     if unit == "/s":
         return f"{value:,.0f}/s"
+    if unit == "x":
+        return f"{value:.2f}x"
+    if unit == "%":
+        return f"{value:.1f}%"
     return f"{value:g} {unit}".strip()
 
 

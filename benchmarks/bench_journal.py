@@ -48,6 +48,8 @@ class NullStore:
 
     url = "null://"
     readonly = False
+    failure = None  # never fails
+    on_failure = None
 
     def __init__(self) -> None:
         self.writes = 0

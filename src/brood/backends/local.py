@@ -50,6 +50,11 @@ from brood.protocol import (
 from brood.worker import confine
 
 WARM_WORKERS = 2  # ready workers kept forked; each idles at about 1 MiB of its own memory
+# A worker handed out while another is still warm is replaced this much later, so that the
+# refill fork (a few ms of CPU) does not compete with the start it follows: a spawn's path
+# to its child's first model request is then the journal and the messages, not a fork.
+# With no worker left warm, the refill is asked for at once.
+REFILL_DELAY_S = 0.005
 ORPHAN_POLL_S = 0.05  # how often the workers of a lost zygote are looked at until gone
 CONNECTION_GRACE_S = 1.0  # a worker whose connection closed has this long to be reaped
 ZYGOTE_START_TIMEOUT_S = 60.0  # a cold import on a loaded machine can take seconds
@@ -302,7 +307,11 @@ class LocalBackend:
     async def acquire(self) -> WorkerConn:
         if self._closed:
             raise BackendError("the local backend is closed")
-        self._fork(1)  # keep the warm pool full: one fork for each worker handed out
+        # Keep the warm pool full: one fork for each worker handed out.
+        if self._idle.qsize() > 0:
+            asyncio.get_running_loop().call_later(REFILL_DELAY_S, self._fork, 1)
+        else:
+            self._fork(1)
         while True:
             conn = await self._idle.get()
             if conn is None:
@@ -323,7 +332,12 @@ class LocalBackend:
 
     def discard_scratch(self, conn: WorkerConn) -> None:
         if conn.scratch and not self.settings.keep_scratch:
-            shutil.rmtree(conn.scratch, ignore_errors=True)
+            # Most runs leave their scratch directory empty: one rmdir, on the loop, instead
+            # of rmtree's walk (a dozen calls); a directory with something in it is walked.
+            try:
+                os.rmdir(conn.scratch)
+            except OSError:
+                shutil.rmtree(conn.scratch, ignore_errors=True)
 
     def idle_pids(self) -> list[int]:
         return [c.pid for c in self.conns.values() if c.handler is None]
