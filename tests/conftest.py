@@ -22,7 +22,7 @@ def no_leftover_processes():
     assert not left, f"processes left behind: {left}"
 
 
-pytest_plugins = ["tests.pg", "tests.flowcheck"]
+pytest_plugins = ["tests.pg", "tests.flowcheck", "tests.ray_util"]
 
 
 @pytest.fixture

@@ -1,9 +1,9 @@
 """brood.Cluster on a real Ray cluster of two nodes on this machine, with a Postgres journal.
 
-The Ray cluster is started once for the module (about 12 s here) and shut down at its end.
-The autouse leak check of conftest.py looks for processes whose brood owner is this test
-process; the node agents' workers are owned by the agents' processes, so each test here
-checks those itself, by the agents' pids, after close().
+The Ray cluster (`ray_cluster`, tests/ray_util.py) is started once for the module (about
+12 s here) and shut down at its end. The autouse leak check of conftest.py looks for
+processes whose brood owner is this test process; the node agents' workers are owned by the
+agents' processes, so each test here checks those itself, by the agents' pids, after close().
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 
@@ -31,11 +30,11 @@ pytestmark = pytest.mark.ray
 import cloudpickle  # noqa: E402
 
 import brood  # noqa: E402
-from brood.backends.owners import processes_of  # noqa: E402
 from brood.errors import RayMissing  # noqa: E402
 from brood.models.demo import ROOT_TASK  # noqa: E402
 from brood.models.scripted import read_log  # noqa: E402
 from brood.store.base import open_store  # noqa: E402
+from tests.ray_util import BOUND_S, agent_pids, assert_nothing_left, poll  # noqa: E402
 from tests.util import FAST  # noqa: E402
 
 # The scripted replies below are functions of this module, which Ray's workers cannot
@@ -43,7 +42,6 @@ from tests.util import FAST  # noqa: E402
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 FENCE = "```"
-BOUND_S = 60.0  # every poll in these tests gives up after this long
 
 
 def repl(code: str) -> str:
@@ -55,31 +53,6 @@ ROOT = [
     repl("FINAL(rlm_wait(h) + '|' + r)"),
 ]
 CHILD_A = [repl("FINAL('A done')")]
-
-
-def poll(check, what: str, bound: float = BOUND_S):
-    """Poll `check()` until it returns something true; fail naming `what` after `bound` s."""
-    deadline = time.monotonic() + bound
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)
-    pytest.fail(f"{what}: not seen within {bound} s")
-
-
-def pid_gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return True
-
-
-def assert_nothing_left(agent_pids: list[int]) -> None:
-    """No brood process of any agent is left; each agent process itself has exited."""
-    poll(lambda: not [p for a in agent_pids for p in processes_of(a)], "agents' workers gone")
-    poll(lambda: all(pid_gone(p) for p in agent_pids), "agent processes gone")
 
 
 def tree_model(tmp_path: Path) -> brood.ScriptedModel:
@@ -100,38 +73,6 @@ def tree_model(tmp_path: Path) -> brood.ScriptedModel:
         {"root": ROOT, "child A": CHILD_A, "child B": [child_b]},
         log_path=tmp_path / "calls.jsonl",  # key, turn and pid (the agent's) of each call
     )
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[object]:
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
-    )
-    try:
-        cluster.add_node(num_cpus=1)
-        ray.init(address=cluster.address, log_to_driver=False)
-        cluster.wait_for_nodes()
-        yield cluster
-    finally:
-        ray.shutdown()
-        nodes = [cluster.head_node, *cluster.worker_nodes]
-        pids = [
-            info.process.pid
-            for node in nodes
-            if node is not None
-            for infos in node.all_processes.values()
-            for info in infos
-            if info.process is not None
-        ]
-        cluster.shutdown()
-        # Ray's own processes (GCS, raylets, their workers) are gone before the next module.
-        poll(lambda: all(pid_gone(p) for p in pids), "Ray's processes gone")
-
-
-def agent_pids(cluster: brood.Cluster) -> list[int]:
-    return [n["pid"] for n in cluster.statistics()["nodes"].values()]
 
 
 def test_trees_are_placed_on_different_nodes_and_close_leaves_nothing(
@@ -382,3 +323,143 @@ def test_brood_run_with_ray_runs_the_tree_on_the_cluster(ray_cluster, fresh_pg_u
     wrong = ["run", "task", "--model", "scripted:demo", "--store", fresh_pg_url]
     refused = CliRunner().invoke(app, [*wrong, "--ray", "127.0.0.1:9"])
     assert refused.exit_code == 2 and "no Ray cluster answers" in refused.output
+
+
+# ---- flows on the cluster ------------------------------------------------------------------
+
+OWLS_FLOW = """
+name: owls
+states:
+  - id: split
+    entry: true
+    prompt: "Split {topic}"
+    inputs: [topic]
+    outputs: [{name: items, type: json}]
+  - id: each
+    prompt: "Describe {item}"
+    inputs: [{name: item, from: split.items, type: json}]
+    foreach: {over: item, max: 4}
+    outputs: [text]
+transitions:
+  - {from: split, to: each}
+"""
+OWLS_SCRIPT = {
+    "Split": [repl("import json\nFINAL(json.dumps({'items': ['barn', 'snowy']}))")],
+    "barn": [repl("FINAL('barn owl')")],
+    "snowy": [repl("FINAL('snowy owl')")],
+}
+
+
+def test_a_flow_runs_on_a_node_and_its_outcome_is_in_the_journal(
+    ray_cluster, fresh_pg_url, tmp_path, monkeypatch
+):
+    from brood.journal import Journal
+
+    monkeypatch.chdir(tmp_path)  # the spec's path is relative to this process, not Ray's
+    (tmp_path / "owls.yaml").write_text(OWLS_FLOW)
+    model = brood.ScriptedModel(OWLS_SCRIPT)
+    with brood.Cluster(model, store=fresh_pg_url, limits=FAST) as cluster:
+        pids = agent_pids(cluster)
+        # A bad spec is refused here, at once, as Supervisor.flow_run refuses it; a refusal
+        # of the agent's (a missing input) arrives as brood's own error.
+        with pytest.raises(brood.InvalidSpec, match="wrok"):
+            cluster.flow_run(OWLS_FLOW.replace("to: each", "to: wrok"))
+        with pytest.raises(brood.InvalidArgument, match="flow inputs missing: topic"):
+            cluster.flow_run("owls.yaml")
+        flow = cluster.flow_run("owls.yaml", inputs={"topic": "owls"})
+        assert flow.started == ["split"]
+        assert flow.node_id in cluster.statistics()["nodes"]
+        assert flow.wait(timeout=BOUND_S) == "finished"
+        outputs = flow.outputs()
+        assert outputs["split"] == {"items": ["barn", "snowy"]}
+        assert flow.status()["status"] == "finished"
+        assert flow.stop()["cancelled"] == []  # an ended flow: nothing to cancel
+        with pytest.raises(brood.BroodError, match="only a paused flow resumes"):
+            flow.resume()
+        assert cluster.flow(flow.id).started == ["split"]
+    with pytest.raises(brood.StaleHandle):
+        flow.status()
+    with Journal(fresh_pg_url) as journal:
+        status = journal.flow_status(flow.id)
+        run = journal.store.get_run(flow.id)
+        owner = journal.store.supervisor(run["supervisor"])
+    assert status["status"] == "finished"
+    described = status["states"]["each"]["instances"]
+    assert sorted(i["item"] for i in described) == [0, 1]
+    assert {i["state"] for i in described} == {"completed"}
+    assert run["state"] == "completed" and json.loads(run["answer"]) == outputs
+    assert owner is not None and owner["pid"] in pids  # a node agent ran it
+    assert_nothing_left(pids)
+
+
+def slow_flow_model(tmp_path: Path) -> brood.ScriptedModel:
+    """One state whose model call announces itself (`in-slow-PID`, PID the agent's) and
+    answers only in an agent whose pid has a `release-PID` file."""
+    folder = str(tmp_path)
+
+    def slow(messages):
+        open(os.path.join(folder, f"in-slow-{os.getpid()}"), "w").close()
+        release = os.path.join(folder, f"release-{os.getpid()}")
+        deadline = time.monotonic() + BOUND_S
+        while not os.path.exists(release) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return repl("FINAL('slow done')")
+
+    return brood.ScriptedModel({"Go slow": [slow]})
+
+
+def test_a_flow_whose_agent_is_killed_is_resumed_from_its_ledger_on_the_other_node(
+    ray_cluster, fresh_pg_url, tmp_path
+):
+    spec = {
+        "name": "slow",
+        "states": [{"id": "slow", "entry": True, "prompt": "Go slow", "outputs": ["text"]}],
+    }
+    with brood.Cluster(slow_flow_model(tmp_path), store=fresh_pg_url, limits=FAST) as cluster:
+        agents = list(cluster._agents)  # the test kills one by its actor
+        flow = cluster.flow_run(spec)
+        victim = next(a for a in agents if a.node_id == flow.node_id)
+        survivor = next(a for a in agents if a is not victim)
+        (tmp_path / f"release-{survivor.pid}").touch()
+        poll(lambda: (tmp_path / f"in-slow-{victim.pid}").exists(), "the state's model call")
+        ray.kill(victim.actor, no_restart=True)
+        assert flow.wait(timeout=BOUND_S) == "finished"
+        assert flow.node_id == survivor.node_id
+        assert flow.outputs() == {"slow": {"text": "slow done"}}
+        store = open_store(fresh_pg_url, readonly=True)
+        try:
+            runs = store.runs(flow.id)
+            kinds = [e["data"]["kind"] for e in store.events(flow.id, "flow")]
+        finally:
+            store.close()
+    assert {r["id"]: r["supervisor"] for r in runs}[flow.id] == survivor.token
+    # One instance: its child was adopted by key on the resume, not started again.
+    assert [r["state"] for r in runs if r["parent_id"]] == ["completed"]
+    assert kinds.count("flow_started") == 1 and kinds[-1] == "flow_ended"
+    assert_nothing_left([survivor.pid, victim.pid])
+
+
+def test_brood_flow_run_with_ray_runs_the_flow_on_the_cluster(ray_cluster, fresh_pg_url, tmp_path):
+    from typer.testing import CliRunner
+
+    from brood.cli.main import app, with_bare_ray
+    from tests.fake_openai import FakeOpenAI
+
+    bare = with_bare_ray(["flow", "run", "owls.yaml", "--ray"])
+    assert bare == ["flow", "run", "owls.yaml", "--ray", "local"]
+    spec = tmp_path / "owls.yaml"
+    spec.write_text(OWLS_FLOW)
+    with FakeOpenAI(OWLS_SCRIPT) as server:
+        args = ["flow", "run", str(spec), "--input", "topic=owls", "--no-live", "--json"]
+        args += ["--model", f"openai:m@{server.base_url}", "--store", fresh_pg_url]
+        done = CliRunner().invoke(app, [*args, "--ray", ray_cluster.address])
+    assert done.exit_code == 0, done.output
+    report = json.loads(done.stdout)
+    assert report["status"] == "finished"
+    assert report["outputs"]["split"] == {"items": ["barn", "snowy"]}
+    store = open_store(fresh_pg_url, readonly=True)
+    try:
+        owner = store.get_run(report["run_id"])["supervisor"]
+        assert store.supervisor(owner)["pid"] != os.getpid()  # a node agent ran it
+    finally:
+        store.close()

@@ -253,6 +253,8 @@ class Supervisor:
         for token in {r["supervisor"] for r in runs if not RunState(r["state"]).terminal}:
             row = self._store.supervisor(token) if token else None
             if row is not None and not lease.lease_holder_gone(row):
+                if token != root["supervisor"] and self._core.spreader is not None:
+                    continue  # a child placed on another node, which runs it still: followed
                 raise BroodError(
                     f"tree {root_id} is still run by a live supervisor (pid {row['pid']} on "
                     f"{row['host']}, its lease runs to {time.ctime(row['lease_until'] or 0)}); "
@@ -373,6 +375,7 @@ class Supervisor:
         model: Any,
         driven: bool,
         pool: str | None = None,
+        run_id: str | None = None,
     ) -> Run:
         resolved = None if model is None else resolve_model(model)
         return await self._core.create_root(
@@ -383,6 +386,7 @@ class Supervisor:
             timeout=timeout,
             driven=driven,
             pool=pool,
+            run_id=run_id,
         )
 
     # ---- asks to a person --------------------------------------------------------------

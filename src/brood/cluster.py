@@ -18,12 +18,16 @@ Ray is imported only when a `Cluster` is made: `import brood` never imports it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import copy
+import math
 import os
 import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import cloudpickle
@@ -40,22 +44,26 @@ from brood.errors import (
     StaleHandle,
     StoreError,
     SupervisorClosed,
+    UnknownRun,
 )
-from brood.lifecycle import RunState
+from brood.lifecycle import RunRecord, RunState
 from brood.limits import Limits
 from brood.store.base import open_store, redact
+from brood.supervisor.core import NodeLost, new_run_id
 
 if TYPE_CHECKING:
     from brood.api import RunHandle, Supervisor
     from brood.models.base import Model
+    from brood.supervisor.core import Run
 
-__all__ = ["Cluster", "ClusterHandle"]
+__all__ = ["Cluster", "ClusterFlowHandle", "ClusterHandle"]
 
 ADDRESS_CHECK_S = 3.0  # a TCP connect to the GCS; a bare ray.init retries for minutes
 AGENT_START_S = 120.0  # an agent's supervisor starts its zygote; a loaded machine is slow
 CALL_S = 60.0  # a call to an agent that does not wait on a run (spawn, status, cancel)
 CLOSE_S = 120.0  # an agent's close: cancel its runs, confirm every exit (escalation incl.)
 MONITOR_S = 0.5  # how often the cluster asks each agent whether it is alive
+JOIN_EVERY = 4  # every this many monitor rounds, nodes that joined get an agent
 PING_S = 10.0  # a ping unanswered this long is not a death: Ray's detector decides that
 WAIT_SLACK_S = 10.0  # an agent's bounded wait may return this much after its timeout
 AGENT_CONCURRENCY = 1000  # blocked waits each hold one of an agent's threads
@@ -137,6 +145,11 @@ class NodeAgent:
         self.sup: Supervisor = Supervisor(cloudpickle.loads(model_blob), store=store, limits=limits)
         self.handles: dict[str, RunHandle] = {}
         self.lock = threading.Lock()
+        self.token = self.sup._core.owner
+        self.peers: list[_Peer] = []  # every agent of the cluster, this one too
+        self.guests: dict[str, Run] = {}  # children placed here by other nodes, by id
+        self.guest_roots: dict[str, str] = {}  # guest id -> the token of its root's agent
+        self.sup._core.spreader = _Spreader(self)
 
     def info(self) -> dict[str, Any]:
         import ray
@@ -151,11 +164,19 @@ class NodeAgent:
     def ping(self) -> bool:
         return True
 
-    def spawn(self, prompt: str, context: Any, timeout: float | None) -> str:
-        handle = self.sup.spawn(prompt, context=context, timeout=timeout)
+    def spawn(self, prompt: str, context: Any, timeout: float | None, run_id: str) -> str:
+        """Start a tree under the id the cluster chose (it is the cluster's to resume if
+        this agent dies before answering); returns the id it got (another, only if the
+        journal already held that one)."""
+        from brood.api import RunHandle
+
+        self.sup._check_live("spawn")
+        run = self.sup._loop.call(
+            self.sup._create(prompt, context, timeout, None, driven=False, run_id=run_id)
+        )
         with self.lock:
-            self.handles[handle.id] = handle
-        return handle.id
+            self.handles[run.id] = RunHandle(self.sup, run)
+        return run.id
 
     def resume(self, root_id: str) -> str:
         handle = self.sup.resume(root_id)
@@ -186,8 +207,108 @@ class NodeAgent:
     def cancel(self, run_id: str) -> str:
         return self._handle(run_id).cancel()
 
+    def send(self, run_id: str, message: str) -> None:
+        self._handle(run_id).send(message)
+
     def statistics(self) -> dict[str, Any]:
         return self.sup.statistics()
+
+    # ---- children placed here by other nodes (placement="spread") -----------------------
+    def set_peers(self, peers: list[_Peer]) -> None:
+        self.peers = peers
+
+    def host_guest(self, rec: RunRecord, data: dict[str, Any], root_token: str) -> None:
+        import ray
+
+        note = {"node_id": ray.get_runtime_context().get_node_id(), "host": socket.gethostname()}
+        run = self.sup._loop.call(self.sup._core.host_guest(rec, data, note))
+        with self.lock:
+            self.guests[run.id] = run
+            self.guest_roots[run.id] = root_token
+
+    def _guest(self, run_id: str) -> Run:
+        with self.lock:
+            return self.guests[run_id]
+
+    def guest_started(self, run_id: str) -> None:
+        """Returns once the guest runs (or ended without running)."""
+        run = self._guest(run_id)
+        if self.sup._closed:
+            return
+
+        async def either() -> None:
+            waits = [asyncio.ensure_future(e.wait()) for e in (run.started, run.done)]
+            _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for w in pending:
+                w.cancel()
+
+        self.sup._loop.call(either())
+
+    def guest_ended(self, run_id: str) -> dict[str, Any]:
+        run = self._guest(run_id)
+        if not self.sup._closed:
+            self.sup._loop.call(run.done.wait())
+        return _end_of(run)
+
+    def guest_end(self, run_id: str, state: str, reason: str) -> dict[str, Any]:
+        """End the guest and its subtree; returns once every exit is confirmed here."""
+        run = self._guest(run_id)
+        if not self.sup._closed:
+            self.sup._loop.call(self.sup._core.finish(run, RunState(state), reason))
+        return _end_of(run)
+
+    def guest_send(self, run_id: str, message: str) -> None:
+        run = self._guest(run_id)
+        self.sup._check_live(f"run {run_id}")
+        self.sup._loop.call(self.sup._core.send_message(run, message))
+
+    def admit_remote(self, root_id: str, count: int) -> None:
+        """Admit `count` children of a subtree of `root_id` (whose root runs here) that
+        runs on another node, against the tree-wide limits."""
+        self.sup._check_live(f"tree {root_id}")
+        self.sup._loop.call(_now(self.sup._core.admit_remote, root_id, count))
+
+    def budget_enter(self, root_id: str) -> None:
+        """A model call of that subtree waits here for the tree's budget."""
+        self.sup._check_live(f"tree {root_id}")
+        self.sup._loop.call(self.sup._core.budget_enter(root_id))
+
+    def budget_leave(self, root_id: str, tokens: int, cost: float, answered: bool) -> None:
+        self.sup._check_live(f"tree {root_id}")
+        self.sup._loop.call(_now(self.sup._core.budget_leave, root_id, tokens, cost, answered))
+
+    # Flows are looked up in the supervisor by id, not kept here: a flow this agent resumed
+    # for a lost node (`resume` of its tree) is rebuilt there from its ledger.
+    def flow_run(
+        self, spec: dict[str, Any], inputs: dict[str, Any] | None
+    ) -> tuple[str, list[str]]:
+        flow = self.sup.flow_run(spec, inputs=inputs)
+        return flow.id, flow.started
+
+    def flow_started(self, run_id: str) -> list[str]:
+        return self.sup.flow(run_id).started
+
+    def flow_status(self, run_id: str) -> dict[str, Any]:
+        return self.sup.flow(run_id).status()
+
+    def flow_wait(self, run_id: str, timeout: float | None) -> tuple[str, str]:
+        """("timeout", message) or ("ended", the status it ended or paused with)."""
+        try:
+            return ("ended", self.sup.flow(run_id).wait(timeout))
+        except TimeoutError as exc:
+            return ("timeout", str(exc))
+
+    def flow_wait_change(self, run_id: str) -> None:
+        self.sup.flow(run_id).wait_change()
+
+    def flow_outputs(self, run_id: str) -> dict[str, dict[str, Any]]:
+        return self.sup.flow(run_id).outputs()
+
+    def flow_stop(self, run_id: str) -> dict[str, Any]:
+        return self.sup.flow(run_id).stop()
+
+    def flow_resume(self, run_id: str) -> None:
+        self.sup.flow(run_id).resume()
 
     def close(self) -> dict[str, Any]:
         """Close the supervisor; report what could not be confirmed gone (pids, error)."""
@@ -204,6 +325,130 @@ class NodeAgent:
         if mark:  # the backend's own sweep ran; this is the confirmation, read from /proc
             pids += [p for p, m in processes_owned().items() if m == mark and p not in pids]
         return {"error": error, "pids": sorted(pids)}
+
+
+def _end_of(run: Run) -> dict[str, Any]:
+    r = run.rec
+    return {
+        "state": r.state.value,
+        "reason": r.reason,
+        "answer": r.answer,
+        "error": r.error,
+        "products": r.products,
+        "usage": dict(r.usage),
+    }
+
+
+async def _now(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
+
+
+@dataclass(frozen=True)
+class _Peer:
+    """Another node agent, as an agent knows it."""
+
+    token: str
+    node_id: str
+    host: str
+    actor: Any
+
+
+class _Spreader:
+    """The node agent's side of placement="spread": it hands a child to another node's
+    agent, follows it there, and asks the agent running a tree's root to admit children
+    started below a child placed here. Runs on the supervisor's loop (Core.spreader)."""
+
+    def __init__(self, agent: NodeAgent) -> None:
+        self.agent = agent
+
+    @staticmethod
+    async def _get(ref: Any) -> Any:
+        import ray
+
+        try:
+            return await asyncio.wrap_future(ref.future())
+        except ray.exceptions.RayActorError as exc:
+            raise NodeLost(f"the node agent holding it died: {exc}") from None
+        except ray.exceptions.RayTaskError as exc:
+            cause = _cause(exc)
+            raise cause if isinstance(cause, Exception) else BackendError(str(exc)) from None
+
+    async def _load(self, peer: _Peer) -> float:
+        try:
+            stats = await self._get(peer.actor.statistics.remote())
+        except Exception:
+            return math.inf  # dead or refusing: the last choice
+        return sum(n for s, n in stats["runs"].items() if s not in TERMINAL) + stats["queued"]
+
+    async def start(self, run: Run) -> _Peer | None:
+        others = [p for p in self.agent.peers if p.token != self.agent.token]
+        if not others:
+            return None  # one node: the child starts here
+        loads = await asyncio.gather(*(self._load(p) for p in others))
+        load, peer = min(zip(loads, others, strict=True), key=lambda t: t[0])
+        if load == math.inf:
+            return None
+        top = self.agent.sup._core._top(run)
+        root_token = self.agent.guest_roots.get(top.id, self.agent.token)
+        data = {
+            "context": run.context_blob,
+            "model_name": run.model_name,
+            "timeout": run.timeout,
+            "messages": run.messages,
+        }
+        run.messages = []
+        await self._get(peer.actor.host_guest.remote(copy.copy(run.rec), data, root_token))
+        return peer
+
+    async def started(self, run: Run) -> None:
+        await self._get(run.remote.actor.guest_started.remote(run.id))
+
+    async def ended(self, run: Run) -> dict[str, Any]:
+        return dict(await self._get(run.remote.actor.guest_ended.remote(run.id)))
+
+    async def cancel(self, run: Run, state: RunState, reason: str) -> dict[str, Any]:
+        return dict(await self._get(run.remote.actor.guest_end.remote(run.id, state.value, reason)))
+
+    async def send(self, run: Run, message: str) -> None:
+        await self._get(run.remote.actor.guest_send.remote(run.id, message))
+
+    async def lost(self, run: Run) -> None:
+        """Its agent can renew no more; revoking its lease makes the runs it held this
+        node's to claim now (and fences that supervisor if it was only unreachable)."""
+        store = self.agent.sup._store
+        await asyncio.wrap_future(store.revoke_lease(run.remote.token))
+
+    def holder(self, token: str) -> _Peer | None:
+        return next((p for p in self.agent.peers if p.token == token != self.agent.token), None)
+
+    async def _at_root(self, top: Run, method: str, *args: Any) -> Any:
+        """Call `method` of the agent running the root of `top`'s tree (this one's core
+        when that is this agent). The root's owner is read again from the journal when its
+        node was lost (the tree was resumed elsewhere)."""
+        root_id = top.rec.root_id
+        for _ in range(2):
+            token = self.agent.guest_roots[top.id]
+            if token == self.agent.token:
+                value = getattr(self.agent.sup._core, method)(root_id, *args)
+                return await value if asyncio.iscoroutine(value) else value
+            peer = self.holder(token)
+            try:
+                if peer is not None:
+                    return await self._get(getattr(peer.actor, method).remote(root_id, *args))
+            except NodeLost:
+                pass
+            self.agent.guest_roots[top.id] = self.agent.sup._store.get_run(root_id)["supervisor"]
+        raise BackendError(f"the node running tree {root_id} cannot be reached from here")
+
+    async def admit(self, top: Run, count: int) -> None:
+        await self._at_root(top, "admit_remote", count)
+
+    async def budget_enter(self, top: Run) -> None:
+        await self._at_root(top, "budget_enter")
+
+    async def budget_leave(self, top: Run, tokens: int, cost: float, answered: bool) -> None:
+        with contextlib.suppress(BroodError):  # the tree ended, or its node with it
+            await self._at_root(top, "budget_leave", tokens, cost, answered)
 
 
 class _Agent:
@@ -247,11 +492,11 @@ class Cluster:
     HOST:PORT (checked to answer within seconds); None uses the Ray this process is
     connected to, or starts a local one. `limits` apply per tree, in the agent holding it.
 
-    A tree is placed whole on the agent with the fewest live runs. When an agent dies, its
-    unfinished trees are resumed from the journal on a surviving agent; their handles keep
-    working. `close()` (or leaving the `with` block) cancels what is still running and
-    confirms every worker's exit on every node; it raises ChildCleanupError naming the
-    nodes and pids it could not confirm.
+    A tree (or a flow, `flow_run`) is placed whole on the agent with the fewest live runs.
+    When an agent dies, its unfinished trees are resumed from the journal on a surviving
+    agent; their handles keep working. `close()` (or leaving the `with` block) cancels
+    what is still running and confirms every worker's exit on every node; it raises
+    ChildCleanupError naming the nodes and pids it could not confirm.
     """
 
     def __init__(
@@ -290,6 +535,8 @@ class Cluster:
         self._trees: dict[str, _Agent] = {}  # root id -> the agent running it now
         self._lost: dict[str, str] = {}  # root id -> why it could not be resumed
         self._pending: list[Any] = []  # actors started, not yet answering
+        self._refused: set[str] = set()  # joined nodes whose agent could not start
+        self._model_blob, self._limits = model_blob, limits
         self._started_ray = False
         if ray_address is not None:
             _check_address(ray_address)
@@ -324,6 +571,7 @@ class Cluster:
         self._monitor.start()
 
     def _start_agents(self, model_blob: bytes, limits: Limits | None, node_ids: list[str]) -> None:
+        """Start an agent on each of `node_ids`, then tell every live agent of the others."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         remote = self._ray.remote(NodeAgent)
@@ -350,8 +598,43 @@ class Cluster:
                 f"a node agent could not start: {_cause(exc)}\n(the model is unpickled on "
                 "every node: what it refers to must be importable there)"
             ) from exc
-        self._agents = [_Agent(a, i) for a, i in zip(actors, infos, strict=True)]
-        self._pending = []
+        with self._lock:
+            closed = self._closed  # closed meanwhile (a joined node's): these are not needed
+            if not closed:
+                self._agents = self._agents + [
+                    _Agent(a, i) for a, i in zip(actors, infos, strict=True)
+                ]
+            self._pending = []
+        if closed:
+            for actor in actors:
+                with contextlib.suppress(Exception):
+                    self._ray.kill(actor)
+            return
+        live = self._live()
+        peers = [_Peer(a.token, a.node_id, a.host, a.actor) for a in live]
+        refs = [a.actor.set_peers.remote(peers) for a in live]
+        for ref in refs:
+            with contextlib.suppress(self._ray.exceptions.RayActorError):  # the monitor's
+                self._ray.get(ref, timeout=CALL_S)
+
+    def _join(self) -> None:
+        """Start an agent on each node that joined the Ray cluster since (a node whose agent
+        died gets none: its trees went on elsewhere). A SQLite journal has one node only."""
+        if self._store_url.startswith("sqlite:"):
+            return
+        alive = {n["NodeID"] for n in self._ray.nodes() if n.get("Alive")}
+        with self._lock:
+            new = sorted(alive - {a.node_id for a in self._agents} - self._refused)
+        if not new:
+            return
+        try:
+            self._start_agents(self._model_blob, self._limits, new)
+        except Exception:
+            self._refused.update(new)  # not asked again; close() does not wait on them
+            for actor in self._pending:
+                with contextlib.suppress(Exception):
+                    self._ray.kill(actor)
+            self._pending = []
 
     def _stop_agents(self) -> None:
         for actor in [*self._pending, *(a.actor for a in self._agents)]:
@@ -410,8 +693,14 @@ class Cluster:
 
     # ---- node loss ---------------------------------------------------------------------
     def _watch(self) -> None:
-        """Find dead agents even when no handle is being used, and resume their trees."""
+        """Find dead agents even when no handle is being used, and resume their trees;
+        start agents on nodes that joined."""
+        ticks = 0
         while not self._stop_monitor.wait(MONITOR_S):
+            ticks += 1
+            if ticks % JOIN_EVERY == 0:
+                with contextlib.suppress(Exception):  # Ray shutting down: nothing to join
+                    self._join()
             for agent in self._live():
                 try:
                     self._ray.get(agent.actor.ping.remote(), timeout=PING_S)
@@ -441,7 +730,13 @@ class Cluster:
                 # now rather than when the lease would lapse (lease.LEASE_S).
                 store.revoke_lease(agent.token).result(timeout=CALL_S)
                 for root_id in mine:
-                    if store.get_run(root_id)["state"] not in TERMINAL:
+                    try:
+                        state = store.get_run(root_id)["state"]
+                    except UnknownRun:  # a spawn it died before journaling: started again
+                        del self._trees[root_id]
+                        handled.append(root_id)
+                        continue
+                    if state not in TERMINAL:
                         self._resume_elsewhere(root_id)
                     # (else it ended before the node did: the journal has its outcome)
                     handled.append(root_id)
@@ -487,14 +782,25 @@ class Cluster:
                 cloudpickle.dumps(context)
             except Exception as exc:
                 raise InvalidArgument(f"context cannot be pickled: {exc}") from exc
+        wanted = new_run_id()
         for _ in range(len(self._agents)):
             agent = self._place()
+            with self._lock:  # known before the call: an agent may journal it, then die
+                self._trees[wanted] = agent
             try:
-                run_id = self._call(agent, "spawn", prompt, context, timeout)
+                run_id = self._call(agent, "spawn", prompt, context, timeout, wanted)
             except _AgentLost:
-                self._recover(agent)
-                continue
+                self._recover(agent)  # resumes the tree if the agent journaled it
+                with self._lock:
+                    if wanted in self._trees or wanted in self._lost:
+                        return ClusterHandle(self, wanted)  # journaled: resumed, or ended
+                continue  # never journaled: started elsewhere
+            except BaseException:
+                with self._lock:
+                    self._trees.pop(wanted, None)
+                raise
             with self._lock:
+                self._trees.pop(wanted, None)
                 self._trees[run_id] = agent
                 agent.placed += 1
             return ClusterHandle(self, run_id)
@@ -523,6 +829,56 @@ class Cluster:
             self._trees[root_id] = agent
             agent.placed += 1
         return ClusterHandle(self, root_id)
+
+    def flow_run(self, spec: Any, *, inputs: dict[str, Any] | None = None) -> ClusterFlowHandle:
+        """Validate a flow spec (a path, YAML/JSON text or a dict) here and start the flow on
+        the least loaded node; returns at once, with the states it started on
+        `handle.started`. An invalid spec raises InvalidSpec listing every problem, and
+        nothing starts. A path is read here, not on the node (an agent's working directory
+        is Ray's). When the node is lost, the flow is resumed from its ledger on another."""
+        from brood.api import SPEC_DUMP
+        from brood.flow.load import load_spec
+
+        self._check_open()
+        # The agent gets the validated spec as journaled: JSON values, which pickle, and
+        # what a resume on any node rebuilds the flow from.
+        dumped = load_spec(spec).model_dump(**SPEC_DUMP)
+        if inputs is not None:
+            try:
+                cloudpickle.dumps(inputs)
+            except Exception as exc:
+                raise InvalidArgument(
+                    f"flow inputs cannot be pickled for the node agents ({exc}); pass text "
+                    "or JSON values"
+                ) from exc
+        for _ in range(len(self._agents)):
+            agent = self._place()
+            try:
+                run_id, started = self._call(agent, "flow_run", dumped, inputs)
+            except _AgentLost:
+                self._recover(agent)
+                continue
+            with self._lock:
+                self._trees[run_id] = agent
+                agent.placed += 1
+            return ClusterFlowHandle(self, run_id, started)
+        raise BackendError("no node agent could start the flow: each died while asked to")
+
+    def flow(self, run_id: str) -> ClusterFlowHandle:
+        """A handle on a flow this cluster runs: one `flow_run` started, or one whose tree
+        `resume(run_id)` resumed (its flow is rebuilt from its ledger there)."""
+        self._check_open()
+        with self._lock:
+            known = run_id in self._trees
+        if not known:
+            raise InvalidArgument(
+                f"{run_id!r} is not a flow this cluster runs; start one with flow_run, or "
+                "resume its tree with resume(run_id) first"
+            )
+        handle = ClusterFlowHandle(self, run_id, [])
+        with contextlib.suppress(_FlowEnded):  # ended with a lost node: nothing is started
+            handle.started = list(handle._on_agent("flow_started"))
+        return handle
 
     def statistics(self) -> dict[str, Any]:
         """A snapshot: `nodes` = {node id: the agent's `Supervisor.statistics()` plus its
@@ -673,6 +1029,22 @@ class ClusterHandle:
             except _AgentLost:
                 self._cluster._recover(agent)
 
+    def send(self, message: str) -> None:
+        """A follow-up instruction the tree's root sees before its next model turn."""
+        if not isinstance(message, str):
+            raise InvalidArgument("send(message): message must be str")
+        while True:
+            agent = self._agent()
+            if agent is None:
+                raise BroodError(
+                    f"run {self.id} has ended; a follow-up cannot reach a run that has ended"
+                )
+            try:
+                self._cluster._call(agent, "send", self.id, message)
+                return
+            except _AgentLost:
+                self._cluster._recover(agent)
+
     def _wait(self, timeout: float | None) -> tuple[RunResult, Any]:
         _check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -715,3 +1087,134 @@ class ClusterHandle:
             status=result.state,
             reason=result.error,
         )
+
+
+class _FlowEnded(Exception):
+    """The flow ended on an agent that was lost since: the journal holds how it ended."""
+
+
+class ClusterFlowHandle:
+    """A flow started by `Cluster.flow_run`: `id` (its run in the journal, the root of its
+    tree), `started` (the states it entered first), `status()`, `wait()`, `wait_change()`,
+    `outputs()`, `stop()` and `resume()`, as `FlowHandle`'s. It follows its flow when a node
+    is lost and the flow is resumed from its ledger on another. Used after the cluster's
+    close it raises StaleHandle."""
+
+    def __init__(self, cluster: Cluster, run_id: str, started: list[str]) -> None:
+        self._cluster = cluster
+        self.id = run_id
+        self.started = started
+
+    def __repr__(self) -> str:
+        return f"<ClusterFlowHandle {self.id}>"
+
+    def _agent(self) -> _Agent | None:
+        if self._cluster._closed:
+            raise StaleHandle(f"flow {self.id} belongs to a cluster that was closed")
+        return self._cluster._agent_of(self.id)
+
+    @property
+    def node_id(self) -> str | None:
+        """The Ray node the flow runs on now (None once it ended with a lost node)."""
+        agent = self._agent()
+        return agent.node_id if agent is not None else None
+
+    def _on_agent(self, method: str, *args: Any, timeout: float | None = CALL_S) -> Any:
+        """`method` of the agent running the flow now, following the flow to the agent that
+        resumed it when a node is lost; _FlowEnded once it ended with a lost node."""
+        while True:
+            agent = self._agent()
+            if agent is None:
+                raise _FlowEnded
+            try:
+                return self._cluster._call(agent, method, self.id, *args, timeout=timeout)
+            except _AgentLost:
+                self._cluster._recover(agent)
+
+    def _journaled(self) -> dict[str, Any]:
+        """The status of a flow that ended on a lost node, from its ledger."""
+        from brood.journal import Journal
+
+        with Journal(self._cluster._store_url) as journal:
+            return journal.flow_status(self.id)
+
+    def status(self) -> dict[str, Any]:
+        """Per-state entries used / max and instances, milestones, recent ledger events (of a
+        flow that ended on a node lost since: as the journal's ledger has them)."""
+        try:
+            return dict(self._on_agent("flow_status"))
+        except _FlowEnded:
+            return self._journaled()
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Block until the flow ends (finished, failed, stopped) or pauses; returns that
+        status. On timeout raises TimeoutError and the flow keeps going. The flow's ledger
+        up to that point is committed: the journal's reads see it."""
+        _check_timeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            agent = self._agent()
+            if agent is None:
+                return str(self._journaled()["status"])
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                kind, value = self._cluster._call(
+                    agent,
+                    "flow_wait",
+                    self.id,
+                    left or (None if deadline is None else 1e-3),
+                    timeout=None if left is None else left + WAIT_SLACK_S,
+                )
+            except _AgentLost:
+                self._cluster._recover(agent)  # the flow goes on elsewhere: wait there
+                continue
+            if kind == "timeout":
+                raise TimeoutError(value)
+            return str(value)
+
+    def wait_change(self) -> None:
+        """Block until the flow's status changes (e.g. a paused flow is resumed). A move to
+        another node (its node was lost) counts as a change: read the status again."""
+        agent = self._agent()
+        if agent is None:
+            return
+        try:
+            self._cluster._call(agent, "flow_wait_change", self.id, timeout=None)
+        except _AgentLost:
+            self._cluster._recover(agent)
+
+    def outputs(self) -> dict[str, dict[str, Any]]:
+        """Each state's latest settled outputs. Of a flow that ended on a node lost since,
+        the journal holds the outputs only if it finished (they are its run's answer)."""
+        import json
+
+        try:
+            return dict(self._on_agent("flow_outputs"))
+        except _FlowEnded:
+            pass
+        store = open_store(self._cluster._store_url, readonly=True)
+        try:
+            row = store.get_run(self.id)
+        finally:
+            store.close()
+        if row["state"] != RunState.COMPLETED.value or not row["answer"]:
+            return {}
+        return dict(json.loads(row["answer"]))
+
+    def stop(self) -> dict[str, Any]:
+        """Stop: admit nothing more, cancel every running instance (exit confirmed on its
+        node). Returns {"state": the final state, "cancelled": the states whose instances it
+        cancelled, "instances": those instances}; a flow that has ended cancels nothing."""
+        try:
+            return dict(self._on_agent("flow_stop", timeout=CLOSE_S))
+        except _FlowEnded:
+            return {"state": self._journaled()["status"], "cancelled": [], "instances": []}
+
+    def resume(self) -> None:
+        """Go on after a pause (escalate, max_transitions, budget); a flow that is not
+        paused raises BroodError."""
+        try:
+            self._on_agent("flow_resume")
+        except _FlowEnded:
+            status = self._journaled()["status"]
+            raise BroodError(f"flow {self.id} is {status}; only a paused flow resumes") from None

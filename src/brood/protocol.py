@@ -80,6 +80,7 @@ class SpawnReq(Msg):
     replaying: bool = False  # the step is one the journal holds: its children must be there
     pool: ShortText | None = None  # the capacity pool each child holds from start to end
     retries: Annotated[int, msgspec.Meta(ge=0, le=MAX_RETRIES)] = 0  # attempts after the first
+    placement: Literal["local", "spread"] = "local"  # "spread": on another node of a cluster
 
 
 class CancelReq(Msg):

@@ -721,16 +721,18 @@ def flow_run(
     model_timeout: ModelTimeoutOpt = None,
     live: Annotated[bool, typer.Option(help="show the live tree on stderr")] = True,
     as_json: JsonOpt = False,
+    ray: RayOpt = None,
 ) -> None:
     """Run a flow until it ends; while it is paused, `brood flow resume RUN` (from another
-    terminal) lets it go on, and `brood flow stop RUN` stops it."""
+    terminal) lets it go on, and `brood flow stop RUN` stops it. With --ray the flow runs
+    on a node of that Ray cluster (the spec file is read here)."""
     params = _inputs(inputs or [], json_inputs or [])
     url = store or default_store_url()
     given: dict[str, Any] = {"max_concurrency": max_concurrency} if max_concurrency else {}
     try:
         limits = brood.Limits(**given, **_confinement(fs_read, fs_write, network, confine))
-        with brood.Supervisor(_model(model, model_timeout), limits=limits, store=url) as sup:
-            flow = sup.flow_run(spec, inputs=params)
+        with _runner(_model(model, model_timeout), limits, url, ray) as runner:
+            flow = runner.flow_run(spec, inputs=params)
             if not as_json:
                 Console(stderr=True).print(f"flow {flow.id} started: {', '.join(flow.started)}")
             if live and sys.stderr.isatty():

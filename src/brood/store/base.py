@@ -44,12 +44,20 @@ class Store(Protocol):
 
     def claim_tree(self, root_id: str, supervisor: str) -> Future[Any]: ...
 
+    def claim_run(self, run_id: str, supervisor: str) -> Future[Any]: ...
+
     def resume_data(self, root_id: str) -> dict[str, dict[str, Any]]: ...
 
     def transition(self, rec: RunRecord, frm: str, to: str) -> Future[Any]: ...
 
     def event(
-        self, rec: RunRecord, kind: str, data: dict[str, Any], progress: str | None = None
+        self,
+        rec: RunRecord,
+        kind: str,
+        data: dict[str, Any],
+        progress: str | None = None,
+        *,
+        lazy: bool = False,
     ) -> Future[Any]: ...
 
     def flush(self) -> None: ...

@@ -19,7 +19,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from brood.backends.base import STATUS_UNKNOWN, Backend, WorkerConn
 from brood.errors import (
@@ -32,6 +32,7 @@ from brood.errors import (
     StoreError,
     SupervisorClosed,
 )
+from brood.lease import lease_holder_gone
 from brood.lifecycle import RunRecord, RunState, move
 from brood.limits import Limits
 from brood.models.base import Completion, Model
@@ -164,10 +165,17 @@ class Run:
     holds: int = 0
     blocked: bool = False
     exec_timeout: float | None = None  # Session.step(timeout=) of the driven step under way
+    # placement="spread" (a cluster): the start of this child on another node (the parent's
+    # side), then where it runs (the spreader's), or None when it started here after all.
+    spreading: asyncio.Task[Any] | None = None
+    remote: Any = None
+    guest: bool = False  # the top of a subtree whose parent runs on another node
 
     @property
     def launchable(self) -> bool:
         """Waiting for a worker: queued, or resumed while it was running."""
+        if self.remote is not None:  # it runs on another node
+            return False
         if self.rec.state is RUN:
             return self.replay is not None and self.conn is None and self.ending is None
         return self.rec.state is Q
@@ -244,6 +252,42 @@ class StepWatch:
             self.left -= asyncio.get_running_loop().time() - self.since
 
 
+class NodeLost(BroodError):
+    """The node running a spread child was lost (its agent died)."""
+
+
+class Spreader(Protocol):
+    """How a supervisor hosted by a cluster's node agent reaches the other nodes."""
+
+    async def start(self, run: Run) -> Any:
+        """Hand `run` to another node's supervisor; where it went, or None for here."""
+
+    async def started(self, run: Run) -> None: ...
+
+    async def ended(self, run: Run) -> dict[str, Any]:
+        """Its end, once it ended: state, reason, answer, error, products, usage."""
+
+    async def cancel(self, run: Run, state: RunState, reason: str) -> dict[str, Any]:
+        """End it on its node (every exit confirmed there); its end as `ended` gives it."""
+
+    async def send(self, run: Run, message: str) -> None: ...
+
+    async def admit(self, top: Run, count: int) -> None:
+        """Ask the node running the tree's root to admit `count` more children."""
+
+    async def lost(self, run: Run) -> None:
+        """`run`'s node was lost: make its runs this node's to resume (revoke its lease)."""
+
+    async def budget_enter(self, top: Run) -> None:
+        """A model call below `top` waits for the tree's budget at the root's node."""
+
+    async def budget_leave(self, top: Run, tokens: int, cost: float, answered: bool) -> None:
+        """That call ended: what it spent, counted at the root's node."""
+
+    def holder(self, token: str) -> Any:
+        """The other node whose supervisor has owner token `token` (None if unknown)."""
+
+
 class Core:
     def __init__(
         self,
@@ -282,6 +326,9 @@ class Core:
         # flow from its ledger when its tree is resumed.
         self.flow_handler: Callable[[Run, FlowReq], Awaitable[Any]] | None = None
         self.flow_resumer: Callable[[Run], None] | None = None
+        # Set by a cluster's node agent: starts children placed with placement="spread" on
+        # other nodes, and asks a tree's root node to admit its children (Spreader).
+        self.spreader: Spreader | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         backend.on_lost = self._zygote_lost
 
@@ -326,7 +373,11 @@ class Core:
     def _event(
         self, run: Run, kind: str, data: dict[str, Any], progress: str | None = None
     ) -> None:
-        self.store.event(run.rec, kind, data, progress)
+        # A model call and a step's output are what every turn writes, and nobody waits on
+        # them: they ride with the next write that is waited on (the step's start, the
+        # run's end) instead of a commit of their own. Others (a message, an ask) commit
+        # as soon as the writer gets to them.
+        self.store.event(run.rec, kind, data, progress, lazy=kind in ("model_call", "step"))
 
     def store_failed(self, exc: StoreError) -> None:
         """The journal failed a write: end every run at once with that reason (the
@@ -337,6 +388,13 @@ class Core:
         reason = f"{STORE_FAILED}{exc}"
         for root in self._live_roots():
             self._task(self.finish(root, RunState.FAILED, reason))
+
+    def _top(self, run: Run) -> Run:
+        """The top of `run`'s tree in this supervisor, which holds the tree's counters: its
+        root, or the guest run its subtree hangs from (the root is on another node)."""
+        while run.parent is not None:
+            run = run.parent
+        return run
 
     def _live_roots(self) -> list[Run]:
         """The roots of the trees this supervisor runs that have not ended."""
@@ -364,7 +422,10 @@ class Core:
         timeout: float | None = None,
         driven: bool = False,
         pool: str | None = None,
+        run_id: str | None = None,
     ) -> Run:
+        """A new root run. `run_id` is chosen by the caller (a cluster, which must know a
+        tree's id before the node starting it could be lost); by default one is drawn."""
         self.check_open()
         if not isinstance(prompt, str) or not prompt.strip():
             raise InvalidArgument("prompt must be a non-empty str")
@@ -374,7 +435,7 @@ class Core:
                 "pool=... does not apply to a Session root (it holds no slot); give the "
                 "pool to the runs it starts"
             )
-        rec = self._root_record(prompt, model_name or self.model_name)
+        rec = self._root_record(prompt, model_name or self.model_name, run_id)
         rec.pool = pool
         # A root's model_name only labels the journal row; the model object is the choice.
         run = Run(rec, model or self.model, context_blob, None, timeout, None, driven=driven)
@@ -402,7 +463,7 @@ class Core:
                 if parent is not None and run in parent.children:
                     parent.children.remove(run)
             if parent is not None:
-                self.runs[parent.rec.root_id].tree_children -= counted
+                self._top(parent).tree_children -= counted
             raise
 
     async def _journal_new(self, runs: list[Run]) -> None:
@@ -459,11 +520,15 @@ class Core:
             keys.append(f"{msg.step}:{seq}")
         adopted = self._adopt(parent, msg, keys)
         fresh = [(k, p) for k, p in zip(keys, msg.prompts, strict=True) if k not in adopted]
-        root = self.runs[parent.rec.root_id]
+        root = self._top(parent)
         self.limits.admit_children(
             tree_total=root.tree_children, run_total=len(parent.children), count=len(fresh)
         )
+        if root.guest and fresh:  # the tree's own count is kept by its root's node
+            assert self.spreader is not None
+            await self.spreader.admit(root, len(fresh))
         root.tree_children += len(fresh)
+        spread = msg.placement == "spread" and self.spreader is not None
         timeout = msg.timeout if msg.timeout is not None else self.limits.child_timeout
         children = []
         for key, prompt in fresh:
@@ -476,7 +541,11 @@ class Core:
             parent.children.append(child)
             children.append(child)
         await self._journal_or_forget(children, parent, len(fresh))
-        self.start_queue.extend(children)
+        if spread:
+            for child in children:
+                child.spreading = self._task(self._spread(child))
+        else:
+            self.start_queue.extend(children)
         self.start_queue.extend(c for c in adopted.values() if c.launchable)
         self._grant()
         ended = []
@@ -495,8 +564,8 @@ class Core:
         by_key = {c.rec.key: c for c in children} | adopted
         return [by_key[k].id for k in keys]
 
-    def _root_record(self, prompt: str, model: str | None) -> RunRecord:
-        rid = self._new_id()
+    def _root_record(self, prompt: str, model: str | None, rid: str | None = None) -> RunRecord:
+        rid = rid or self._new_id()
         return RunRecord(
             id=rid, root_id=rid, parent_id=None, depth=0, key=None, prompt=prompt, model=model
         )
@@ -852,6 +921,111 @@ class Core:
         await self.send_message(child, msg.message)
         return None
 
+    # ---- children placed on another node (placement="spread", a cluster) -----------------
+    async def _spread(self, run: Run) -> None:
+        """Start `run` on another node through the spreader; then follow its state there
+        until it ends. With no other node it starts here like any child."""
+        assert self.spreader is not None
+        try:
+            run.remote = await self.spreader.start(run)
+        except Exception as exc:
+            if not run.rec.state.terminal and run.ending is None:
+                self._task(
+                    self.finish(run, RunState.FAILED, f"could not start on another node: {exc}")
+                )
+            return
+        if run.remote is None:
+            self.start_queue.append(run)
+            self._grant()
+            return
+        self._task(self._follow(run))
+
+    async def _follow(self, run: Run) -> None:
+        """Mirror a spread child's start and end, journaled by the node running it, here:
+        its parent hears of them as of any child's."""
+        assert self.spreader is not None
+        try:
+            await self.spreader.started(run)
+            if run.rec.state is Q and run.ending is None:
+                move(run.rec, RUN)
+                self._tell_parent(run)
+                run.started.set()
+                self.observers.emit("on_start", run.info())
+            end = await self.spreader.ended(run)
+        except Exception as exc:
+            if run.ending is not None or run.rec.state.terminal:
+                return
+            if isinstance(exc, NodeLost) and await self._adopt_lost(run, exc):
+                return
+            self._task(self.finish(run, RunState.FAILED, f"its node was lost: {exc}"))
+            return
+        if run.ending is None:  # else the one ending it mirrors the end
+            self._mirror_end(run, end)
+
+    async def _adopt_lost(self, run: Run, exc: Exception) -> bool:
+        """A spread child's node was lost: resume its subtree here, from the journal, as a
+        local child (replayed, its children adopted by key). False if that failed."""
+        assert self.spreader is not None
+        try:
+            await self.spreader.lost(run)
+            await self.resume_subtree(run.rec.root_id, run.id, run)
+        except Exception as why:
+            self._event(run, "adopt_failed", {"lost": str(exc), "error": str(why)})
+            return False
+        return True
+
+    def _mirror_end(self, run: Run, end: dict[str, Any]) -> None:
+        """A spread child ended on its node (which journaled it): end it here too."""
+        if run.rec.state.terminal:
+            return
+        rec = run.rec
+        rec.answer, rec.error, rec.products = end["answer"], end["error"], end["products"]
+        rec.usage = dict(end["usage"])
+        to = RunState(end["state"])
+        if rec.state is Q and to is not RunState.CANCELLED:
+            move(rec, RUN)
+        if rec.state is RUN and to is RunState.CANCELLED:
+            move(rec, CANCELLING)
+        move(rec, to, end["reason"] or "ended on its node")
+        self._tell_parent(run)
+        run.started.set()
+        run.done.set()
+        self.observers.emit("on_end", run.info())
+
+    def _tell_parent(self, run: Run) -> None:
+        parent = run.parent
+        if parent is not None and parent.conn is not None and not parent.rec.state.terminal:
+            parent.conn.send(_update(run))
+
+    async def host_guest(
+        self, rec: RunRecord, run_data: dict[str, Any], note: dict[str, Any]
+    ) -> Run:
+        """Take a child placed here by its parent's node (placement="spread"): its record is
+        journaled already; this supervisor owns it and its subtree from now on."""
+        self.check_open()
+        run = Run(
+            rec,
+            self.model,
+            run_data.get("context"),
+            run_data.get("model_name"),
+            run_data.get("timeout"),
+            None,
+        )
+        run.guest = True
+        run.messages = list(run_data.get("messages") or [])
+        self.runs[run.id] = run
+        await asyncio.wrap_future(self.store.claim_run(run.id, self.owner))
+        self._event(run, "placed", note | {"supervisor": self.owner})
+        self._admit(run)
+        return run
+
+    def admit_remote(self, root_id: str, count: int) -> None:
+        """A subtree of `root_id` on another node starts `count` children: the tree-wide
+        limits are this node's to keep (the root runs here)."""
+        root = self._tree_root(root_id)
+        self.limits.admit_children(tree_total=root.tree_children, run_total=0, count=count)
+        root.tree_children += count
+
     async def _flow_request(self, run: Run, msg: FlowReq) -> Any:
         if self.flow_handler is None:
             raise BroodError("this supervisor runs no flows")
@@ -866,6 +1040,12 @@ class Core:
         await fut
 
     async def send_message(self, run: Run, message: str) -> None:
+        if run.spreading is not None:
+            await asyncio.shield(run.spreading)
+            if run.remote is not None and not run.rec.state.terminal and run.ending is None:
+                assert self.spreader is not None
+                await self.spreader.send(run, message)
+                return
         if run.rec.state.terminal or run.ending is not None:
             how = run.rec.state.value if run.rec.state.terminal else "ending"
             raise BroodError(
@@ -897,9 +1077,15 @@ class Core:
         task = asyncio.current_task()
         assert task is not None
         run.calls.add(task)
-        root = self.runs[run.rec.root_id]
+        root = self._top(run)
+        # Below a spread child the tree's budget is kept by the root's node: asked there.
+        far = root.guest and self._budgeted()
         try:
-            await self._budget_admits(root)
+            if far:
+                assert self.spreader is not None
+                await self.spreader.budget_enter(root)
+            else:
+                await self._budget_admits(root)
         except BaseException:
             run.calls.discard(task)  # ended while it waited: no call was made
             raise
@@ -932,11 +1118,43 @@ class Core:
                 done=done,
                 error=error,
                 request=msg.messages[msg.new_from :],
+                far=far,
             )
-            waiting, root.budget_waiters = root.budget_waiters, []
-            for fut in waiting:  # the budget left and the calls in flight have changed
-                if not fut.done():
-                    fut.set_result(None)
+            self._wake_budget(root)
+
+    def _budgeted(self) -> bool:
+        return self.limits.token_budget is not None or self.limits.cost_budget is not None
+
+    def _wake_budget(self, root: Run) -> None:
+        waiting, root.budget_waiters = root.budget_waiters, []
+        for fut in waiting:  # the budget left and the calls in flight have changed
+            if not fut.done():
+                fut.set_result(None)
+
+    def _tree_root(self, root_id: str) -> Run:
+        """The root of tree `root_id`, which runs here (asked by another node)."""
+        root = self.runs.get(root_id)
+        if root is None or root.parent is not None or root.guest:
+            raise BroodError(f"tree {root_id} does not run on this node")
+        if root.rec.state.terminal or root.ending is not None:
+            raise BroodError(f"tree {root_id} is ending; it starts no more work")
+        return root
+
+    async def budget_enter(self, root_id: str) -> None:
+        """A model call below a spread child of tree `root_id` waits for the tree's budget
+        here, as one of this node's own calls does."""
+        root = self._tree_root(root_id)
+        await self._budget_admits(root)
+        root.calls_in_flight += 1
+
+    def budget_leave(self, root_id: str, tokens: int, cost: float, answered: bool) -> None:
+        """That call ended, having spent `tokens` and `cost`."""
+        root = self.runs.get(root_id)
+        if root is None:
+            return
+        root.calls_in_flight -= 1
+        self._spend(root, tokens, cost, answered)
+        self._wake_budget(root)
 
     async def _budget_admits(self, root: Run) -> None:
         """Wait until the tree's budget left covers this call on top of those in flight,
@@ -995,6 +1213,7 @@ class Core:
         done: Completion | None,
         error: str | None,
         request: list[dict[str, Any]],
+        far: bool = False,
     ) -> None:
         # A model's own count is trusted (it is the user's code), but never negative.
         tokens_in = max(0, int(done.input_tokens)) if done else 0
@@ -1019,17 +1238,27 @@ class Core:
                 "response": done.text if done else None,
             },
         )
-        root = self.runs[run.rec.root_id]
-        t = root.tree_usage
-        t["tokens"] = t.get("tokens", 0) + tokens_in + tokens_out
-        t["cost"] = t.get("cost", 0.0) + cost
-        if done is not None:
-            root.calls_seen += 1
-            root.largest_tokens = max(root.largest_tokens, tokens_in + tokens_out)
-            root.largest_cost = max(root.largest_cost, cost)
+        root = self._top(run)
+        self._spend(root, tokens_in + tokens_out, cost, done is not None)
+        if far:  # the tree's own count is its root's node's
+            assert self.spreader is not None
+            self._task(
+                self.spreader.budget_leave(root, tokens_in + tokens_out, cost, done is not None)
+            )
         self._progress(run)
+
+    def _spend(self, root: Run, tokens: int, cost: float, answered: bool) -> None:
+        """A call of the tree under `root` spent `tokens` and `cost`: a tree over its budget
+        is cancelled whole."""
+        t = root.tree_usage
+        t["tokens"] = t.get("tokens", 0) + tokens
+        t["cost"] = t.get("cost", 0.0) + cost
+        if answered:
+            root.calls_seen += 1
+            root.largest_tokens = max(root.largest_tokens, tokens)
+            root.largest_cost = max(root.largest_cost, cost)
         over = self._over_budget(root, 0)
-        if over and root.ending is None:
+        if over and root.ending is None and not root.guest:
             self._task(self.finish(root, RunState.CANCELLED, f"budget: {over}"))
 
     def _by_ref(self, run: Run, request: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -1041,7 +1270,7 @@ class Core:
             return request
         text, mark, rest = str(request[0].get("content", "")).partition(BUDGET_MARK)
         ref = hashlib.sha256(text.encode()).hexdigest()[:16]
-        root = self.runs[run.rec.root_id]
+        root = self._top(run)
         if ref not in root.prompts:
             root.prompts.add(ref)
             self._event(root, "prompt", {"ref": ref, "content": text})
@@ -1053,7 +1282,7 @@ class Core:
     def budget_of(self, run: Run) -> dict[str, Any]:
         """A run's place in the tree and the budgets left now (budget_remaining())."""
         lim = self.limits
-        root = self.runs[run.rec.root_id]
+        root = self._top(run)
         tokens = root.tree_usage.get("tokens", 0)
         cost = root.tree_usage.get("cost", 0.0)
         return {
@@ -1090,6 +1319,19 @@ class Core:
     async def _end(
         self, run: Run, state: RunState, reason: str, answer: str | None, error: str | None
     ) -> RunState:
+        if run.spreading is not None:
+            await asyncio.shield(run.spreading)  # its start, one way or the other
+            if run.rec.state.terminal:
+                return run.rec.state
+            if run.remote is not None:
+                assert self.spreader is not None
+                try:  # on its node, which confirms every exit there
+                    self._mirror_end(run, await self.spreader.cancel(run, state, reason))
+                    return run.rec.state
+                except Exception as exc:  # its node is gone, its processes with it
+                    # Its subtree is rebuilt here from the journal, to be ended here.
+                    if not (isinstance(exc, NodeLost) and await self._adopt_lost(run, exc)):
+                        run.remote, run.spreading = None, None
         rec = run.rec
         run.retrying = self._retries(run, state)
         if run.timer is not None:
@@ -1310,7 +1552,7 @@ class Core:
             parent,
         )
         parent.children.append(child)
-        self.runs[parent.rec.root_id].tree_children += 1
+        self._top(parent).tree_children += 1
         await self._journal_or_forget([child], parent, 1)
         self.start_queue.append(child)
         self._grant()
@@ -1356,7 +1598,32 @@ class Core:
         key (adoption) and is then resumed the same way, or handed its journaled answer.
         """
         self.check_open()
+        return await self._rebuild(root_id, root_id)
+
+    async def resume_subtree(self, root_id: str, top_id: str, top: Run | None = None) -> Run:
+        """Resume the subtree of tree `root_id` under run `top_id`, as `resume_tree` resumes
+        a tree: a child placed on a node that was lost. `top` is its run here when its
+        parent runs here (its own node's run then goes on as a local child); without it the
+        subtree is a guest here, as on the node that was lost."""
+        self.check_open()
+        return await self._rebuild(root_id, top_id, top)
+
+    async def _rebuild(self, root_id: str, top_id: str, top: Run | None = None) -> Run:
         rows = self.store.runs(root_id)
+        counted = len(rows) - 1
+        away = self._away(rows) if top_id == root_id else {}
+        if away:  # what runs below them is their nodes': not rebuilt here
+            below: set[str] = set()
+            for row in rows:
+                if row["parent_id"] in away or row["parent_id"] in below:
+                    below.add(row["id"])
+            rows = [r for r in rows if r["id"] not in below]
+        if top_id != root_id:  # its subtree: a parent's row comes before its children's
+            kept = {top_id}
+            for row in rows:
+                if row["parent_id"] in kept:
+                    kept.add(row["id"])
+            rows = [r for r in rows if r["id"] in kept]
         extra = self.store.resume_data(root_id)
         runs: dict[str, Run] = {}
         for row in rows:  # in creation order: a parent comes before its children
@@ -1383,14 +1650,29 @@ class Core:
             )
             parent = runs.get(row["parent_id"]) if row["parent_id"] else None
             data = extra.get(rec.id, {})
+            if rec.id == top_id and top is not None:  # its parent runs here: the same run
+                top.rec, top.remote, top.spreading = rec, None, None
+                runs[rec.id] = top
+                continue
+            where = away.get(rec.id)
+            if isinstance(where, Run):  # placed here by the lost node: a local child now
+                where.guest, where.parent = False, parent
+                assert parent is not None
+                parent.children.append(where)
+                if rec.key is not None:
+                    parent.by_key[rec.key] = where
+                runs[rec.id] = where
+                continue
             run = Run(
                 rec,
                 self.model,
                 data.get("context"),
                 data.get("model_name"),
-                self.limits.child_timeout if parent else None,
+                self.limits.child_timeout if parent or rec.id != root_id else None,
                 parent,
             )
+            run.guest = rec.id == top_id != root_id
+            run.remote = where  # placed on a node that goes on: followed there
             if parent is not None:
                 parent.children.append(run)
                 if rec.key is not None:
@@ -1399,10 +1681,11 @@ class Core:
                 run.started.set()
                 run.done.set()
             runs[rec.id] = run
-        root = runs[root_id]
-        root.tree_children = len(runs) - 1
-        root.prompts = {e["data"]["ref"] for e in self.store.events(root_id, "prompt")}
-        for run in runs.values():
+        root = runs[top_id]
+        # A local child's tree keeps its counters here already (its root runs here).
+        for run in runs.values() if top is None else ():
+            if run.id in away:
+                continue
             u = run.rec.usage
             root.tree_usage["tokens"] = (
                 root.tree_usage.get("tokens", 0)
@@ -1410,11 +1693,25 @@ class Core:
                 + u.get("output_tokens", 0)
             )
             root.tree_usage["cost"] = root.tree_usage.get("cost", 0.0) + u.get("cost", 0.0)
+        if top is None:
+            root.tree_children = counted if top_id == root_id else len(runs) - 1
+            root.prompts = {e["data"]["ref"] for e in self.store.events(top_id, "prompt")}
         self.runs.update(runs)
+        followed = [runs[i] for i in away]
+        runs = {i: r for i, r in runs.items() if i not in away}
         for run in runs.values():  # answered asks replay; open ones are open again
             if not run.rec.state.terminal:
                 self.asks.adopt(run, self.store.events(run.id, "ask"))
-        await asyncio.wrap_future(self.store.claim_tree(root_id, self.owner))
+        if top_id == root_id and not away:
+            await asyncio.wrap_future(self.store.claim_tree(root_id, self.owner))
+        else:
+            for run in runs.values():
+                if not run.rec.state.terminal:
+                    await asyncio.wrap_future(self.store.claim_run(run.id, self.owner))
+        for run in followed:
+            if run.remote is not None:
+                run.started.set()
+                self._task(self._follow(run))
         open_ids = [r.id for r in runs.values() if not r.rec.state.terminal]
         self._event(root, "resume", {"supervisor": self.owner, "open": open_ids})
         ending: set[Run] = set()  # cancelled by this resume
@@ -1457,6 +1754,30 @@ class Core:
             self.start_queue.append(root)
             self._grant()
         return root
+
+    def _away(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        """The runs of a tree being resumed that head a subtree placed on another node
+        (placement="spread") whose supervisor still holds its lease: they go on there, and
+        are followed, not resumed; one that supervisor is this one joins the tree here."""
+        if self.spreader is None:
+            return {}
+        owner = {r["id"]: r["supervisor"] for r in rows}
+        away: dict[str, Any] = {}
+        for row in rows:
+            holder = row["supervisor"]
+            if row["parent_id"] is None or holder == owner.get(row["parent_id"]):
+                continue
+            if RunState(row["state"]).terminal:
+                continue
+            if holder == self.owner:
+                guest = self.runs.get(row["id"])
+                if guest is not None and guest.guest:
+                    away[row["id"]] = guest
+            elif not lease_holder_gone(self.store.supervisor(holder)):
+                peer = self.spreader.holder(holder)
+                if peer is not None:
+                    away[row["id"]] = peer
+        return away
 
     def _poison_steps(self, steps: dict[Run, list[dict[str, Any]]]) -> dict[Run, int]:
         """The runs whose step was under way at two host deaths, each with that step. A run
@@ -1514,7 +1835,7 @@ class Core:
 
     def _stop_resume(self, run: Run, reason: str) -> None:
         """A replay diverged: the resume of the whole tree stops."""
-        root = self.runs[run.rec.root_id]
+        root = self._top(run)
         self.diverged.setdefault(root.id, reason)
         if root is not run:
             self._task(self.finish(root, RunState.CANCELLED, f"resume stopped: {reason}"))

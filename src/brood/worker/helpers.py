@@ -232,8 +232,19 @@ class Runtime:
         timeout: float | None = None,
         pool: str | None = None,
         retries: int = 0,
+        placement: str = "local",
     ) -> list[ChildHandle]:
         self.check_open()
+        if placement not in ("local", "spread"):
+            raise InvalidArgument(
+                f"placement must be 'local' (this node) or 'spread' (another node of a "
+                f"cluster), got {placement!r}"
+            )
+        if placement == "spread" and (pool is not None or retries):
+            raise InvalidArgument(
+                "placement='spread' does not take pool= or retries= yet: a pool's places "
+                "and a child's attempts are kept on one node; drop them, or place it locally"
+            )
         if pool is not None and not isinstance(pool, str):
             raise InvalidArgument(f"pool must be the name of a pool (a str), got {pool!r}")
         if (
@@ -258,6 +269,7 @@ class Runtime:
                     replaying=self.replaying,
                     pool=pool,
                     retries=retries,
+                    placement=placement,  # type: ignore[arg-type]
                 )
             )
         except ReplayDiverged as exc:
@@ -725,6 +737,7 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
         timeout: float | None = None,
         pool: str | None = None,
         retries: int = 0,
+        placement: str = "local",
     ) -> Any:
         """Start a child run (a whole RLM with its own REPL) on `prompt`.
 
@@ -733,6 +746,8 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
         `context` variable; `timeout` bounds its wall-clock seconds; `pool` names a
         capacity pool the child holds a place in from its start to its end; `retries`
         starts a child that failed or timed out again (same handle), up to that many times.
+        placement="spread" runs the child's subtree on another node of a cluster (here
+        when there is none); it stays a child for every helper.
         """
         _fits(_check_prompt(prompt, "rlm_query"), "rlm_query")
         if not rt.can_spawn:
@@ -741,7 +756,13 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
                 return llm_query(prompt, model)
             return spawn(llm_query, prompt, model)
         (h,) = rt.spawn_children(
-            [prompt], context=context, model=model, timeout=timeout, pool=pool, retries=retries
+            [prompt],
+            context=context,
+            model=model,
+            timeout=timeout,
+            pool=pool,
+            retries=retries,
+            placement=placement,
         )
         return h.wait() if blocking else h
 
