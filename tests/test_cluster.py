@@ -463,3 +463,28 @@ def test_brood_flow_run_with_ray_runs_the_flow_on_the_cluster(ray_cluster, fresh
         assert store.supervisor(owner)["pid"] != os.getpid()  # a node agent ran it
     finally:
         store.close()
+
+
+def test_close_names_the_node_and_pids_an_agent_could_not_confirm(ray_cluster, fresh_pg_url):
+    from brood.cluster import _Agent
+
+    class StuckAgent:  # a node agent whose workers would not die: its close() says so
+        def ping(self):
+            return True
+
+        def close(self):
+            return {"error": "ChildCleanupError: group 4242 not confirmed", "pids": [4242, 4243]}
+
+    cluster = brood.Cluster("scripted:demo", store=fresh_pg_url, limits=FAST)
+    pids = agent_pids(cluster)
+    stuck = ray.remote(num_cpus=0)(StuckAgent).remote()
+    info = {"token": "t", "pid": 99999, "host": "node-x", "node_id": "n-stuck-0123456789"}
+    cluster._agents.append(_Agent(stuck, info))
+    with pytest.raises(brood.ChildCleanupError) as caught:
+        cluster.close()
+    message = str(caught.value)
+    assert "node n-stuck-0123456789 (node-x, agent pid 99999)" in message
+    assert "[4242, 4243] not confirmed gone" in message and "kill them by pid" in message
+    assert caught.value.pids == [4242, 4243]
+    # The real agents closed all the same, confirming their own workers' exits.
+    assert_nothing_left(pids)

@@ -203,6 +203,50 @@ def test_a_tree_journaled_by_an_agent_that_died_before_answering_is_resumed_not_
     assert_nothing_left(pids)
 
 
+def test_a_spread_child_takes_its_nodes_pool_and_is_retried_on_another_node(
+    ray_cluster, fresh_pg_url, tmp_path
+):
+    folder = str(tmp_path)
+
+    def r_turn(messages):  # the first attempt's worker dies; the second answers
+        flag = os.path.join(folder, "first-attempt")
+        if not os.path.exists(flag):
+            open(flag, "w").close()
+            return repl("import os\nos._exit(3)")
+        return repl("FINAL('R done')")
+
+    model = brood.ScriptedModel(
+        {
+            "root": [
+                repl(
+                    "r = rlm_query('child R', placement='spread', pool='gpu', retries=1)\n"
+                    "FINAL('root:' + r)"
+                )
+            ],
+            "child R": [r_turn],
+        }
+    )
+    limits = fast(pools={"gpu": 1})
+    with brood.Cluster(model, store=fresh_pg_url, limits=limits) as cluster:
+        pids = agent_pids(cluster)
+        result = cluster.run("root task")
+        store = open_store(fresh_pg_url, readonly=True)
+        try:
+            rows = [r for r in store.runs(result.run_id) if r["parent_id"]]
+            pool_events = {r["id"]: store.events(r["id"], "pool") for r in rows}
+            root_owner = store.get_run(result.run_id)["supervisor"]
+        finally:
+            store.close()
+    assert (result.state, result.answer) == ("completed", "root:R done")
+    first, second = sorted(rows, key=lambda r: r["attempt"])
+    assert (first["state"], second["state"]) == ("failed", "completed")
+    assert "status 3" in first["reason"] and first["key"] == second["key"]
+    for row in rows:  # each attempt on the other node, holding a place of that node's pool
+        assert row["supervisor"] != root_owner
+        assert any(e["data"].get("taken") for e in pool_events[row["id"]])
+    assert_nothing_left(pids)
+
+
 def test_a_spread_child_ends_with_its_parent(ray_cluster, fresh_pg_url, tmp_path):
     folder = str(tmp_path)
 

@@ -13,6 +13,12 @@ that agent's lease in the journal and resumes each of its unfinished trees on a 
 agent with `Supervisor.resume`: replay from the journal, children adopted by key. The
 trees' handles keep working; they now point at the new agent.
 
+A child placed with `rlm_query(..., placement="spread")` goes to another node's agent
+(`_Spreader`, the agents' side of `Core.spreader`): the parent's agent journals it, the
+other takes it over, and the parent's follows it there, so it stays a child for every verb.
+The tree's limits and budgets stay with its root's agent, which admits children and model
+calls made below a spread child.
+
 Ray is imported only when a `Cluster` is made: `import brood` never imports it.
 """
 
@@ -490,7 +496,9 @@ class Cluster:
     gets its own copy. `store` is the journal URL every node writes to: a Postgres URL, or
     a SQLite file when the cluster has a single node. `ray_address` is the head node's
     HOST:PORT (checked to answer within seconds); None uses the Ray this process is
-    connected to, or starts a local one. `limits` apply per tree, in the agent holding it.
+    connected to, or starts a local one. `limits` apply per tree, kept by the agent holding
+    its root (also for children its runs place on other nodes with placement="spread");
+    `max_concurrency` and `pools` are each node's.
 
     A tree (or a flow, `flow_run`) is placed whole on the agent with the fewest live runs.
     When an agent dies, its unfinished trees are resumed from the journal on a surviving

@@ -987,10 +987,14 @@ class Core:
         if rec.state is RUN and to is RunState.CANCELLED:
             move(rec, CANCELLING)
         move(rec, to, end["reason"] or "ended on its node")
-        self._tell_parent(run)
+        run.retrying = self._retries(run, to)
+        if not run.retrying:  # else its parent hears of the next attempt instead
+            self._tell_parent(run)
         run.started.set()
         run.done.set()
         self.observers.emit("on_end", run.info())
+        if run.retrying:
+            self._task(self._next_attempt(run))
 
     def _tell_parent(self, run: Run) -> None:
         parent = run.parent
@@ -1425,6 +1429,9 @@ class Core:
         )
         if parent.conn is not None and not parent.rec.state.terminal:
             parent.conn.send(_update(new))  # queued again
+        if old.spreading is not None:  # placed as it was: on another node
+            new.spreading = self._task(self._spread(new))
+            return
         self.start_queue.append(new)
         self._grant()
 

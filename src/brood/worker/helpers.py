@@ -240,11 +240,6 @@ class Runtime:
                 f"placement must be 'local' (this node) or 'spread' (another node of a "
                 f"cluster), got {placement!r}"
             )
-        if placement == "spread" and (pool is not None or retries):
-            raise InvalidArgument(
-                "placement='spread' does not take pool= or retries= yet: a pool's places "
-                "and a child's attempts are kept on one node; drop them, or place it locally"
-            )
         if pool is not None and not isinstance(pool, str):
             raise InvalidArgument(f"pool must be the name of a pool (a str), got {pool!r}")
         if (
