@@ -55,6 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from brood.backends.owners import processes_of
 from brood.store.base import open_store
 from tests.pg import local_postgres, new_database
+from tests.ray_util import pid_gone, ray_pids
 
 BENCH = "cluster"
 TREES = 300
@@ -107,26 +108,6 @@ def fresh_database(server: str) -> str:
 
 
 # ---- Ray -----------------------------------------------------------------------------------
-
-
-def ray_pids(cluster: RayCluster) -> list[int]:
-    nodes = [cluster.head_node, *cluster.worker_nodes]
-    return [
-        info.process.pid
-        for node in nodes
-        if node is not None
-        for infos in node.all_processes.values()
-        for info in infos
-        if info.process is not None
-    ]
-
-
-def pid_gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def agents(cluster: brood.Cluster) -> list[Any]:

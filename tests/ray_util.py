@@ -12,13 +12,19 @@ check those themselves, by the agents' pids, after close() (`assert_nothing_left
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import cloudpickle
 import pytest
 
 from brood.backends.owners import processes_of
+
+# Scripted replies made here run in the node agents, which cannot import this module.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 if TYPE_CHECKING:
     import brood
@@ -60,6 +66,35 @@ def agent_pids(cluster: brood.Cluster) -> list[int]:
     return [n["pid"] for n in cluster.statistics()["nodes"].values()]
 
 
+def held(folder: str, name: str, reply: str) -> Callable[[Any], str]:
+    """A scripted reply that announces itself (file `in-NAME-PID` in `folder`, PID the
+    process making the call: a node agent's) and returns `reply` only once that agent has a
+    `release-PID` file (or after BOUND_S): the test releases the agents it chooses."""
+
+    def hold(messages: Any) -> str:
+        open(os.path.join(folder, f"in-{name}-{os.getpid()}"), "w").close()
+        release = os.path.join(folder, f"release-{os.getpid()}")
+        deadline = time.monotonic() + BOUND_S
+        while not os.path.exists(release) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return reply
+
+    return hold
+
+
+def ray_pids(cluster: Any) -> list[int]:
+    """The pids of a `ray.cluster_utils.Cluster`'s own processes (GCS, raylets, workers)."""
+    nodes = [cluster.head_node, *cluster.worker_nodes]
+    return [
+        info.process.pid
+        for node in nodes
+        if node is not None
+        for infos in node.all_processes.values()
+        for info in infos
+        if info.process is not None
+    ]
+
+
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[Any]:
     """A Ray cluster of two nodes (one CPU each) this process is connected to; shut down,
@@ -77,15 +112,7 @@ def ray_cluster() -> Iterator[Any]:
         yield cluster
     finally:
         ray.shutdown()
-        nodes = [cluster.head_node, *cluster.worker_nodes]
-        pids = [
-            info.process.pid
-            for node in nodes
-            if node is not None
-            for infos in node.all_processes.values()
-            for info in infos
-            if info.process is not None
-        ]
+        pids = ray_pids(cluster)
         cluster.shutdown()
         # Ray's own processes (GCS, raylets, their workers) are gone before the next module.
         poll(lambda: all(pid_gone(p) for p in pids), "Ray's processes gone")

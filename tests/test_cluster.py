@@ -34,7 +34,7 @@ from brood.errors import RayMissing  # noqa: E402
 from brood.models.demo import ROOT_TASK  # noqa: E402
 from brood.models.scripted import read_log  # noqa: E402
 from brood.store.base import open_store  # noqa: E402
-from tests.ray_util import BOUND_S, agent_pids, assert_nothing_left, poll  # noqa: E402
+from tests.ray_util import BOUND_S, agent_pids, assert_nothing_left, held, poll  # noqa: E402
 from tests.util import FAST  # noqa: E402
 
 # The scripted replies below are functions of this module, which Ray's workers cannot
@@ -59,16 +59,7 @@ def tree_model(tmp_path: Path) -> brood.ScriptedModel:
     """A root that starts children A and B and waits for both. Child B's model call
     announces itself (file `in-b-PID`, PID the agent's) and answers only in an agent whose
     pid has a `release-PID` file: the test releases the agents it chooses."""
-    folder = str(tmp_path)
-
-    def child_b(messages):
-        open(os.path.join(folder, f"in-b-{os.getpid()}"), "w").close()
-        release = os.path.join(folder, f"release-{os.getpid()}")
-        deadline = time.monotonic() + BOUND_S
-        while not os.path.exists(release) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        return repl("FINAL('B done')")
-
+    child_b = held(str(tmp_path), "b", repl("FINAL('B done')"))
     return brood.ScriptedModel(
         {"root": ROOT, "child A": CHILD_A, "child B": [child_b]},
         log_path=tmp_path / "calls.jsonl",  # key, turn and pid (the agent's) of each call
@@ -395,16 +386,7 @@ def test_a_flow_runs_on_a_node_and_its_outcome_is_in_the_journal(
 def slow_flow_model(tmp_path: Path) -> brood.ScriptedModel:
     """One state whose model call announces itself (`in-slow-PID`, PID the agent's) and
     answers only in an agent whose pid has a `release-PID` file."""
-    folder = str(tmp_path)
-
-    def slow(messages):
-        open(os.path.join(folder, f"in-slow-{os.getpid()}"), "w").close()
-        release = os.path.join(folder, f"release-{os.getpid()}")
-        deadline = time.monotonic() + BOUND_S
-        while not os.path.exists(release) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        return repl("FINAL('slow done')")
-
+    slow = held(str(tmp_path), "slow", repl("FINAL('slow done')"))
     return brood.ScriptedModel({"Go slow": [slow]})
 
 

@@ -326,25 +326,33 @@ def test_a_spread_childs_lost_node_has_its_subtree_resumed_by_the_parents_node(
     assert_nothing_left(pids)
 
 
-def test_a_tree_whose_node_is_lost_takes_its_live_spread_child_back(
-    ray_cluster, fresh_pg_url, tmp_path
-):
+def held_spread_child(tmp_path: Path, s_code: str) -> brood.ScriptedModel:
+    """A root that places child S on another node and answers 'root:' + its answer. S's one
+    turn announces itself (file `in-S-PID`, PID its agent's), waits for file `release-S`,
+    then runs `s_code`; `grandchild G` answers 'g'."""
     folder = str(tmp_path)
 
     def s_turn(messages):
         open(os.path.join(folder, f"in-S-{os.getpid()}"), "w").close()
         wait_for_file(os.path.join(folder, "release-S"))
-        return repl("FINAL('S done')")
+        return repl(s_code)
 
-    model = brood.ScriptedModel(
+    return brood.ScriptedModel(
         {
             "root": [
                 repl("s = rlm_spawn('child S', placement='spread')\nFINAL('root:' + rlm_wait(s))")
             ],
             "child S": [s_turn],
+            "grandchild G": [repl("FINAL('g')")],
         },
         log_path=tmp_path / "calls.jsonl",
     )
+
+
+def test_a_tree_whose_node_is_lost_takes_its_live_spread_child_back(
+    ray_cluster, fresh_pg_url, tmp_path
+):
+    model = held_spread_child(tmp_path, "FINAL('S done')")
     with brood.Cluster(model, store=fresh_pg_url, limits=FAST) as cluster:
         pids = agent_pids(cluster)
         h = cluster.spawn("root task")
@@ -373,23 +381,7 @@ def test_a_tree_whose_node_is_lost_takes_its_live_spread_child_back(
 def test_a_node_that_joins_gets_an_agent_and_a_resumed_tree_follows_its_spread_child(
     ray_cluster, fresh_pg_url, tmp_path
 ):
-    folder = str(tmp_path)
-
-    def s_turn(messages):
-        open(os.path.join(folder, f"in-S-{os.getpid()}"), "w").close()
-        wait_for_file(os.path.join(folder, "release-S"))
-        return repl("g = rlm_query('grandchild G')\nFINAL('S:' + g)")
-
-    model = brood.ScriptedModel(
-        {
-            "root": [
-                repl("s = rlm_spawn('child S', placement='spread')\nFINAL('root:' + rlm_wait(s))")
-            ],
-            "child S": [s_turn],
-            "grandchild G": [repl("FINAL('g')")],
-        },
-        log_path=tmp_path / "calls.jsonl",
-    )
+    model = held_spread_child(tmp_path, "g = rlm_query('grandchild G')\nFINAL('S:' + g)")
     with brood.Cluster(model, store=fresh_pg_url, limits=fast(max_children=2)) as cluster:
         assert len(agent_pids(cluster)) == 2
         # Last in this module: a third node joins the module's Ray cluster, and gets an

@@ -979,28 +979,62 @@ def _cause(exc: BaseException) -> BaseException:
     return getattr(exc, "cause", None) or exc
 
 
-class ClusterHandle:
-    """A tree started by `Cluster.spawn` (or resumed by `Cluster.resume`). It follows its
-    tree when a node is lost and the tree is resumed on another. Used after the cluster's
-    close it raises StaleHandle."""
+class _Followed:
+    """A handle on a tree of a cluster, which follows it to the agent running it now."""
+
+    what = "tree"
 
     def __init__(self, cluster: Cluster, run_id: str) -> None:
         self._cluster = cluster
         self.id = run_id
 
     def __repr__(self) -> str:
-        return f"<ClusterHandle {self.id}>"
+        return f"<{type(self).__name__} {self.id}>"
 
     def _agent(self) -> _Agent | None:
         if self._cluster._closed:
-            raise StaleHandle(f"handle {self.id} belongs to a cluster that was closed")
+            raise StaleHandle(f"{self.what} {self.id} belongs to a cluster that was closed")
         return self._cluster._agent_of(self.id)
 
     @property
     def node_id(self) -> str | None:
-        """The Ray node the tree runs on now (None once it ended with a lost node)."""
+        """The Ray node it runs on now (None once it ended with a lost node)."""
         agent = self._agent()
         return agent.node_id if agent is not None else None
+
+    def _bounded(self, method: str, timeout: float | None) -> tuple[Any, ...] | None:
+        """The answer of the agent's blocking `method` ("ended", ...), waited for at most
+        `timeout` s (TimeoutError after; the work goes on). It follows the tree to the
+        agent resuming it when one is lost; None when it ended with a lost node."""
+        _check_timeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            agent = self._agent()
+            if agent is None:
+                return None
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                answer = self._cluster._call(
+                    agent,
+                    method,
+                    self.id,
+                    left or (None if deadline is None else 1e-3),
+                    timeout=None if left is None else left + WAIT_SLACK_S,
+                )
+            except _AgentLost:
+                self._cluster._recover(agent)  # it goes on elsewhere: wait there
+                continue
+            if answer[0] == "timeout":
+                raise TimeoutError(answer[1])
+            return tuple(answer)
+
+
+class ClusterHandle(_Followed):
+    """A tree started by `Cluster.spawn` (or resumed by `Cluster.resume`). It follows its
+    tree when a node is lost and the tree is resumed on another. Used after the cluster's
+    close it raises StaleHandle."""
+
+    what = "handle"
 
     def _journaled(self) -> RunResult:
         store = open_store(self._cluster._store_url, readonly=True)
@@ -1054,27 +1088,10 @@ class ClusterHandle:
                 self._cluster._recover(agent)
 
     def _wait(self, timeout: float | None) -> tuple[RunResult, Any]:
-        _check_timeout(timeout)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            agent = self._agent()
-            if agent is None:
-                return self._journaled(), None
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                kind, value, error = self._cluster._call(
-                    agent,
-                    "wait",
-                    self.id,
-                    left or (None if deadline is None else 1e-3),
-                    timeout=None if left is None else left + WAIT_SLACK_S,
-                )
-            except _AgentLost:
-                self._cluster._recover(agent)  # the tree goes on elsewhere: wait there
-                continue
-            if kind == "timeout":
-                raise TimeoutError(value)
-            return value, error
+        answer = self._bounded("wait", timeout)
+        if answer is None:
+            return self._journaled(), None
+        return answer[1], answer[2]
 
     def wait_result(self, timeout: float | None = None) -> RunResult:
         """Block until the tree's root ends and return how it ended (never raises for a run
@@ -1101,31 +1118,18 @@ class _FlowEnded(Exception):
     """The flow ended on an agent that was lost since: the journal holds how it ended."""
 
 
-class ClusterFlowHandle:
+class ClusterFlowHandle(_Followed):
     """A flow started by `Cluster.flow_run`: `id` (its run in the journal, the root of its
     tree), `started` (the states it entered first), `status()`, `wait()`, `wait_change()`,
     `outputs()`, `stop()` and `resume()`, as `FlowHandle`'s. It follows its flow when a node
     is lost and the flow is resumed from its ledger on another. Used after the cluster's
     close it raises StaleHandle."""
 
+    what = "flow"
+
     def __init__(self, cluster: Cluster, run_id: str, started: list[str]) -> None:
-        self._cluster = cluster
-        self.id = run_id
+        super().__init__(cluster, run_id)
         self.started = started
-
-    def __repr__(self) -> str:
-        return f"<ClusterFlowHandle {self.id}>"
-
-    def _agent(self) -> _Agent | None:
-        if self._cluster._closed:
-            raise StaleHandle(f"flow {self.id} belongs to a cluster that was closed")
-        return self._cluster._agent_of(self.id)
-
-    @property
-    def node_id(self) -> str | None:
-        """The Ray node the flow runs on now (None once it ended with a lost node)."""
-        agent = self._agent()
-        return agent.node_id if agent is not None else None
 
     def _on_agent(self, method: str, *args: Any, timeout: float | None = CALL_S) -> Any:
         """`method` of the agent running the flow now, following the flow to the agent that
@@ -1158,27 +1162,10 @@ class ClusterFlowHandle:
         """Block until the flow ends (finished, failed, stopped) or pauses; returns that
         status. On timeout raises TimeoutError and the flow keeps going. The flow's ledger
         up to that point is committed: the journal's reads see it."""
-        _check_timeout(timeout)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            agent = self._agent()
-            if agent is None:
-                return str(self._journaled()["status"])
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                kind, value = self._cluster._call(
-                    agent,
-                    "flow_wait",
-                    self.id,
-                    left or (None if deadline is None else 1e-3),
-                    timeout=None if left is None else left + WAIT_SLACK_S,
-                )
-            except _AgentLost:
-                self._cluster._recover(agent)  # the flow goes on elsewhere: wait there
-                continue
-            if kind == "timeout":
-                raise TimeoutError(value)
-            return str(value)
+        answer = self._bounded("flow_wait", timeout)
+        if answer is None:
+            return str(self._journaled()["status"])
+        return str(answer[1])
 
     def wait_change(self) -> None:
         """Block until the flow's status changes (e.g. a paused flow is resumed). A move to

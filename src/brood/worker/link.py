@@ -7,6 +7,7 @@ process at once (the cooperative step of the cleanup escalation).
 
 from __future__ import annotations
 
+import _thread
 import itertools
 import os
 import queue
@@ -60,7 +61,10 @@ class Link:
         self.starts: queue.Queue[Start] = queue.Queue()
 
     def start_reader(self) -> None:
-        threading.Thread(target=self._read_loop, name="brood-link", daemon=True).start()
+        # A bare thread, not threading.Thread: the worker never joins or names it, and
+        # threading's bookkeeping (Event, Condition, registries) touches about 40 pages,
+        # each a copy-on-write fault in a freshly forked worker.
+        _thread.start_new_thread(self._read_loop, ())
 
     def send(self, msg: Msg) -> None:
         self.chan.send(msg)

@@ -19,6 +19,7 @@ socket closes), the zygote kills everything it has and exits.
 
 from __future__ import annotations
 
+import _signal
 import ctypes
 import gc
 import os
@@ -35,6 +36,9 @@ from brood.protocol import HEADER, Exited, Fork, Forked, GroupGone, Msg, Quit, d
 from brood.worker import confine
 
 PR_SET_CHILD_SUBREAPER = 36
+# Plain ints for `_signal.signal` in a fresh worker: `signal.signal` converts its result to
+# an enum, and that machinery costs a forked worker ~30 copy-on-write page faults.
+_SIGCHLD, _SIG_DFL = int(signal.SIGCHLD), int(signal.SIG_DFL)
 
 
 def _set_subreaper() -> None:
@@ -58,9 +62,15 @@ def _group_empty(pgid: int) -> bool:
 def children() -> list[int]:
     """This (single-threaded) process's children."""
     me = os.getpid()
-    try:
-        with open(f"/proc/{me}/task/{me}/children") as f:
-            return [int(p) for p in f.read().split()]
+    try:  # raw reads, no text-mode file object: this runs at every reap, after every fork
+        fd = os.open(f"/proc/{me}/task/{me}/children", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            data = b""
+            while chunk := os.read(fd, 65536):
+                data += chunk
+        finally:
+            os.close(fd)
+        return [int(p) for p in data.split()]
     except OSError:
         pass
     found = []  # a kernel without CONFIG_PROC_CHILDREN: scan every process's parent
@@ -130,7 +140,7 @@ class Zygote:
         if pid == 0:
             try:
                 signal.set_wakeup_fd(-1)
-                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                _signal.signal(_SIGCHLD, _SIG_DFL)
                 os.setsid()  # own session and process group: cleanup signals the whole group
                 self.ctrl.close()
                 mine.close()
@@ -163,7 +173,7 @@ class Zygote:
                 confine.cgroup_enter(self.cgroup, os.getpid(), self.policy, self.support)
             os.mkdir(scratch, 0o700)
             os.chdir(scratch)
-            os.environ.update(HOME=scratch, TMPDIR=scratch)
+            os.environ["HOME"] = os.environ["TMPDIR"] = scratch
             _only_own_fds(sock.fileno())
             # Before any thread exists: Landlock binds only the calling thread and the
             # threads it starts afterwards.
