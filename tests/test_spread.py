@@ -20,6 +20,7 @@ import cloudpickle  # noqa: E402
 
 import brood  # noqa: E402
 from brood.cluster import _AgentLost  # noqa: E402
+from brood.journal import Journal  # noqa: E402
 from brood.models.scripted import read_log  # noqa: E402
 from brood.store.base import open_store  # noqa: E402
 from tests.ray_util import BOUND_S, agent_pids, assert_nothing_left, pid_gone, poll  # noqa: E402
@@ -104,6 +105,13 @@ def test_a_spread_child_runs_on_the_other_node_and_is_waited_messaged_and_cancel
             assert t["state"] == "cancelled" and "cancelled by parent" in t["reason"]
             # rlm_cancel returned after the exit of T's worker on its node was confirmed.
             assert t["pid"] and pid_gone(t["pid"])
+            # The export puts each request's system prompt back, journaled on either node.
+            with Journal(fresh_pg_url) as journal:
+                records = list(journal.export(h.id))
+            s_turns = [r for r in records if r["run_id"] == s["id"]]
+            assert len(s_turns) == 2
+            assert all(r["messages"][0]["role"] == "system" for r in s_turns)
+            assert "rlm_query" in s_turns[0]["messages"][0]["content"]
             (tmp_path / "release-T").touch()
         finally:
             store.close()

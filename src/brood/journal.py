@@ -165,9 +165,9 @@ class Journal:
         messages, the response and usage: the shape RL and fine-tuning pipelines read. A
         run's last record also carries its FINAL products (when it gave any)."""
         tree = self.tree(run_id)
-        prompts = {
+        prompts = {  # journaled by the root, and by the top of a subtree on another node
             e["data"]["ref"]: e["data"]["content"]
-            for e in self.store.events(tree["root_id"], "prompt")
+            for e in self.store.events(kind="prompt", root_id=tree["root_id"])
         }
 
         def resolved(request: list[dict[str, Any]]) -> list[dict[str, Any]]:
