@@ -178,8 +178,15 @@ def test_the_tree_budget_holds_for_model_calls_made_on_another_node(ray_cluster,
     assert_nothing_left(pids)
 
 
+FLOW = {
+    "name": "one",
+    "states": [{"id": "ask", "entry": True, "prompt": "root task", "outputs": ["text"]}],
+}
+
+
+@pytest.mark.parametrize("method", ["spawn", "flow_run"])
 def test_a_tree_journaled_by_an_agent_that_died_before_answering_is_resumed_not_doubled(
-    ray_cluster, fresh_pg_url, monkeypatch
+    ray_cluster, fresh_pg_url, monkeypatch, method
 ):
     model = brood.ScriptedModel(
         {"root": [repl("FINAL(rlm_query('child A'))")], "child A": [repl("FINAL('A done')")]}
@@ -189,18 +196,23 @@ def test_a_tree_journaled_by_an_agent_that_died_before_answering_is_resumed_not_
         call = cluster._call
         died: list[object] = []
 
-        def dies_after_spawning(agent, method, *args, **kw):
-            value = call(agent, method, *args, **kw)
-            if method == "spawn" and not died:  # the tree is journaled and started there
+        def dies_after_starting(agent, name, *args, **kw):
+            value = call(agent, name, *args, **kw)
+            if name == method and not died:  # the tree is journaled and started there
                 died.append(agent)
                 ray.kill(agent.actor)
                 raise _AgentLost(agent)
             return value
 
-        monkeypatch.setattr(cluster, "_call", dies_after_spawning)
-        h = cluster.spawn("root task")
-        assert died and h.wait(timeout=BOUND_S) == "A done"
-        assert h.node_id != died[0].node_id
+        monkeypatch.setattr(cluster, "_call", dies_after_starting)
+        if method == "spawn":
+            h = cluster.spawn("root task")
+            assert h.wait(timeout=BOUND_S) == "A done"
+        else:
+            h = cluster.flow_run(FLOW)
+            assert h.wait(timeout=BOUND_S) == "finished"
+            assert h.outputs()["ask"]["text"] == "A done"
+        assert died and h.node_id != died[0].node_id
         store = open_store(fresh_pg_url, readonly=True)
         try:
             roots = store.roots(limit=10)

@@ -276,7 +276,11 @@ class Supervisor:
         return FlowHandle(self, executor, executor.started)
 
     async def _start_flow(
-        self, loaded: FlowSpec, inputs: dict[str, Any] | None, parent: Run | None = None
+        self,
+        loaded: FlowSpec,
+        inputs: dict[str, Any] | None,
+        parent: Run | None = None,
+        run_id: str | None = None,
     ) -> FlowExecutor:
         """Start a validated flow (a child of `parent` when a run's code starts it, whose
         next turns then hear its milestones), and keep it by its run id."""
@@ -289,7 +293,8 @@ class Supervisor:
         executor = FlowExecutor(self._core, machine, inputs)
         if parent is not None:
             executor.on_milestone = self._notifier(parent)
-        await executor.start(_flow_title(executor), parent, spec=loaded.model_dump(**SPEC_DUMP))
+        spec = loaded.model_dump(**SPEC_DUMP)
+        await executor.start(_flow_title(executor), parent, spec=spec, run_id=run_id)
         self._core.flows[executor.run.id] = executor
         return executor
 

@@ -170,7 +170,7 @@ class NodeAgent:
     def ping(self) -> bool:
         return True
 
-    def spawn(self, prompt: str, context: Any, timeout: float | None, run_id: str) -> str:
+    def spawn(self, prompt: str, context: Any, timeout: float | None, run_id: str) -> tuple[str]:
         """Start a tree under the id the cluster chose (it is the cluster's to resume if
         this agent dies before answering); returns the id it got (another, only if the
         journal already held that one)."""
@@ -182,7 +182,7 @@ class NodeAgent:
         )
         with self.lock:
             self.handles[run.id] = RunHandle(self.sup, run)
-        return run.id
+        return (run.id,)
 
     def resume(self, root_id: str) -> str:
         handle = self.sup.resume(root_id)
@@ -286,10 +286,14 @@ class NodeAgent:
     # Flows are looked up in the supervisor by id, not kept here: a flow this agent resumed
     # for a lost node (`resume` of its tree) is rebuilt there from its ledger.
     def flow_run(
-        self, spec: dict[str, Any], inputs: dict[str, Any] | None
+        self, spec: dict[str, Any], inputs: dict[str, Any] | None, run_id: str
     ) -> tuple[str, list[str]]:
-        flow = self.sup.flow_run(spec, inputs=inputs)
-        return flow.id, flow.started
+        """Start a flow under the id the cluster chose, as `spawn` does a tree."""
+        from brood.flow.load import load_spec
+
+        self.sup._check_live("flow_run")
+        executor = self.sup._loop.call(self.sup._start_flow(load_spec(spec), inputs, None, run_id))
+        return executor.run.id, executor.started
 
     def flow_started(self, run_id: str) -> list[str]:
         return self.sup.flow(run_id).started
@@ -790,18 +794,25 @@ class Cluster:
                 cloudpickle.dumps(context)
             except Exception as exc:
                 raise InvalidArgument(f"context cannot be pickled: {exc}") from exc
+        return ClusterHandle(self, self._start_tree("spawn", prompt, context, timeout)[0])
+
+    def _start_tree(self, method: str, *args: Any) -> tuple[str, tuple[Any, ...] | None]:
+        """Start a tree (a run, or a flow) on the least loaded agent: `method(*args, id)`,
+        with the id chosen here, before the call. An agent that dies after journaling the
+        tree and before answering has it resumed elsewhere (the answer is then None); one
+        that dies before journaling it has it started on another agent."""
         wanted = new_run_id()
         for _ in range(len(self._agents)):
             agent = self._place()
             with self._lock:  # known before the call: an agent may journal it, then die
                 self._trees[wanted] = agent
             try:
-                run_id = self._call(agent, "spawn", prompt, context, timeout, wanted)
+                answer = self._call(agent, method, *args, wanted)
             except _AgentLost:
                 self._recover(agent)  # resumes the tree if the agent journaled it
                 with self._lock:
                     if wanted in self._trees or wanted in self._lost:
-                        return ClusterHandle(self, wanted)  # journaled: resumed, or ended
+                        return wanted, None  # journaled: resumed, or ended
                 continue  # never journaled: started elsewhere
             except BaseException:
                 with self._lock:
@@ -809,10 +820,10 @@ class Cluster:
                 raise
             with self._lock:
                 self._trees.pop(wanted, None)
-                self._trees[run_id] = agent
+                self._trees[answer[0]] = agent
                 agent.placed += 1
-            return ClusterHandle(self, run_id)
-        raise BackendError("no node agent could start the tree: each died while asked to")
+            return answer[0], tuple(answer)
+        raise BackendError(f"no node agent could start the tree ({method}): each died while asked")
 
     def run(self, prompt: str, *, context: Any = None, timeout: float | None = None) -> RunResult:
         """Run a tree to its end on the cluster; never raises for a failed run."""
@@ -859,18 +870,10 @@ class Cluster:
                     f"flow inputs cannot be pickled for the node agents ({exc}); pass text "
                     "or JSON values"
                 ) from exc
-        for _ in range(len(self._agents)):
-            agent = self._place()
-            try:
-                run_id, started = self._call(agent, "flow_run", dumped, inputs)
-            except _AgentLost:
-                self._recover(agent)
-                continue
-            with self._lock:
-                self._trees[run_id] = agent
-                agent.placed += 1
-            return ClusterFlowHandle(self, run_id, started)
-        raise BackendError("no node agent could start the flow: each died while asked to")
+        run_id, answer = self._start_tree("flow_run", dumped, inputs)
+        if answer is None:  # resumed on another node: its states are read from there
+            return self.flow(run_id)
+        return ClusterFlowHandle(self, run_id, answer[1])
 
     def flow(self, run_id: str) -> ClusterFlowHandle:
         """A handle on a flow this cluster runs: one `flow_run` started, or one whose tree

@@ -83,7 +83,9 @@ def _mark(d: dict[str, Any]) -> tuple[Any, ...]:
 class Host(Protocol):
     """The supervisor, as the executor uses it (so this module needs no supervisor import)."""
 
-    async def create_controller(self, prompt: str, parent: Any = None) -> Any: ...
+    async def create_controller(
+        self, prompt: str, parent: Any = None, run_id: str | None = None
+    ) -> Any: ...
 
     async def start_child(
         self,
@@ -267,12 +269,16 @@ class FlowExecutor:
 
     # ---- starting --------------------------------------------------------------------------
     async def start(
-        self, title: str, parent: Any = None, spec: dict[str, Any] | None = None
+        self,
+        title: str,
+        parent: Any = None,
+        spec: dict[str, Any] | None = None,
+        run_id: str | None = None,
     ) -> list[str]:
-        """Create the flow's run (a child of `parent`, a run whose code started the flow),
-        journal the spec and inputs (what a resume rebuilds it from), enter its entry
-        states; returns the states started."""
-        self.run = await self.host.create_controller(title, parent)
+        """Create the flow's run (a child of `parent`, a run whose code started the flow;
+        a root under `run_id` when the caller chose it), journal the spec and inputs (what
+        a resume rebuilds it from), enter its entry states; returns the states started."""
+        self.run = await self.host.create_controller(title, parent, run_id)
         self.spec = dict(spec or {})
         self.ledger("spec", spec=self.spec, params=self.params)
         self.ledger("flow_started", entry=list(self.m.entry), params=sorted(self.params))

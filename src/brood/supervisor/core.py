@@ -1513,13 +1513,16 @@ class Core:
         return await fut
 
     # ---- runs the supervisor's own code drives (flows) ----------------------------------
-    async def create_controller(self, prompt: str, parent: Run | None = None) -> Run:
+    async def create_controller(
+        self, prompt: str, parent: Run | None = None, run_id: str | None = None
+    ) -> Run:
         """A run with no worker of its own, driven by code in the supervisor (a flow's
-        control loop): a root, or a child of `parent` (a flow a run's code started). It is
-        `running` at once; its children come from `start_child`."""
+        control loop): a root (under `run_id`, if the caller chose it), or a child of
+        `parent` (a flow a run's code started). It is `running` at once; its children
+        come from `start_child`."""
         self.check_open()
         if parent is None:
-            rec = self._root_record(prompt, FLOW_MODEL)
+            rec = self._root_record(prompt, FLOW_MODEL, run_id)
         else:
             rec = self._child_record(parent, _flow_key(parent), prompt, FLOW_MODEL)
             parent.flows_started += 1
