@@ -161,7 +161,9 @@ class FakeHost:
             parent.children.append(run)
         return run
 
-    async def create_controller(self, prompt: str, parent: Any = None) -> FakeRun:
+    async def create_controller(
+        self, prompt: str, parent: Any = None, run_id: str | None = None
+    ) -> FakeRun:
         return self._new(RunState.RUNNING, parent)
 
     async def start_child(
