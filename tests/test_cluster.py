@@ -55,6 +55,16 @@ ROOT = [
 CHILD_A = [repl("FINAL('A done')")]
 
 
+def assert_run_by_an_agent(url: str, run_id: str) -> None:
+    """The journal's owner of `run_id` is a node agent, not this process."""
+    store = open_store(url, readonly=True)
+    try:
+        owner = store.get_run(run_id)["supervisor"]
+        assert store.supervisor(owner)["pid"] != os.getpid()
+    finally:
+        store.close()
+
+
 def tree_model(tmp_path: Path) -> brood.ScriptedModel:
     """A root that starts children A and B and waits for both. Child B's model call
     announces itself (file `in-b-PID`, PID the agent's) and answers only in an agent whose
@@ -304,12 +314,7 @@ def test_brood_run_with_ray_runs_the_tree_on_the_cluster(ray_cluster, fresh_pg_u
     assert done.exit_code == 0, done.output
     result = json.loads(done.stdout)
     assert result["state"] == "completed" and result["answer"].startswith("15 sightings")
-    store = open_store(fresh_pg_url, readonly=True)
-    try:
-        owner = store.get_run(result["run_id"])["supervisor"]
-        assert store.supervisor(owner)["pid"] != os.getpid()  # a node agent ran it
-    finally:
-        store.close()
+    assert_run_by_an_agent(fresh_pg_url, result["run_id"])
 
     wrong = ["run", "task", "--model", "scripted:demo", "--store", fresh_pg_url]
     refused = CliRunner().invoke(app, [*wrong, "--ray", "127.0.0.1:9"])
@@ -439,12 +444,7 @@ def test_brood_flow_run_with_ray_runs_the_flow_on_the_cluster(ray_cluster, fresh
     report = json.loads(done.stdout)
     assert report["status"] == "finished"
     assert report["outputs"]["split"] == {"items": ["barn", "snowy"]}
-    store = open_store(fresh_pg_url, readonly=True)
-    try:
-        owner = store.get_run(report["run_id"])["supervisor"]
-        assert store.supervisor(owner)["pid"] != os.getpid()  # a node agent ran it
-    finally:
-        store.close()
+    assert_run_by_an_agent(fresh_pg_url, report["run_id"])
 
 
 def test_close_names_the_node_and_pids_an_agent_could_not_confirm(ray_cluster, fresh_pg_url):

@@ -887,7 +887,7 @@ class Cluster:
                 "resume its tree with resume(run_id) first"
             )
         handle = ClusterFlowHandle(self, run_id, [])
-        with contextlib.suppress(_FlowEnded):  # ended with a lost node: nothing is started
+        with contextlib.suppress(_Ended):  # ended with a lost node: nothing is started
             handle.started = list(handle._on_agent("flow_started"))
         return handle
 
@@ -982,6 +982,10 @@ def _cause(exc: BaseException) -> BaseException:
     return getattr(exc, "cause", None) or exc
 
 
+class _Ended(Exception):
+    """The tree ended on an agent that was lost since: the journal holds how it ended."""
+
+
 class _Followed:
     """A handle on a tree of a cluster, which follows it to the agent running it now."""
 
@@ -1004,6 +1008,18 @@ class _Followed:
         """The Ray node it runs on now (None once it ended with a lost node)."""
         agent = self._agent()
         return agent.node_id if agent is not None else None
+
+    def _on_agent(self, method: str, *args: Any, timeout: float | None = CALL_S) -> Any:
+        """`method` of the agent running the tree now, following the tree to the agent that
+        resumed it when a node is lost; _Ended once it ended with a lost node."""
+        while True:
+            agent = self._agent()
+            if agent is None:
+                raise _Ended
+            try:
+                return self._cluster._call(agent, method, self.id, *args, timeout=timeout)
+            except _AgentLost:
+                self._cluster._recover(agent)
 
     def _bounded(self, method: str, timeout: float | None) -> tuple[Any, ...] | None:
         """The answer of the agent's blocking `method` ("ended", ...), waited for at most
@@ -1050,14 +1066,10 @@ class ClusterHandle(_Followed):
 
     def status(self) -> str:
         """The tree's root's state; does not wait on the run."""
-        while True:
-            agent = self._agent()
-            if agent is None:
-                return self._journaled().state
-            try:
-                return str(self._cluster._call(agent, "status", self.id))
-            except _AgentLost:
-                self._cluster._recover(agent)
+        try:
+            return str(self._on_agent("status"))
+        except _Ended:
+            return self._journaled().state
 
     @property
     def done(self) -> bool:
@@ -1065,30 +1077,21 @@ class ClusterHandle(_Followed):
 
     def cancel(self) -> str:
         """Cancel the tree; returns once every exit is confirmed on its node."""
-        while True:
-            agent = self._agent()
-            if agent is None:
-                return self._journaled().state
-            try:
-                return str(self._cluster._call(agent, "cancel", self.id, timeout=CLOSE_S))
-            except _AgentLost:
-                self._cluster._recover(agent)
+        try:
+            return str(self._on_agent("cancel", timeout=CLOSE_S))
+        except _Ended:
+            return self._journaled().state
 
     def send(self, message: str) -> None:
         """A follow-up instruction the tree's root sees before its next model turn."""
         if not isinstance(message, str):
             raise InvalidArgument("send(message): message must be str")
-        while True:
-            agent = self._agent()
-            if agent is None:
-                raise BroodError(
-                    f"run {self.id} has ended; a follow-up cannot reach a run that has ended"
-                )
-            try:
-                self._cluster._call(agent, "send", self.id, message)
-                return
-            except _AgentLost:
-                self._cluster._recover(agent)
+        try:
+            self._on_agent("send", message)
+        except _Ended:
+            raise BroodError(
+                f"run {self.id} has ended; a follow-up cannot reach a run that has ended"
+            ) from None
 
     def _wait(self, timeout: float | None) -> tuple[RunResult, Any]:
         answer = self._bounded("wait", timeout)
@@ -1117,10 +1120,6 @@ class ClusterHandle(_Followed):
         )
 
 
-class _FlowEnded(Exception):
-    """The flow ended on an agent that was lost since: the journal holds how it ended."""
-
-
 class ClusterFlowHandle(_Followed):
     """A flow started by `Cluster.flow_run`: `id` (its run in the journal, the root of its
     tree), `started` (the states it entered first), `status()`, `wait()`, `wait_change()`,
@@ -1134,18 +1133,6 @@ class ClusterFlowHandle(_Followed):
         super().__init__(cluster, run_id)
         self.started = started
 
-    def _on_agent(self, method: str, *args: Any, timeout: float | None = CALL_S) -> Any:
-        """`method` of the agent running the flow now, following the flow to the agent that
-        resumed it when a node is lost; _FlowEnded once it ended with a lost node."""
-        while True:
-            agent = self._agent()
-            if agent is None:
-                raise _FlowEnded
-            try:
-                return self._cluster._call(agent, method, self.id, *args, timeout=timeout)
-            except _AgentLost:
-                self._cluster._recover(agent)
-
     def _journaled(self) -> dict[str, Any]:
         """The status of a flow that ended on a lost node, from its ledger."""
         from brood.journal import Journal
@@ -1158,7 +1145,7 @@ class ClusterFlowHandle(_Followed):
         flow that ended on a node lost since: as the journal's ledger has them)."""
         try:
             return dict(self._on_agent("flow_status"))
-        except _FlowEnded:
+        except _Ended:
             return self._journaled()
 
     def wait(self, timeout: float | None = None) -> str:
@@ -1188,7 +1175,7 @@ class ClusterFlowHandle(_Followed):
 
         try:
             return dict(self._on_agent("flow_outputs"))
-        except _FlowEnded:
+        except _Ended:
             pass
         store = open_store(self._cluster._store_url, readonly=True)
         try:
@@ -1205,7 +1192,7 @@ class ClusterFlowHandle(_Followed):
         cancelled, "instances": those instances}; a flow that has ended cancels nothing."""
         try:
             return dict(self._on_agent("flow_stop", timeout=CLOSE_S))
-        except _FlowEnded:
+        except _Ended:
             return {"state": self._journaled()["status"], "cancelled": [], "instances": []}
 
     def resume(self) -> None:
@@ -1213,6 +1200,6 @@ class ClusterFlowHandle(_Followed):
         paused raises BroodError."""
         try:
             self._on_agent("flow_resume")
-        except _FlowEnded:
+        except _Ended:
             status = self._journaled()["status"]
             raise BroodError(f"flow {self.id} is {status}; only a paused flow resumes") from None

@@ -359,14 +359,9 @@ class Core:
             self.store_failed(exc)  # every run is ending with the journal's error
             if to.terminal:  # an end the journal does not hold is not the end it says
                 run.rec.state, run.rec.reason = RunState.FAILED, f"{STORE_FAILED}{exc}"
+        if not run.retrying:  # else its parent hears of the next attempt instead
+            self._tell_parent(run)
         parent = run.parent
-        if (
-            parent is not None
-            and parent.conn is not None
-            and not parent.rec.state.terminal
-            and not run.retrying
-        ):
-            parent.conn.send(_update(run))
         if parent is not None and parent.parent is not None:
             self._progress(parent)  # a state change below is progress for the ancestors
 
@@ -997,6 +992,7 @@ class Core:
             self._task(self._next_attempt(run))
 
     def _tell_parent(self, run: Run) -> None:
+        """Its parent's worker hears of `run`'s state (unless the parent has ended)."""
         parent = run.parent
         if parent is not None and parent.conn is not None and not parent.rec.state.terminal:
             parent.conn.send(_update(run))
@@ -1410,8 +1406,7 @@ class Core:
         new.handle_id = old.handle_id or old.id
         if not self._retries(old, old.rec.state):  # its parent ended, or it was cancelled
             old.retrying = False
-            if parent.conn is not None and not parent.rec.state.terminal:
-                parent.conn.send(_update(old))
+            self._tell_parent(old)
             return
         parent.children.append(new)
         old.next_attempt = new  # from now on its parent's handle stands for this attempt
@@ -1419,16 +1414,14 @@ class Core:
             await self._journal_or_forget([new], parent)
         except Exception:
             old.next_attempt, old.retrying = None, False
-            if parent.conn is not None and not parent.rec.state.terminal:
-                parent.conn.send(_update(old))
+            self._tell_parent(old)
             return
         self._event(
             new,
             "attempt",
             {"attempt": rec.attempt, "previous": old.id, "reason": old.rec.reason},
         )
-        if parent.conn is not None and not parent.rec.state.terminal:
-            parent.conn.send(_update(new))  # queued again
+        self._tell_parent(new)  # queued again
         if old.spreading is not None:  # placed as it was: on another node
             new.spreading = self._task(self._spread(new))
             return
@@ -1623,16 +1616,10 @@ class Core:
         counted = len(rows) - 1
         away = self._away(rows) if top_id == root_id else {}
         if away:  # what runs below them is their nodes': not rebuilt here
-            below: set[str] = set()
-            for row in rows:
-                if row["parent_id"] in away or row["parent_id"] in below:
-                    below.add(row["id"])
+            below = _below(rows, set(away)) - set(away)
             rows = [r for r in rows if r["id"] not in below]
-        if top_id != root_id:  # its subtree: a parent's row comes before its children's
-            kept = {top_id}
-            for row in rows:
-                if row["parent_id"] in kept:
-                    kept.add(row["id"])
+        if top_id != root_id:  # its subtree
+            kept = _below(rows, {top_id})
             rows = [r for r in rows if r["id"] in kept]
         extra = self.store.resume_data(root_id)
         runs: dict[str, Run] = {}
@@ -1878,6 +1865,16 @@ class Core:
 
 
 _STOP = Stop()
+
+
+def _below(rows: list[dict[str, Any]], tops: set[str]) -> set[str]:
+    """The ids of `tops` and of every run under them, from a tree's rows in creation order
+    (a parent's row comes before its children's)."""
+    found = set(tops)
+    for row in rows:
+        if row["parent_id"] in found:
+            found.add(row["id"])
+    return found
 
 
 def _update(run: Run) -> ChildUpdate:
