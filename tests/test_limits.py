@@ -17,7 +17,7 @@ PATHS = {"fs_read", "fs_write"}
 FIELDS = [
     f.name
     for f in dataclasses.fields(Limits)
-    if f.name not in FLAGS | PATHS | {"blocked_builtins", "pools"}
+    if f.name not in FLAGS | PATHS | {"blocked_builtins", "pools", "models"}
 ]
 WORKER = {
     "worker_memory",
@@ -25,6 +25,7 @@ WORKER = {
     "worker_processes",
     "worker_file_size",
     "worker_open_files",
+    "worker_disk",
 }
 OPTIONAL = {
     "child_timeout",
@@ -41,6 +42,7 @@ FLOOR = (
     | {"max_prompt_chars": 2_000, "max_chunks": 1}
     | {"worker_memory": 64 * 2**20, "worker_cpu_seconds": 1, "worker_processes": 1}
     | {"worker_file_size": 1, "worker_open_files": 16}
+    | {"worker_disk": 2**20, "journal_bytes_per_run": 2**20}
 )
 INT_FIELDS = {
     "max_depth",
@@ -53,12 +55,15 @@ INT_FIELDS = {
     "answer_limit",
     "max_prompt_chars",
     "max_chunks",
+    "journal_bytes_per_run",
+    "max_asks_per_run",
 } | WORKER
 
 
 def test_defaults_are_valid_and_round_trip_through_to_dict() -> None:
     limits = Limits()
-    assert set(limits.to_dict()) == set(FIELDS) | FLAGS | PATHS | {"blocked_builtins", "pools"}
+    others = {"blocked_builtins", "pools", "models"}
+    assert set(limits.to_dict()) == set(FIELDS) | FLAGS | PATHS | others
     assert Limits(**limits.to_dict()) == limits
     custom = Limits(max_depth=2, max_children=64, child_timeout=None, pools={"gpu": 2})
     assert Limits(**custom.to_dict()) == custom
@@ -245,3 +250,12 @@ def test_limit_exceeded_pickles_with_its_message() -> None:
     with pytest.raises(LimitExceeded) as info:
         limits.admit_children(tree_total=8, run_total=0, count=3)
     assert str(pickle.loads(pickle.dumps(info.value))) == str(info.value)
+
+
+def test_models_is_an_allow_list_of_names() -> None:
+    assert Limits().models is None
+    assert Limits(models=["a", "b", "a"]).models == ("a", "b")
+    with pytest.raises(InvalidArgument, match=r"Limits\.models must be a list of model names"):
+        Limits(models="gpt-4.1")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match=r"Limits\.models: '' is not a model name"):
+        Limits(models=[""])

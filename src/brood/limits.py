@@ -25,6 +25,8 @@ OPTIONAL = frozenset(
         "worker_processes",
         "worker_file_size",
         "worker_open_files",
+        "worker_disk",
+        "models",
     }
 )
 INTEGER = frozenset(
@@ -44,6 +46,9 @@ INTEGER = frozenset(
         "worker_processes",
         "worker_file_size",
         "worker_open_files",
+        "worker_disk",
+        "journal_bytes_per_run",
+        "max_asks_per_run",
     }
 )
 # 0 s would mean "already expired"
@@ -61,6 +66,8 @@ FLOORS = {
     "worker_processes": 1,
     "worker_file_size": 1,
     "worker_open_files": 16,  # the worker's own sockets, pipes and the standard streams
+    "worker_disk": 2**20,  # a scratch directory smaller than this holds no real file
+    "journal_bytes_per_run": 2**20,  # a run's first turns and steps need room
 }
 FLAGS = frozenset({"confine", "network", "read_only"})
 PATHS = frozenset({"fs_read", "fs_write"})
@@ -120,9 +127,21 @@ class Limits:
     worker_memory (bytes of address space), worker_cpu_seconds, worker_processes,
     worker_file_size (bytes), worker_open_files: per-worker resource limits (None: none).
 
+    worker_disk: bytes of the files a worker's scratch directory may hold (None: only
+        the disk's own size); past it a write fails with ENOSPC, or the run fails naming
+        the limit where only a watch of its size is possible (`brood doctor` says which).
+
     pools: named capacity pools, name -> how many runs may hold it at once (>= 1). A run
         started with `pool=NAME` holds one place from its start to its end; a start at
         capacity waits, queued, without holding a concurrency slot (DESIGN.md section 9).
+
+    What the supervisor enforces on what a worker sends, whatever its code does:
+    models: the model names model code may pass (`llm_query(..., model=)`,
+        `rlm_query(..., model=)`); None: the supervisor's model and the models the user gave
+        its roots. A name holding a URL is never taken from model code.
+    journal_bytes_per_run: bytes one run may add to the journal (steps, model calls,
+        messages, remembered values); past it the run fails naming the limit.
+    max_asks_per_run: asks to a person one run may open.
     """
 
     max_depth: int = 3
@@ -153,13 +172,18 @@ class Limits:
     worker_processes: int | None = 256
     worker_file_size: int | None = 2**30
     worker_open_files: int | None = 1024
+    worker_disk: int | None = 2**30
     pools: dict[str, int] = field(default_factory=dict)
+    models: tuple[str, ...] | None = None
+    journal_bytes_per_run: int = 64 * 2**20
+    max_asks_per_run: int = 100
 
     def __post_init__(self) -> None:
         self._check_others()
         object.__setattr__(self, "pools", _checked_pools(self.pools))
+        object.__setattr__(self, "models", _checked_models(self.models))
         for f in fields(self):
-            if f.name in FLAGS | PATHS or f.name in ("blocked_builtins", "pools"):
+            if f.name in FLAGS | PATHS or f.name in ("blocked_builtins", "pools", "models"):
                 continue
             value = getattr(self, f.name)
             if value is None and f.name in OPTIONAL:
@@ -257,6 +281,23 @@ class Limits:
                 hint=f"this run has {run_total} children already; "
                 "raise Limits(max_children_per_run=...) or start fewer children",
             )
+
+
+def _checked_models(models: object) -> tuple[str, ...] | None:
+    if models is None:
+        return None
+    if isinstance(models, str) or not isinstance(models, list | tuple | set | frozenset):
+        raise InvalidArgument(
+            f"Limits.models must be a list of model names, got {type(models).__name__} "
+            f"{models!r}; e.g. Limits(models=['gpt-4.1-mini', 'gpt-4.1'])"
+        )
+    for name in models:
+        if not isinstance(name, str) or not name.strip():
+            raise InvalidArgument(
+                f"Limits.models: {name!r} is not a model name; list names as str, e.g. "
+                "Limits(models=['gpt-4.1-mini'])"
+            )
+    return tuple(dict.fromkeys(models))
 
 
 def _checked_pools(pools: object) -> dict[str, int]:
