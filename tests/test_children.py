@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import brood
@@ -260,11 +262,49 @@ def test_a_child_started_with_a_model_name_uses_it_for_every_call():
             return repl("FINAL(llm_query('plain') + ' / ' + " + repr(str(model)) + ")")
         return f"plain call on {model}"
 
-    with brood.Supervisor(chat, limits=FAST) as sup:
+    limits = dataclasses.replace(FAST, models=["small-model"])
+    with brood.Supervisor(chat, limits=limits) as sup:
         result = sup.run("root task")
         (child,) = [r for r in sup.store.runs(result.run_id) if r["depth"] == 1]
     assert result.answer == "plain call on small-model / small-model"
     assert child["model"] == "small-model"
+
+
+def test_model_code_names_only_the_models_the_user_allows():
+    """Limits.models is an allow-list (by default the supervisor's own model): any other
+    name model code passes is refused with the list, and no call is made with it."""
+    seen: list[str | None] = []
+
+    def chat(messages, model=None):
+        task = messages[1]["content"] if len(messages) > 1 else messages[0]["content"]
+        seen.append(model)
+        if task.startswith("root"):
+            code = (
+                "out = []\n"
+                "for name in ['o1-pro', 'x@http://127.0.0.1:9/v1', 'chat', None]:\n"
+                "    try:\n"
+                "        out.append(llm_query('plain', model=name))\n"
+                "    except InvalidArgument as e:\n"
+                "        out.append(str(e))\n"
+                "try:\n"
+                "    rlm_query('child', model='o1-pro')\n"
+                "except InvalidArgument as e:\n"
+                "    out.append(str(e))\n"
+                "FINAL('\\n'.join(out))"
+            )
+            return repl(code)
+        return f"plain call on {model}"
+
+    with brood.Supervisor(chat, limits=FAST) as sup:
+        result = sup.run("root task")
+        assert result.state == "completed", result
+        assert len(sup.store.runs(result.run_id)) == 1  # no child started
+    lines = result.answer.splitlines()
+    for refused, name in ((lines[0], "o1-pro"), (lines[1], "x@http"), (lines[4], "o1-pro")):
+        assert f"model '{name}" in refused and "is not one this tree may use" in refused
+        assert "Limits.models: 'chat'" in refused, refused
+    assert lines[2:4] == ["plain call on chat", "plain call on None"]
+    assert "o1-pro" not in seen and not any("127.0.0.1" in str(m) for m in seen)
 
 
 def test_a_closed_supervisor_refuses_new_runs():

@@ -69,6 +69,44 @@ Id = Annotated[str, msgspec.Meta(max_length=200)]
 ShortText = Annotated[str, msgspec.Meta(max_length=1000)]
 ChatMessage = dict[str, str]
 
+# Bounds both sides apply, so a worker that keeps them never meets the supervisor's check:
+SYSTEM_PROMPT_CAP = 200_000  # characters of a run's system prompt (brood's is ~10,000)
+MAX_REMEMBER_BYTES = 16 * 2**20  # one remember() value, pickled
+FAILURE_TEXT_CAP = 8_000  # characters of a failure's reason and of its error text kept
+# What one REPL step keeps (and journals) of its stdout, and as much of its stderr: 50 times
+# what the model is shown, at least 1,000,000 characters, at most 4,000,000, so one step's
+# StepDone stays well under the cap of a worker's message whatever output_limit says.
+STEP_CAPTURE_MIN = 1_000_000
+STEP_CAPTURE_PER_SHOWN = 50
+STEP_CAPTURE_MAX = 4_000_000
+
+
+def step_capture(output_limit: int) -> int:
+    """Characters of a step's stdout (and of its stderr) kept, for Limits.output_limit."""
+    return min(STEP_CAPTURE_MAX, max(STEP_CAPTURE_MIN, STEP_CAPTURE_PER_SHOWN * output_limit))
+
+
+def clip(text: str, cap: int) -> str:
+    """`text` if it holds at most `cap` characters; else its start and end with a note on
+    what was dropped between them (the whole stays within `cap` where cap allows a note)."""
+    if len(text) <= cap:
+        return text
+    keep = max(0, cap - len(_clip_note(len(text), cap)))
+    head = keep // 2
+    return text[:head] + _clip_note(len(text) - keep, cap) + text[len(text) - (keep - head) :]
+
+
+def _clip_note(dropped: int, cap: int) -> str:
+    return f"\n[... {dropped:,} characters dropped here: over the cap of {cap:,} ...]\n"
+
+
+def user_message_cap(
+    max_prompt_chars: int, task: str = "", messages: list[str] | None = None
+) -> int:
+    """Characters one user message of a run's conversation may hold: Limits.max_prompt_chars,
+    and for the first message also the run's task and the messages it started with."""
+    return max_prompt_chars + len(task) + sum(len(m) for m in messages or ())
+
 
 class SpawnReq(Msg):
     req_id: ReqId
@@ -191,8 +229,13 @@ class Final(Msg):
 
 
 class Failed(Msg):
+    """The run cannot go on. `kind` "diverged" says its replay of the journal diverged; the
+    supervisor believes that only of a run it is itself replaying (a failure a worker
+    reports is data, never a decision)."""
+
     reason: str
     error: str
+    kind: Literal["error", "diverged"] = "error"
 
 
 class StepResult(Msg):
@@ -398,6 +441,8 @@ def decode(body: bytes) -> Msg:
         return _decoder.decode(body)
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"undecodable frame of {len(body)} bytes: {exc}") from exc
+    except RecursionError:
+        raise ProtocolError(f"frame of {len(body)} bytes is nested too deeply") from None
 
 
 def decode_worker(body: bytes) -> Msg:
@@ -410,6 +455,8 @@ def decode_worker(body: bytes) -> Msg:
         return _worker_decoder.decode(body)
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"invalid frame of {len(body)} bytes: {exc}") from exc
+    except RecursionError:  # msgspec's own bound on nesting, far below a thread's stack
+        raise ProtocolError(f"frame of {len(body)} bytes is nested too deeply") from None
 
 
 def check(msg: Msg) -> None:

@@ -205,6 +205,7 @@ class Asks:
             ask.timer = None
         await self._journal(ask, state, data)
         self._tell(ask)
+        self.core.waits_changed(ask.run)  # it may have been all the run waited on
 
     def _tell(self, ask: Ask) -> None:
         conn = ask.run.conn

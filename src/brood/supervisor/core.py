@@ -38,6 +38,9 @@ from brood.limits import Limits
 from brood.models.base import Completion, Model
 from brood.protocol import (
     BUDGET_MARK,
+    FAILURE_TEXT_CAP,
+    MAX_FRAME,
+    MAX_REMEMBER_BYTES,
     AskCancelReq,
     AskReq,
     Blocked,
@@ -62,10 +65,15 @@ from brood.protocol import (
     StepDone,
     StepResult,
     Stop,
+    clip,
     error_info,
+    step_capture,
+    user_message_cap,
 )
 from brood.store.base import Store
+from brood.supervisor import frames
 from brood.supervisor.asks import Asks
+from brood.supervisor.frames import Conversation, Steps, Violation
 from brood.supervisor.gateway import ModelGateway
 from brood.supervisor.observers import Observers
 
@@ -77,6 +85,8 @@ DRAIN_ON_EXIT_S = 1.0  # read what a dead worker sent last before calling its ex
 CPU_SLACK_S = 0.05  # rusage of a worker killed at its CPU limit can read just under it
 FLOW_MODEL = "flow"  # the model column of a flow's own run (it has no worker)
 STORE_FAILED = "StoreError: "  # how the reason of a run ended by a failed journal begins
+# A root's context travels in its worker's Start: it must fit one frame, with room to spare.
+MAX_CONTEXT_BYTES = MAX_FRAME - 16 * 2**20
 
 Q, RUN, CANCELLING = RunState.QUEUED, RunState.RUNNING, RunState.CANCELLING
 
@@ -165,6 +175,15 @@ class Run:
     holds: int = 0
     blocked: bool = False
     exec_timeout: float | None = None  # Session.step(timeout=) of the driven step under way
+    # What the supervisor itself knows of the worker, to check its frames by (frames.py):
+    # its model turns and REPL steps as they were answered and seen, its requests being
+    # answered, the bytes it has added to the journal and the asks it opened.
+    convo: Conversation = field(default_factory=Conversation)
+    steps: Steps = field(default_factory=Steps)
+    first_cap: int = 0  # characters of its first user message (frames.Conversation)
+    requests: int = 0
+    journaled: int = 0
+    asks_opened: int = 0
     # placement="spread" (a cluster): the start of this child on another node (the parent's
     # side), then where it runs (the spreader's), or None when it started here after all.
     spreading: asyncio.Task[Any] | None = None
@@ -424,6 +443,12 @@ class Core:
         self.check_open()
         if not isinstance(prompt, str) or not prompt.strip():
             raise InvalidArgument("prompt must be a non-empty str")
+        if context_blob is not None and len(context_blob) > MAX_CONTEXT_BYTES:
+            raise InvalidArgument(
+                f"context is {len(context_blob):,} bytes pickled, over the "
+                f"{MAX_CONTEXT_BYTES:,}-byte bound of a run's context; pass less, or let the "
+                "run read it from a file (Limits(fs_read=[PATH]))"
+            )
         self.limits.check_pool(pool)
         if driven and pool is not None:
             raise InvalidArgument(
@@ -508,6 +533,7 @@ class Core:
         if not msg.prompts:
             return []
         self.limits.check_pool(msg.pool)
+        self.check_model(parent, msg.model)
         keys = []
         for _ in msg.prompts:
             seq = parent.seq.get(msg.step, 0)
@@ -522,6 +548,10 @@ class Core:
         if root.guest and fresh:  # the tree's own count is kept by its root's node
             assert self.spreader is not None
             await self.spreader.admit(root, len(fresh))
+        # Each child's row holds its prompt and its own copy of the context.
+        size = sum(len(p) + len(msg.context or b"") for _, p in fresh)
+        if fresh and not self._charge(parent, size):
+            raise BroodError(f"run {parent.id} is over its journal bytes; it starts no children")
         root.tree_children += len(fresh)
         spread = msg.placement == "spread" and self.spreader is not None
         timeout = msg.timeout if msg.timeout is not None else self.limits.child_timeout
@@ -716,6 +746,10 @@ class Core:
 
         def send_start() -> None:
             r = run.rec
+            if run.replay is not None:  # its worker replays these without asking
+                run.convo = Conversation(replies=list(run.replay.turns))
+                run.steps = Steps(replayed=run.replay.steps)
+            run.first_cap = user_message_cap(self.limits.max_prompt_chars, r.prompt, run.messages)
             conn.send(
                 Start(
                     run_id=r.id,
@@ -760,72 +794,179 @@ class Core:
 
     # ---- messages from workers ---------------------------------------------------------
     def _on_msg(self, run: Run, msg: Msg) -> None:
-        if isinstance(msg, SpawnReq | CancelReq | SendReq):
+        """A frame from `run`'s worker: hostile input, checked against the protocol and the
+        run's limits before anything is done for it (frames.py). A frame no worker keeping
+        the protocol sends ends the run with `protocol violation: ...`."""
+        if run.ending is not None or run.rec.state.terminal:
+            if isinstance(msg, Reply | StepResult):
+                self._settle_pending(run, msg)
+            return  # an ending run's worker is heard no more
+        try:
+            self._dispatch(run, msg)
+        except Violation as exc:
+            self._task(self.finish(run, RunState.FAILED, f"protocol violation: {exc}"))
+
+    def _dispatch(self, run: Run, msg: Msg) -> None:
+        if isinstance(msg, SpawnReq):
+            if msg.step > run.steps.last:
+                raise Violation(f"a child was asked for by step {msg.step}, before it began")
+            frames.check_prompts(msg.prompts, self.limits)
+            self._ask(run, msg.req_id, self.spawn_children(run, msg))
+        elif isinstance(msg, CancelReq | SendReq):
+            if isinstance(msg, SendReq) and len(msg.message) > self.limits.max_prompt_chars:
+                raise Violation(
+                    f"a follow-up of {len(msg.message):,} characters, over "
+                    f"Limits.max_prompt_chars={self.limits.max_prompt_chars:,}"
+                )
             self._ask(run, msg.req_id, self._request(run, msg))
         elif isinstance(msg, BudgetReq):
             self._ask(run, msg.req_id, _now(self.budget_of(run)))
         elif isinstance(msg, AskReq):
-            self._ask(run, msg.req_id, self.asks.open(run, msg))
+            if msg.step > run.steps.last:
+                raise Violation(f"an ask was opened by step {msg.step}, before it began")
+            self._ask(run, msg.req_id, self._open_ask(run, msg))
         elif isinstance(msg, AskCancelReq):
             self._ask(run, msg.req_id, self.asks.withdraw(run, msg))
         elif isinstance(msg, FlowReq):
             self._ask(run, msg.req_id, self._flow_request(run, msg))
         elif isinstance(msg, Blocked):
-            if msg.blocked:
-                if not run.blocked:
-                    run.blocked = True
-                    self._hold(run)
-                self._release(run)
-            else:
-                self._ask(run, msg.req_id, self._unblock(run))
-                if run.blocked:
-                    run.blocked = False
-                    self._unhold(run)
+            self._on_blocked(run, msg)
         elif isinstance(msg, ModelReq):
+            if msg.kind == "turn":
+                if run.driven:
+                    raise Violation("a Session's root asked for a model turn; its steps are driven")
+                if msg.model != run.model_name:
+                    raise Violation(f"a model turn named model {msg.model!r}, not its run's")
+                run.convo.check(
+                    msg,
+                    max_iterations=self.limits.max_iterations,
+                    first_cap=run.first_cap,
+                    cap=self.limits.max_prompt_chars,
+                )
+            else:
+                frames.check_call(msg, self.limits)
             self._ask(run, msg.req_id, self._model_call(run, msg))
         elif isinstance(msg, StepBegan):
+            run.steps.begin(msg)
             self._step_began(run, msg)
         elif isinstance(msg, StepDone):
-            self._stop_watch(run)
-            self._progress(run)
-            if msg.replayed:
-                return
-            run.last_line = last_line(msg.stdout) or run.last_line
-            self._event(
-                run,
-                "step",
-                {
-                    "step": msg.step,
-                    "code": msg.code,
-                    "stdout": msg.stdout,
-                    "stderr": msg.stderr,
-                    "error": msg.error,
-                    "duration": msg.duration,
-                    "pending": msg.pending,
-                },
-                progress=last_line(msg.stdout) or run.last_line,
-            )
+            run.steps.end(msg)
+            self._step_done(run, msg)
         elif isinstance(msg, Remember):
-            self._event(run, "remember", {"value": base64.b64encode(msg.value).decode()})
+            if len(msg.value) > MAX_REMEMBER_BYTES:
+                raise Violation(
+                    f"a remembered value of {len(msg.value):,} bytes, over the "
+                    f"{MAX_REMEMBER_BYTES:,} one may hold"
+                )
+            if self._charge(run, len(msg.value) * 4 // 3):  # journaled as base64
+                self._event(run, "remember", {"value": base64.b64encode(msg.value).decode()})
         elif isinstance(msg, Final):
-            run.rec.answer = msg.answer
-            run.rec.products = msg.products
-            self._task(self.finish(run, RunState.COMPLETED, msg.reason, answer=msg.answer))
+            self._on_final(run, msg)
         elif isinstance(msg, Failed):
-            self._task(self.finish(run, RunState.FAILED, msg.reason, error=msg.error))
-            if msg.reason.startswith("replay diverged"):
-                self._stop_resume(run, msg.reason)
-        elif isinstance(msg, Reply):  # a worker confirms a delivery
-            fut = run.pending.pop(msg.req_id, None)
-            if fut is not None and not fut.done():
-                fut.set_result(None)
-        elif isinstance(msg, StepResult):
-            fut = run.pending.pop(msg.req_id, None)
-            if fut is not None and not fut.done():
-                fut.set_result(msg)
+            self._on_failed(run, msg)
+        elif isinstance(msg, Reply | StepResult):
+            if isinstance(msg, StepResult):
+                cap = step_capture(self.limits.output_limit) + frames.NOTE_ROOM
+                msg.stdout, msg.stderr = clip(msg.stdout, cap), clip(msg.stderr, cap)
+                if msg.answer is not None and len(msg.answer) > self.limits.answer_limit:
+                    raise Violation(
+                        f"a step's answer of {len(msg.answer):,} characters, over "
+                        f"Limits.answer_limit={self.limits.answer_limit:,}"
+                    )
+            self._settle_pending(run, msg)
+
+    def _settle_pending(self, run: Run, msg: Reply | StepResult) -> None:
+        """A worker confirms a delivery (Reply), or ends a driven step (StepResult): only a
+        request the supervisor made of it is settled, whatever id the frame names."""
+        fut = run.pending.pop(msg.req_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(msg if isinstance(msg, StepResult) else None)
+
+    def _step_done(self, run: Run, msg: StepDone) -> None:
+        self._stop_watch(run)
+        self._progress(run)
+        if msg.replayed:
+            return
+        msg = frames.clipped_step(msg, step_capture(self.limits.output_limit))
+        data = {
+            "step": msg.step,
+            "code": msg.code,
+            "stdout": msg.stdout,
+            "stderr": msg.stderr,
+            "error": msg.error,
+            "duration": msg.duration,
+            "pending": msg.pending,
+        }
+        if not self._charge(run, frames.weight(data)):
+            return
+        run.last_line = last_line(msg.stdout) or run.last_line
+        self._event(run, "step", data, progress=run.last_line)
+
+    def _on_final(self, run: Run, msg: Final) -> None:
+        """The run's answer, checked whole before any state changes for it."""
+        if run.steps.open:
+            raise Violation(f"FINAL came while step {run.steps.last} was under way")
+        cap = self.limits.answer_limit
+        if len(msg.answer) > cap:
+            raise Violation(
+                f"a FINAL answer of {len(msg.answer):,} characters, over "
+                f"Limits.answer_limit={cap:,}"
+            )
+        products = frames.checked_products(msg.products, cap)
+        if msg.reason not in ("answer", "answer after max_iterations"):
+            raise Violation(f"FINAL with the reason {clip(msg.reason, 80)!r}")
+        run.rec.answer = msg.answer
+        run.rec.products = products
+        self._task(self.finish(run, RunState.COMPLETED, msg.reason, answer=msg.answer))
+
+    def _on_failed(self, run: Run, msg: Failed) -> None:
+        """The worker says its run cannot go on. What it says is data: kept (capped) as the
+        reason, never a decision. Only a run the supervisor is replaying can diverge."""
+        reason, error = clip(msg.reason, FAILURE_TEXT_CAP), clip(msg.error, FAILURE_TEXT_CAP)
+        if reason.startswith(STORE_FAILED):  # that reason is the journal's, said only here
+            reason = f"worker error: {reason}"
+        self._task(self.finish(run, RunState.FAILED, reason, error=error))
+        if msg.kind == "diverged" and run.steps.replaying:
+            self._stop_resume(run, reason)
+
+    def _charge(self, run: Run, size: int) -> bool:
+        """Count `size` bytes `run` adds to the journal; past Limits.journal_bytes_per_run
+        the run fails naming the limit, and False says not to write them."""
+        lim = self.limits.journal_bytes_per_run
+        if run.journaled + size <= lim:
+            run.journaled += size
+            return True
+        if run.ending is None and not run.rec.state.terminal:
+            reason = (
+                f"limit journal_bytes_per_run exceeded: run {run.id} has journaled "
+                f"{run.journaled:,} bytes and would add {size:,}, over "
+                f"Limits.journal_bytes_per_run={lim:,}; print less, or raise the limit"
+            )
+            self._task(self.finish(run, RunState.FAILED, reason))
+        return False
+
+    async def _open_ask(self, run: Run, msg: AskReq) -> str:
+        """ask_person: within Limits.max_asks_per_run, and counted as journal bytes."""
+        if run.asks_opened >= self.limits.max_asks_per_run:
+            raise LimitExceeded(
+                "max_asks_per_run",
+                run.asks_opened + 1,
+                self.limits.max_asks_per_run,
+                hint=f"run {run.id} has opened {run.asks_opened} asks; ask fewer (one ask can "
+                "hold several questions: ask_user_question), or raise Limits(max_asks_per_run=...)",
+            )
+        if not self._charge(run, frames.weight(msg.question) + frames.weight(msg.options)):
+            raise BroodError(f"run {run.id} is over its journal bytes; it opens no asks")
+        run.asks_opened += 1
+        return await self.asks.open(run, msg)
 
     def _ask(self, run: Run, req_id: int, work: Awaitable[Any]) -> None:
         """Answer a worker's request; the run's step clock stands still meanwhile."""
+        if run.requests >= frames.MAX_REQUESTS_IN_FLIGHT:
+            if asyncio.iscoroutine(work):
+                work.close()  # never started
+            raise Violation(f"more than {frames.MAX_REQUESTS_IN_FLIGHT} requests at once (a flood)")
+        run.requests += 1
         self._hold(run)
         self._task(self._answer(run, req_id, work))
 
@@ -836,9 +977,44 @@ class Core:
         except Exception as exc:
             reply = Reply(req_id, error=error_info(exc))
         finally:
+            run.requests -= 1
             self._unhold(run)
         if run.conn is not None:
             run.conn.send(reply)
+
+    # ---- blocking: the concurrency slot -------------------------------------------------
+    def _on_blocked(self, run: Run, msg: Blocked) -> None:
+        """The worker says it waits (blocked) or wants to compute again. A slot is given up
+        only while the supervisor itself holds something the run can wait on (a child, an
+        ask, a model call): the worker's word alone frees nothing."""
+        if msg.blocked:
+            if not run.blocked and self._waits_on_something(run):
+                run.blocked = True
+                self._hold(run)
+                self._release(run)
+            return
+        self._ask(run, msg.req_id, self._unblock(run))
+        if run.blocked:
+            run.blocked = False
+            self._unhold(run)
+
+    def _waits_on_something(self, run: Run) -> bool:
+        if run.calls or self.asks.open_by_run.get(run.id):
+            return True
+        # Newest first: the children most likely still going. An attempt that ended and
+        # will be followed by another is still going for its parent.
+        return any(not c.rec.state.terminal or c.retrying for c in reversed(run.children))
+
+    def waits_changed(self, run: Run) -> None:
+        """Something `run` could wait on ended. If nothing is left, a run that said it was
+        blocked is not any more: its step clock goes on, and it takes a slot again (its
+        worker, if it truly waited, is about to ask for one)."""
+        if not run.blocked or self._waits_on_something(run):
+            return
+        run.blocked = False
+        self._unhold(run)
+        if not run.holds_slot:
+            self._task(self._unblock(run))
 
     # ---- the supervisor's clock of each step ---------------------------------------------
     def _hold(self, run: Run) -> None:
@@ -899,9 +1075,7 @@ class Core:
         )
         self._task(self.finish(run, RunState.FAILED, reason))
 
-    async def _request(self, run: Run, msg: SpawnReq | CancelReq | SendReq) -> Any:
-        if isinstance(msg, SpawnReq):
-            return await self.spawn_children(run, msg)
+    async def _request(self, run: Run, msg: CancelReq | SendReq) -> Any:
         child = self.runs.get(msg.child_id)
         if child is None or child.parent is not run:
             raise InvalidArgument(f"{msg.child_id} is not a child of run {run.id}")
@@ -913,6 +1087,8 @@ class Core:
             return state.value
         if msg.replaying:
             return None  # delivered (and journaled) before the crash
+        if not self._charge(run, len(msg.message)):
+            raise BroodError(f"run {run.id} is over its journal bytes; it sends nothing more")
         await self.send_message(child, msg.message)
         return None
 
@@ -996,6 +1172,8 @@ class Core:
         parent = run.parent
         if parent is not None and parent.conn is not None and not parent.rec.state.terminal:
             parent.conn.send(_update(run))
+            if run.rec.state.terminal:
+                self.waits_changed(parent)
 
     async def host_guest(
         self, rec: RunRecord, run_data: dict[str, Any], note: dict[str, Any]
@@ -1068,12 +1246,23 @@ class Core:
 
     async def _model_call(self, run: Run, msg: ModelReq) -> str:
         """Make a worker's model call in the gateway; measure it and journal it here."""
+        turn = msg.kind == "turn"
+        reply: str | None = None
+        try:
+            reply = await self._model_call_checked(run, msg)
+            return reply
+        finally:
+            if turn:
+                run.convo.answered(reply)
+            self.waits_changed(run)
+
+    async def _model_call_checked(self, run: Run, msg: ModelReq) -> str:
         if run.ending is not None or run.rec.state is not RUN:
             raise BroodError(f"run {run.id} is {run.rec.state.value} and ending; no model call")
-        if msg.new_from > len(msg.messages):
-            raise InvalidArgument(
-                f"new_from {msg.new_from} is past the {len(msg.messages)} messages sent"
-            )
+        self.check_model(run, msg.model)
+        request = msg.messages[msg.new_from :]
+        if not self._charge(run, frames.weight(request)):
+            raise BroodError(f"run {run.id} is over its journal bytes; it makes no model call")
         task = asyncio.current_task()
         assert task is not None
         run.calls.add(task)
@@ -1117,10 +1306,31 @@ class Core:
                 latency=time.perf_counter() - started,
                 done=done,
                 error=error,
-                request=msg.messages[msg.new_from :],
+                request=request,
                 far=far,
             )
             self._wake_budget(root)
+
+    def check_model(self, run: Run, name: str | None) -> None:
+        """A model name model code passed (`llm_query` / `rlm_query` with model=): its own
+        run's, or one of `allowed_models`; else InvalidArgument listing them."""
+        if name is None or name == run.model_name:
+            return
+        allowed = self.allowed_models(run)
+        if name not in allowed:
+            raise InvalidArgument(
+                f"model {clip(name, 100)!r} is not one this tree may use (Limits.models: "
+                f"{', '.join(map(repr, allowed)) or 'none'}); name one of them, or pass no "
+                "model for this run's own. The user lists more with Limits(models=[...])"
+            )
+
+    def allowed_models(self, run: Run) -> list[str]:
+        """Limits.models; by default the supervisor's model and the one its tree's root was
+        given. Model code never adds to it, nor names an address to call."""
+        if self.limits.models is not None:
+            return list(self.limits.models)
+        names = [self.model_name, self._top(run).rec.model]
+        return [n for n in dict.fromkeys(names) if n is not None and n != FLOW_MODEL]
 
     def _budgeted(self) -> bool:
         return self.limits.token_budget is not None or self.limits.cost_budget is not None
@@ -1215,6 +1425,8 @@ class Core:
         request: list[dict[str, Any]],
         far: bool = False,
     ) -> None:
+        if done is not None:  # journaled whatever the limit says: the call was made
+            self._charge(run, len(done.text))
         # A model's own count is trusted (it is the user's code), but never negative.
         tokens_in = max(0, int(done.input_tokens)) if done else 0
         tokens_out = max(0, int(done.output_tokens)) if done else 0

@@ -7,14 +7,10 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
-from brood.protocol import Failed, Final, StepBegan, StepDone, StepResult
+from brood.protocol import Failed, Final, StepBegan, StepDone, StepResult, clip, step_capture
 from brood.worker.helpers import Runtime
 from brood.worker.link import TERMINAL_STATES
-from brood.worker.repl import CAPTURE_LIMIT, Repl, StepOutput, truncate
-
-CAPTURE_PER_SHOWN = 50  # a step keeps (and journals) 50 times what the model is shown
-CAPTURE_MAX = 4_000_000  # characters kept of stdout (and of stderr) at most: one step's
-# StepDone stays well under the cap of a worker's message, whatever output_limit says
+from brood.worker.repl import Repl, StepOutput, truncate
 
 OPEN_FENCE = re.compile(r"^\s*```\s*(repl|python|py)\s*$")
 ANY_FENCE = re.compile(r"^\s*```")
@@ -101,7 +97,7 @@ class Agent:
         rt.link.request(StepBegan(req_id=rt.link.next_id(), step=rt.step, replaying=rt.replaying))
         shown = int(self.limits.get("output_limit", 20_000))
         limit = timeout if timeout is not None else self.limits.get("step_timeout")
-        capture = min(CAPTURE_MAX, max(CAPTURE_LIMIT, CAPTURE_PER_SHOWN * shown))
+        capture = step_capture(shown)
         out = self.repl.run(code, limit, capture)
         stderr = out.stderr
         if out.error and (hint := limit_hint(out.error, self.limits)):
@@ -160,24 +156,30 @@ class Agent:
             lines.append(f"[notice] child {u.child_id}{task} {how}")
         return "\n".join(lines)
 
-    def loop(self, first_message: str, system: str) -> Final | Failed:
+    def loop(self, first_message: str, system: str, first_cap: int) -> Final | Failed:
+        """The model's turns until FINAL. Each user message is kept within its cap (the
+        supervisor refuses a turn whose message is not): `first_cap` for the first, which
+        holds the task, Limits.max_prompt_chars for the others."""
         rt = self.rt
         messages: list[dict[str, Any]] = [
             {"role": "system", "content": system},
             {"role": "user", "content": first_message},
         ]
         max_iter = int(self.limits.get("max_iterations", 20))
-        for _ in range(max_iter):
+        cap = int(self.limits.get("max_prompt_chars", 400_000))
+        for turn in range(max_iter):
             extra = self.notices()
             if extra:
                 messages[-1]["content"] = extra + "\n\n" + messages[-1]["content"]
+            messages[-1]["content"] = clip(messages[-1]["content"], first_cap if turn == 0 else cap)
             reply = rt.call_model(messages, "turn", None)
             messages.append({"role": "assistant", "content": reply})
             feedback = self.feedback(reply)
             if rt.final is not None:
                 return self.final(rt.final)
             messages.append({"role": "user", "content": feedback})
-        messages[-1]["content"] += "\n\n" + ANSWER_NOW.format(n=max_iter)
+        last = messages[-1]["content"] + "\n\n" + ANSWER_NOW.format(n=max_iter)
+        messages[-1]["content"] = clip(last, first_cap if len(messages) == 2 else cap)
         reply = rt.call_model(messages, "turn", None)
         blocks = extract_blocks(reply)
         for code in blocks.code:

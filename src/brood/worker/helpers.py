@@ -32,6 +32,7 @@ from brood.errors import (
     StallTimeout,
 )
 from brood.protocol import (
+    MAX_REMEMBER_BYTES,
     MAX_RETRIES,
     AskCancelReq,
     AskOption,
@@ -222,6 +223,18 @@ class Runtime:
         if self.closed:
             raise StaleHandle(self.closed)
 
+    def fits(self, text: str, where: str) -> str:
+        """Refuses a prompt over Limits.max_prompt_chars before it costs a call (the
+        supervisor refuses it too, ending the run: a worker sends none)."""
+        cap = int(self.limits.get("max_prompt_chars", 400_000))
+        if len(text) > cap:
+            raise InvalidArgument(
+                f"{where}: the prompt has {len(text):,} characters, over "
+                f"Limits.max_prompt_chars={cap:,}; use llm_query_chunked(text, prompt) (or "
+                "search / grep_context to find the part that matters) instead"
+            )
+        return text
+
     # ---- starting children -------------------------------------------------------------
     def spawn_children(
         self,
@@ -251,6 +264,8 @@ class Runtime:
                 f"retries must be a whole number from 0 to {MAX_RETRIES} (attempts after the "
                 f"first, for a child that fails or times out), got {retries!r}"
             )
+        for i, p in enumerate(prompts):
+            self.fits(p, f"rlm_query_batched[{i}]" if len(prompts) > 1 else "rlm_query")
         blob = cloudpickle.dumps(context) if context is not None else None
         try:
             ids: list[str] = self.link.request(
@@ -453,6 +468,12 @@ class ChildHandle:
         if not isinstance(message, str):
             raise InvalidArgument(
                 f"rlm_send(h, message): message must be str, got {type(message).__name__}"
+            )
+        cap = int(self._rt.limits.get("max_prompt_chars", 400_000))
+        if len(message) > cap:  # it goes into the child's next prompt
+            raise InvalidArgument(
+                f"rlm_send(h, message): the message has {len(message):,} characters, over "
+                f"Limits.max_prompt_chars={cap:,}; send less, or pass data as a child's context"
             )
         self._rt.link.request(
             SendReq(
@@ -677,20 +698,9 @@ def _check_products(products: object) -> dict[str, Any] | None:
 def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
     """The functions placed in the REPL namespace, bound to one run."""
 
-    def _fits(prompt: str, where: str) -> str:
-        """Refuses a prompt over Limits.max_prompt_chars before it costs a call."""
-        cap = int(rt.limits.get("max_prompt_chars", 400_000))
-        if len(prompt) > cap:
-            raise InvalidArgument(
-                f"{where}: the prompt has {len(prompt):,} characters, over "
-                f"Limits.max_prompt_chars={cap:,}; use llm_query_chunked(text, prompt) (or "
-                "search / grep_context to find the part that matters) instead"
-            )
-        return prompt
-
     def llm_query(prompt: str, model: str | None = None) -> str:
         """One plain model call: the model's reply to `prompt`."""
-        _fits(_check_prompt(prompt, "llm_query"), "llm_query")
+        rt.fits(_check_prompt(prompt, "llm_query"), "llm_query")
         return rt.call_model([{"role": "user", "content": prompt}], "llm_query", model)
 
     def llm_query_batched(prompts: list[str], model: str | None = None) -> list[str]:
@@ -699,7 +709,7 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
         .answers (every reply, None where one failed): no reply is lost."""
         prompts = _check_prompts(prompts, "llm_query_batched")
         for i, p in enumerate(prompts):
-            _fits(p, f"llm_query_batched[{i}]")
+            rt.fits(p, f"llm_query_batched[{i}]")
 
         def one(p: str) -> tuple[str | None, BaseException | None]:
             try:
@@ -744,7 +754,7 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
         placement="spread" runs the child's subtree on another node of a cluster (here
         when there is none); it stays a child for every helper.
         """
-        _fits(_check_prompt(prompt, "rlm_query"), "rlm_query")
+        rt.fits(_check_prompt(prompt, "rlm_query"), "rlm_query")
         if not rt.can_spawn:
             rt.note_depth()
             if blocking:
@@ -993,6 +1003,12 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
                 f"remember: the result ({type(value).__name__}) cannot be pickled to be "
                 f"journaled: {exc}"
             ) from exc
+        if len(blob) > MAX_REMEMBER_BYTES:
+            raise InvalidArgument(
+                f"remember: the result is {len(blob):,} bytes pickled, over the "
+                f"{MAX_REMEMBER_BYTES:,} bytes one remembered value may hold; remember less "
+                "(e.g. a file's hash or path rather than its bytes)"
+            )
         rt.link.send(Remember(blob))
         return value
 

@@ -8,7 +8,7 @@ import traceback
 
 import cloudpickle
 
-from brood.protocol import MAX_WORKER_FRAME, Failed, Final, Start, SyncChannel
+from brood.protocol import MAX_WORKER_FRAME, Failed, Final, Start, SyncChannel, user_message_cap
 from brood.worker.agent import Agent
 from brood.worker.helpers import ERRORS, Runtime, make_helpers
 from brood.worker.link import Link
@@ -32,7 +32,11 @@ def serve(sock: socket.socket) -> None:
     try:
         run(start, link)
     except BaseException as exc:  # anything that escapes the loop fails the run, with a reason
-        link.send(Failed(reason=_reason(exc), error=traceback.format_exc()[-4000:]))
+        error = traceback.format_exc()[-4000:]
+        if isinstance(exc, ReplayStop):
+            link.send(Failed(reason=_reason(exc), error=error, kind="diverged"))
+        else:
+            link.send(Failed(reason=_reason(exc), error=error))
     # Stay until the supervisor's Stop (handled by the reader thread) ends the process.
     threading.Event().wait()
 
@@ -89,7 +93,10 @@ def run(start: Start, link: Link) -> None:
     system = cached_system_prompt(can_spawn)
     if start.budget is not None:
         system += describe_budget(start.budget)
-    final = agent.loop(first_message(start, context), system)
+    cap = user_message_cap(
+        int(limits.get("max_prompt_chars", 400_000)), start.prompt, start.messages
+    )
+    final = agent.loop(first_message(start, context), system, cap)
     link.send(final)
 
 

@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from brood.protocol import STEP_CAPTURE_MIN
+
 
 class StepTimeout(BaseException):
     """The step used up its compute limit (a BaseException so `except Exception` cannot hide it)."""
@@ -29,7 +31,7 @@ class FinalSignal(BaseException):
     """Raised by FINAL to end the step at once; the executor catches it."""
 
 
-CAPTURE_LIMIT = 1_000_000  # characters of one step's stdout (and stderr) kept and journaled
+CAPTURE_LIMIT = STEP_CAPTURE_MIN  # characters of one step's stdout (and stderr) kept
 
 
 def _blocked(name: str, why: str) -> Callable[..., Any]:

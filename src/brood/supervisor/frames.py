@@ -1,0 +1,227 @@
+"""What a worker's frames must hold to, checked on receipt (DESIGN.md section 14).
+
+A worker enforces brood's limits for its model's convenience; the supervisor enforces them
+again here, on what it receives, because model code can write any frame on the worker's
+channel. Each check reads a frame and what the supervisor itself knows of the run (the
+replies it gave, the steps it saw begin), never what the worker says of itself. A frame
+that a worker keeping the protocol never sends raises `Violation`, and the core ends the
+run with `protocol violation: ...`. Refusals a well-behaved run can meet too (a model that
+is not allowed, too many asks) are answered as errors in the REPL instead, by the core.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from brood.limits import Limits
+from brood.protocol import SYSTEM_PROMPT_CAP, ModelReq, StepBegan, StepDone, clip
+
+# Requests of one run being answered at once. A worker makes at most its 16 call threads'
+# worth plus its main thread's; more is a flood, each holding its frame in memory.
+MAX_REQUESTS_IN_FLIGHT = 256
+PRODUCTS_DEPTH = 64  # nesting of a FINAL's products (JSON arrays and objects)
+# Room past a step's capture for the notes a worker adds to what it keeps (what was dropped,
+# a limit's hint): a step cut to the capture here is one no worker sent.
+NOTE_ROOM = 10_000
+
+
+class Violation(Exception):
+    """A frame no worker that keeps the protocol sends; the message says what is wrong."""
+
+
+@dataclass
+class Steps:
+    """A run's REPL steps as the supervisor saw them: numbered from 1, one at a time, each
+    begun before it ends. The first `replayed` steps of a resumed run replay its journal."""
+
+    last: int = 0
+    open: bool = False
+    replayed: int = 0
+
+    @property
+    def replaying(self) -> bool:
+        """Whether the worker is still rebuilding the REPL from the journal's steps."""
+        return self.replayed > 0 and self.last <= self.replayed
+
+    def begin(self, msg: StepBegan) -> None:
+        if self.open:
+            raise Violation(f"step {msg.step} began while step {self.last} had not ended")
+        if msg.step != self.last + 1:
+            raise Violation(f"step {msg.step} began after step {self.last}; steps go in order")
+        if msg.replaying != (msg.step <= self.replayed):
+            raise Violation(
+                f"step {msg.step} said replaying={msg.replaying}, but the journal holds "
+                f"{self.replayed} steps of this run"
+            )
+        self.last, self.open = msg.step, True
+
+    def end(self, msg: StepDone) -> None:
+        if not self.open or msg.step != self.last:
+            under_way = f"step {self.last} is under way" if self.open else "no step is under way"
+            raise Violation(f"step {msg.step} ended, but {under_way}")
+        if msg.replayed != (msg.step <= self.replayed):
+            raise Violation(
+                f"step {msg.step} said replayed={msg.replayed}, but the journal holds "
+                f"{self.replayed} steps of this run"
+            )
+        self.open = False
+
+
+@dataclass
+class Conversation:
+    """A run's model turns as the supervisor answered them. A turn's request must be that
+    conversation (the replies the gateway gave, each user message as long as it was) plus
+    one new user message within its cap, so model code cannot grow, reorder or forge it.
+
+    A resumed run's worker replays journaled turns without asking: `replies` starts with
+    them, and the sizes of their user messages are learnt (within their caps) at its first
+    live turn."""
+
+    replies: list[str] = field(default_factory=list)
+    user_sizes: list[int] = field(default_factory=list)
+    open: bool = False
+
+    def check(self, msg: ModelReq, *, max_iterations: int, first_cap: int, cap: int) -> None:
+        """Refuse a turn request that is not this conversation's next one."""
+        turn = len(self.replies) + 1
+        if self.open:
+            raise Violation(f"model turn {turn} was asked while turn {turn - 1} was under way")
+        if turn > max_iterations + 1:
+            raise Violation(
+                f"model turn {turn} is past Limits.max_iterations={max_iterations} (and the "
+                "one turn that asks for the answer)"
+            )
+        messages = msg.messages
+        expected = 2 * len(self.replies)
+        if msg.new_from != expected or len(messages) != expected + 2:
+            raise Violation(
+                f"model turn {turn} sent {len(messages)} messages (new from {msg.new_from}); "
+                f"this run's conversation has {expected} and a turn adds one user message"
+            )
+        for i, m in enumerate(messages):
+            if m.keys() != {"role", "content"}:
+                raise Violation(f"model turn {turn}: message {i} has keys {sorted(m)[:5]}")
+            role = "system" if i == 0 else ("user" if i % 2 else "assistant")
+            if m["role"] != role:
+                raise Violation(f"model turn {turn}: message {i} is {m['role']!r}, not {role!r}")
+        system = messages[0]["content"]
+        if len(system) > SYSTEM_PROMPT_CAP:
+            raise Violation(
+                f"model turn {turn}: a system prompt of {len(system):,} characters, over the "
+                f"{SYSTEM_PROMPT_CAP:,} of brood's own"
+            )
+        for k, reply in enumerate(self.replies):
+            if messages[2 + 2 * k]["content"] != reply:
+                raise Violation(f"model turn {turn}: reply {k + 1} is not the one the model gave")
+        known = len(self.user_sizes)
+        for k in range(len(self.replies) + 1):
+            size = len(messages[1 + 2 * k]["content"])
+            if k < known and size != self.user_sizes[k]:
+                raise Violation(
+                    f"model turn {turn}: user message {k + 1} has {size:,} characters, it was "
+                    f"sent with {self.user_sizes[k]:,}"
+                )
+            bound = first_cap if k == 0 else cap
+            if k >= known and size > bound:
+                raise Violation(
+                    f"model turn {turn}: a message of {size:,} characters, over "
+                    f"Limits.max_prompt_chars={cap:,}"
+                    + (" (with the run's task and first messages)" if k == 0 else "")
+                )
+        self.user_sizes = [
+            len(messages[1 + 2 * k]["content"]) for k in range(len(self.replies) + 1)
+        ]
+        self.open = True
+
+    def answered(self, reply: str | None) -> None:
+        """The turn under way ended: with the model's `reply`, or None when it failed."""
+        self.open = False
+        if reply is not None:
+            self.replies.append(reply)
+
+
+def check_call(msg: ModelReq, limits: Limits) -> None:
+    """A plain call (`llm_query`): one user message within Limits.max_prompt_chars."""
+    messages = msg.messages
+    if msg.new_from != 0 or len(messages) != 1 or messages[0].keys() != {"role", "content"}:
+        raise Violation("a plain model call carries exactly one message, its prompt")
+    if messages[0]["role"] != "user":
+        raise Violation(f"a plain model call's message is {messages[0]['role']!r}, not 'user'")
+    size = len(messages[0]["content"])
+    if size > limits.max_prompt_chars:
+        raise Violation(
+            f"a plain model call of {size:,} characters, over "
+            f"Limits.max_prompt_chars={limits.max_prompt_chars:,}"
+        )
+
+
+def check_prompts(prompts: list[str], limits: Limits) -> None:
+    for p in prompts:
+        if len(p) > limits.max_prompt_chars:
+            raise Violation(
+                f"a child's prompt of {len(p):,} characters, over "
+                f"Limits.max_prompt_chars={limits.max_prompt_chars:,}"
+            )
+
+
+def checked_products(products: dict[str, Any] | None, cap: int) -> dict[str, Any] | None:
+    """A FINAL's products if they are a JSON object of at most `cap` characters' worth."""
+    if products is None:
+        return None
+    size = _json_size(products, PRODUCTS_DEPTH)
+    if size > cap:
+        raise Violation(f"FINAL products of {size:,} characters, over Limits.answer_limit={cap:,}")
+    return products
+
+
+def _json_size(value: Any, depth: int) -> int:
+    """How many characters `value` takes as `json.dumps` writes it, at least (what the worker
+    measured against the cap; escapes only add); Violation if it is not JSON (bytes, a NaN,
+    an int JSON readers lose, keys that are not str) or nests deeper than `depth`."""
+    if isinstance(value, str):
+        return len(value) + 2
+    if value is None or isinstance(value, bool):
+        return 4
+    if isinstance(value, int):
+        if abs(value) > 2**53:
+            raise Violation(f"FINAL products hold the integer {value}, past what JSON keeps exact")
+        return len(str(value))
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise Violation(f"FINAL products hold {value!r}, which JSON has no value for")
+        return len(repr(value))
+    if depth <= 0:
+        raise Violation(f"FINAL products nest deeper than {PRODUCTS_DEPTH} levels")
+    if isinstance(value, list):
+        return 2 * max(1, len(value)) + sum(_json_size(v, depth - 1) for v in value)
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise Violation("FINAL products hold an object whose keys are not all str")
+        items = sum(len(k) + 4 + _json_size(v, depth - 1) for k, v in value.items())
+        return 2 * max(1, len(value)) + items
+    raise Violation(f"FINAL products hold a {type(value).__name__}, which is not JSON")
+
+
+def clipped_step(msg: StepDone, cap: int) -> StepDone:
+    """A step's code and output, at most `cap` characters each (what a worker keeps of one
+    step, with room for its notes); a part cut here gets a note saying so."""
+    cap += NOTE_ROOM
+    code, stdout, stderr = (clip(t, cap) for t in (msg.code, msg.stdout, msg.stderr))
+    error = None if msg.error is None else clip(msg.error, cap)
+    if (code, stdout, stderr, error) == (msg.code, msg.stdout, msg.stderr, msg.error):
+        return msg
+    return StepDone(msg.step, code, stdout, stderr, error, msg.duration, msg.pending[:1000])
+
+
+def weight(value: Any) -> int:
+    """About how many bytes `value` adds to the journal: its strings and bytes, and a little
+    for everything else (what Limits.journal_bytes_per_run counts)."""
+    if isinstance(value, str | bytes):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(weight(k) + weight(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return sum(weight(v) for v in value) + 2
+    return 8
