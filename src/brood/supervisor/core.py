@@ -904,8 +904,6 @@ class Core:
 
     def _on_final(self, run: Run, msg: Final) -> None:
         """The run's answer, checked whole before any state changes for it."""
-        if run.steps.open:
-            raise Violation(f"FINAL came while step {run.steps.last} was under way")
         cap = self.limits.answer_limit
         if len(msg.answer) > cap:
             raise Violation(
@@ -915,6 +913,8 @@ class Core:
         products = frames.checked_products(msg.products, cap)
         if msg.reason not in ("answer", "answer after max_iterations"):
             raise Violation(f"FINAL with the reason {clip(msg.reason, 80)!r}")
+        if run.steps.open:
+            raise Violation(f"FINAL came while step {run.steps.last} was under way")
         run.rec.answer = msg.answer
         run.rec.products = products
         self._task(self.finish(run, RunState.COMPLETED, msg.reason, answer=msg.answer))

@@ -156,10 +156,10 @@ class Agent:
             lines.append(f"[notice] child {u.child_id}{task} {how}")
         return "\n".join(lines)
 
-    def loop(self, first_message: str, system: str, first_cap: int) -> Final | Failed:
+    def loop(self, first_message: str, system: str, first_cap: int | None = None) -> Final | Failed:
         """The model's turns until FINAL. Each user message is kept within its cap (the
         supervisor refuses a turn whose message is not): `first_cap` for the first, which
-        holds the task, Limits.max_prompt_chars for the others."""
+        holds the task (by default the others'), Limits.max_prompt_chars for the others."""
         rt = self.rt
         messages: list[dict[str, Any]] = [
             {"role": "system", "content": system},
@@ -167,6 +167,7 @@ class Agent:
         ]
         max_iter = int(self.limits.get("max_iterations", 20))
         cap = int(self.limits.get("max_prompt_chars", 400_000))
+        first_cap = cap if first_cap is None else first_cap
         for turn in range(max_iter):
             extra = self.notices()
             if extra:
