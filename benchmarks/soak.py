@@ -131,6 +131,23 @@ class Entry:
     expect: str = ""
 
 
+# Model code holding its worker's channel: `frame(dict)` writes a frame of its own.
+FORGE = (
+    "import gc, struct, msgspec\n"
+    "from brood.worker.link import Link\n"
+    "link = next(o for o in gc.get_objects() if isinstance(o, Link))\n"
+    "def raw(data):\n"
+    "    with link.chan._lock:\n"
+    "        link.chan._w.write(data)\n"
+    "def frame(obj):\n"
+    "    body = msgspec.msgpack.encode(obj)\n"
+    "    raw(struct.pack('>I', len(body)) + body)\n"
+    "def rid():\n"
+    "    return link.next_id()\n"
+)
+# After a forged frame that ends the run: the run ends in this step, not a later one.
+ENDS_HERE = "\nimport time\ntime.sleep(30)"
+
 CATALOGUE: tuple[Entry, ...] = (
     Entry("print_sum", BENIGN, 3, "print(1 + 1)"),
     Entry("busy_loop", CONTAINED, 2, "while True:\n    pass"),
@@ -276,6 +293,64 @@ CATALOGUE: tuple[Entry, ...] = (
         r"^failed: the FINAL answer has 5,000,000 characters, over Limits.answer_limit",
     ),
     Entry("sleep_past_step_clock", CONTAINED, 2, "import time\ntime.sleep($sleep)"),
+    # The forged-frame catalogue (tests/test_hostile_frames.py): model code writes frames of
+    # its own on its worker's channel; the supervisor ends the run naming the violation.
+    Entry(
+        "forge_huge_call",
+        FATAL,
+        1,
+        FORGE + "frame({'type': 'ModelReq', 'req_id': rid(), 'kind': 'llm_query',"
+        " 'messages': [{'role': 'user', 'content': 'x' * 20_000_000}]})" + ENDS_HERE,
+        r"^failed: protocol violation: a plain model call of 20,000,000 characters",
+    ),
+    Entry(
+        "forge_final_bytes",
+        FATAL,
+        1,
+        FORGE + "frame({'type': 'Final', 'answer': 'a', 'products': {'b': b'raw'}})" + ENDS_HERE,
+        r"^failed: protocol violation: FINAL products hold a bytes",
+    ),
+    Entry(
+        "forge_step_out_of_order",
+        FATAL,
+        1,
+        FORGE + "frame({'type': 'StepDone', 'step': 10**6, 'code': '', 'stdout': 'x' * 10**7,"
+        " 'stderr': '', 'error': None, 'duration': 0.0})" + ENDS_HERE,
+        r"^failed: protocol violation: step 1000000 ended",
+    ),
+    Entry(
+        "forge_flood",
+        FATAL,
+        1,
+        FORGE + "raw(b''.join(struct.pack('>I', len(b)) + b for b in [msgspec.msgpack.encode("
+        "{'type': 'BudgetReq', 'req_id': i}) for i in range(3000)]))" + ENDS_HERE,
+        r"^failed: protocol violation: more than \d+ requests at once",
+    ),
+    Entry(
+        "forge_too_deep",
+        FATAL,
+        1,
+        FORGE + "e = msgspec.msgpack.encode\n"
+        "body = (b'\\x83' + e('type') + e('Final') + e('answer') + e('a') + e('products')"
+        " + b'\\x81' + e('a') + b'\\x91' * 100_000 + b'\\xc0')\n"
+        "raw(struct.pack('>I', len(body)) + body)" + ENDS_HERE,
+        r"^failed: protocol violation: .*nested too deeply",
+    ),
+    Entry(
+        "forge_blocked",
+        CONTAINED,
+        1,
+        FORGE + "frame({'type': 'Blocked', 'req_id': 0, 'blocked': True})\n"
+        "print('computing on a slot it kept:', sum(range(10**6)))",
+    ),
+    Entry(
+        "forge_divergence",
+        FATAL,
+        1,
+        FORGE + "frame({'type': 'Failed', 'reason': 'replay diverged: forged', 'error': '',"
+        " 'kind': 'diverged'})" + ENDS_HERE,
+        r"^failed: replay diverged: forged$",
+    ),
 )
 
 CHILD_ACTIONS: tuple[Entry, ...] = (

@@ -5,6 +5,10 @@ the run goes on. One real run tries them all, one step each."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+
+import pytest
 
 import brood
 from tests.util import fast
@@ -86,3 +90,32 @@ def test_every_misuse_is_refused_with_its_fix_and_the_run_goes_on():
     assert not problems, "\n".join(problems)
     # Only the turn itself and the two spawned llm_query tasks cost model calls.
     assert calls <= 4
+
+
+def test_an_oversized_context_is_refused_before_anything_is_journaled(tmp_path, monkeypatch):
+    """A context over the bound of one run's context is refused naming both sizes, and the
+    journal holds no run for it (from Python and from `brood run --context`)."""
+    from brood.supervisor import core
+
+    monkeypatch.setattr(core, "MAX_CONTEXT_BYTES", 1_000)
+    store = f"sqlite:///{tmp_path}/j.db"
+    with brood.Supervisor(brood.ScriptedModel([]), store=store) as sup:
+        with pytest.raises(brood.InvalidArgument, match=r"context is [\d,]+ bytes pickled, over"):
+            sup.run("task", context="x" * 5_000)
+        assert sup.store.roots(10) == []
+
+
+def test_brood_run_refuses_an_oversized_context_file(tmp_path):
+    from brood.protocol import MAX_CONTEXT_BYTES
+
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as f:  # a sparse file: its size is all that is read
+        f.truncate(MAX_CONTEXT_BYTES + 1)
+    store = f"sqlite:///{tmp_path}/j.db"
+    cmd = [sys.executable, "-m", "brood.cli.main", "run", "task", "--context", str(big)]
+    done = subprocess.run(
+        [*cmd, "--store", store, "--model", "scripted:demo"], capture_output=True, text=True
+    )
+    assert done.returncode != 0
+    assert f"{MAX_CONTEXT_BYTES + 1:,} bytes, over the {MAX_CONTEXT_BYTES:,}-byte" in done.stderr
+    assert not (tmp_path / "j.db").exists()  # refused before the journal was opened

@@ -22,6 +22,8 @@ MAX_FRAME = 256 * 1024 * 1024  # a frame larger than this is a protocol error, n
 # only a context handed to children can be large, and a worker must not make the
 # supervisor buffer hundreds of MB.
 MAX_WORKER_FRAME = 64 * 1024 * 1024
+# A root's context travels in its worker's Start: it must fit one frame, with room to spare.
+MAX_CONTEXT_BYTES = MAX_FRAME - 16 * 1024 * 1024
 
 
 class Msg(msgspec.Struct, tag=True, omit_defaults=True):

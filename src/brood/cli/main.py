@@ -29,6 +29,7 @@ import brood
 from brood.api import os_user
 from brood.journal import TERMINAL_VALUES, Journal, default_store_url
 from brood.models.demo import ROOT_TASK
+from brood.protocol import MAX_CONTEXT_BYTES
 
 if TYPE_CHECKING:
     from brood.cluster import ClusterHandle
@@ -275,6 +276,13 @@ def run(
     text = None
     if context is not None:
         try:
+            size = context.stat().st_size
+            if size > MAX_CONTEXT_BYTES:  # refused before a byte is read or journaled
+                _fail(
+                    f"--context {context}: {size:,} bytes, over the {MAX_CONTEXT_BYTES:,}-byte "
+                    "bound of a run's context; pass less, or let the run read the file "
+                    "(--fs-read PATH)"
+                )
             text = context.read_bytes().decode("utf-8")
         except OSError as exc:
             _fail(f"--context {context}: {exc.strerror}")

@@ -39,7 +39,7 @@ from brood.models.base import Completion, Model
 from brood.protocol import (
     BUDGET_MARK,
     FAILURE_TEXT_CAP,
-    MAX_FRAME,
+    MAX_CONTEXT_BYTES,
     MAX_REMEMBER_BYTES,
     AskCancelReq,
     AskReq,
@@ -85,8 +85,6 @@ DRAIN_ON_EXIT_S = 1.0  # read what a dead worker sent last before calling its ex
 CPU_SLACK_S = 0.05  # rusage of a worker killed at its CPU limit can read just under it
 FLOW_MODEL = "flow"  # the model column of a flow's own run (it has no worker)
 STORE_FAILED = "StoreError: "  # how the reason of a run ended by a failed journal begins
-# A root's context travels in its worker's Start: it must fit one frame, with room to spare.
-MAX_CONTEXT_BYTES = MAX_FRAME - 16 * 2**20
 
 Q, RUN, CANCELLING = RunState.QUEUED, RunState.RUNNING, RunState.CANCELLING
 
