@@ -180,6 +180,7 @@ class Run:
     steps: Steps = field(default_factory=Steps)
     first_cap: int = 0  # characters of its first user message (frames.Conversation)
     requests: int = 0
+    model_requests: int = 0  # model calls asked for and not answered yet (from receipt)
     journaled: int = 0
     asks_opened: int = 0
     # placement="spread" (a cluster): the start of this child on another node (the parent's
@@ -844,6 +845,7 @@ class Core:
             else:
                 frames.check_call(msg, self.limits)
             self._ask(run, msg.req_id, self._model_call(run, msg))
+            run.model_requests += 1  # held from now on: a wait on it may give up the slot
         elif isinstance(msg, StepBegan):
             run.steps.begin(msg)
             self._step_began(run, msg)
@@ -997,7 +999,7 @@ class Core:
             self._unhold(run)
 
     def _waits_on_something(self, run: Run) -> bool:
-        if run.calls or self.asks.open_by_run.get(run.id):
+        if run.model_requests or self.asks.open_by_run.get(run.id):
             return True
         # Newest first: the children most likely still going. An attempt that ended and
         # will be followed by another is still going for its parent.
@@ -1250,6 +1252,7 @@ class Core:
             reply = await self._model_call_checked(run, msg)
             return reply
         finally:
+            run.model_requests -= 1
             if turn:
                 run.convo.answered(reply)
             self.waits_changed(run)
