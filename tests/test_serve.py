@@ -109,16 +109,20 @@ def serving(
     *,
     token: str | None = TOKEN,
     script: dict[str, list[Any]] | None = None,
+    limits: brood.Limits | None = None,
+    **caps: int,
 ) -> Iterator[Served]:
     """A server in a thread on a loopback port bound here (no race for the port); it is
-    shut down, and its hosted supervisor closed, at the end."""
+    shut down, and its hosted supervisor closed, at the end. With `token=None` the app
+    makes its own, and the client sends that one."""
     if model is SCRIPTED:
         model = brood.ScriptedModel(script or SCRIPT, tokens_per_call=USAGE_PER_CALL)
     app = make_app(
         store_url=f"sqlite:///{tmp_path / 'brood.db'}",
         model=model,
         token=token,
-        limits=fast(max_iterations=2),
+        limits=limits or fast(max_iterations=2),
+        **caps,
     )
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -127,7 +131,7 @@ def serving(
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    headers = {"Authorization": f"Bearer {app.state.token}"}
     try:
         until(lambda: server.started or not thread.is_alive(), timeout=15)
         assert server.started, "the server did not start"
@@ -522,9 +526,13 @@ def test_a_missing_or_wrong_token_is_refused_and_the_schema_lists_every_route(tm
                 assert method.lower() in schema["paths"][route.path], (method, route.path)
 
 
-def test_a_server_without_a_token_or_a_model_reads_loopback_names_only(tmp_path, monkeypatch):
+def test_a_server_given_no_token_makes_one_and_answers_loopback_names_only(tmp_path, monkeypatch):
     monkeypatch.delenv("BROOD_MODEL", raising=False)
     with serving(tmp_path, model=None, token=None) as s:
+        made = s.app.state.token
+        assert s.app.state.token_made and len(made) >= 40  # secrets.token_urlsafe(32)
+        for path in ("/v1/runs", "/ui/runs", "/openapi.json"):
+            error_of(httpx.get(s.base_url + path), 401)  # no tokenless server, even here
         assert s.client.get("/v1/runs").status_code == 200
         assert s.client.get("/v1/runs", headers={"Host": "localhost"}).status_code == 200
         rebound = s.client.get("/v1/runs", headers={"Host": "attacker.test:8765"})
@@ -537,6 +545,13 @@ def test_a_server_without_a_token_or_a_model_reads_loopback_names_only(tmp_path,
         assert (
             "no model" in error_of(s.client.post("/v1/chat/completions", json=chat), 404)["message"]
         )
+    with serving(tmp_path, model=None) as given:  # given its token: a proxy's names too
+        assert not given.app.state.token_made and given.app.state.token == TOKEN
+        proxied = given.client.get("/v1/runs", headers={"Host": "brood.example.test"})
+        assert proxied.status_code == 200
+    other = make_app(store_url=f"sqlite:///{tmp_path / 'brood.db'}")
+    other.state.host.close()
+    assert other.state.token != made  # made anew for each app
 
 
 # ---- bad input ------------------------------------------------------------------------------

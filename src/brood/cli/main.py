@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -812,7 +813,7 @@ def serve(
     host: Annotated[
         str, typer.Option(help="address to listen on; one that is not loopback needs --token")
     ] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="port to listen on")] = 8765,
+    port: Annotated[int, typer.Option(help="port to listen on (0: a free one)")] = 8765,
     model: Annotated[
         str | None,
         typer.Option(help="model spec of the runs started through the server (or BROOD_MODEL)"),
@@ -821,17 +822,28 @@ def serve(
         str | None,
         typer.Option(
             envvar="BROOD_TOKEN",
-            help="every call must send Authorization: Bearer TOKEN (or BROOD_TOKEN)",
+            help="the token every call must send as Authorization: Bearer TOKEN (or "
+            "BROOD_TOKEN); without one, the server makes one and prints a login URL",
         ),
+    ] = None,
+    max_streams: Annotated[
+        int | None,
+        typer.Option(help="event streams, live trees and chat completions at once (default 64)"),
+    ] = None,
+    max_queued: Annotated[
+        int | None,
+        typer.Option(help="runs a client has started here that have not started yet (default 64)"),
     ] = None,
 ) -> None:
     """Serve the journal: a live dashboard at /, a JSON API under /v1 (runs, trees, events,
     asks, flows) and an OpenAI-compatible /v1/chat/completions whose answer is an RLM
-    tree's."""
+    tree's. Every call needs the server's token; without --token it makes one and prints a
+    login URL that carries it."""
     try:
         import uvicorn
 
         from brood.serve import make_app
+        from brood.serve.caps import MAX_QUEUED, MAX_STREAMS
         from brood.serve.guard import is_loopback
     except ModuleNotFoundError as exc:
         _fail(f"brood serve needs {exc.name}: pip install 'rlm-brood[serve]'")
@@ -839,22 +851,63 @@ def serve(
     token = token or None  # an empty BROOD_TOKEN is no token
     if token is None and not is_loopback(host):
         _fail(
-            f"--host {host} is not a loopback address, and there is no token: anyone who "
-            "reaches it could run code on this machine; pass --token TOKEN (or set "
-            "BROOD_TOKEN), or serve on 127.0.0.1"
+            f"--host {host} is not a loopback address, and there is no --token: a server "
+            "that makes its own token answers loopback names only; pass --token TOKEN (or "
+            "set BROOD_TOKEN) to serve other names, or serve on 127.0.0.1"
         )
     try:
-        server_app = make_app(store_url=store or default_store_url(), model=model, token=token)
+        server_app = make_app(
+            store_url=store or default_store_url(),
+            model=model,
+            token=token,
+            max_streams=MAX_STREAMS if max_streams is None else max_streams,
+            max_queued=MAX_QUEUED if max_queued is None else max_queued,
+        )
     except brood.BroodError as exc:
         _fail(str(exc))
         return
-    where = f"http://{host}:{port}"
-    print(
+    sock = _listen(host, port)
+    bound = sock.getsockname()[1]
+    where = f"http://{f'[{host}]' if ':' in host else host}:{bound}"
+    lines = [
         f"brood serve: the dashboard at {where}/, the API under {where}/v1 "
-        "(schema at /openapi.json)",
-        file=sys.stderr,
-    )
-    uvicorn.run(server_app, host=host, port=port, log_level="warning")
+        "(schema at /openapi.json); every call sends Authorization: Bearer TOKEN"
+    ]
+    if server_app.state.token_made:  # printed once: a token is made at each start
+        lines.append(
+            f"brood serve: log in at {where}/?token={server_app.state.token} "
+            "(the URL carries the token made for this server; TOKEN is its token= part)"
+        )
+    else:
+        lines.append("brood serve: TOKEN is the --token it was given (or BROOD_TOKEN)")
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(server_app, log_level="warning"))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (port 0: a free one, named in the start-up lines)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+    except (OSError, OverflowError) as exc:
+        _fail(f"--host {host} --port {port}: {exc}; pass an address of this machine")
+        raise  # unreachable: _fail exits
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        _fail(
+            f"cannot listen on {host}:{port}: {exc.strerror}; pass another --port "
+            "(--port 0 picks a free one)"
+        )
+    return sock
 
 
 # ---- doctor ---------------------------------------------------------------------------------
