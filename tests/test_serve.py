@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 import brood
 from brood.cli.main import app as cli
 from brood.serve import make_app
-from brood.serve.bodies import MAX_BODY_BYTES
+from brood.serve.bodies import MAX_BODY_BYTES, MAX_JSON_DEPTH
 from brood.serve.guard import is_loopback
 from tests.util import fast
 
@@ -552,6 +552,108 @@ def test_a_server_given_no_token_makes_one_and_answers_loopback_names_only(tmp_p
     other = make_app(store_url=f"sqlite:///{tmp_path / 'brood.db'}")
     other.state.host.close()
     assert other.state.token != made  # made anew for each app
+
+
+# ---- bounds --------------------------------------------------------------------------------
+CHAT = {"model": "scripted", "messages": [{"role": "user", "content": "quick root"}]}
+
+
+def test_streams_past_the_bound_are_refused_with_503_and_a_closed_one_frees_its_place(
+    tmp_path, hold
+):
+    script = dict(SCRIPT, **{"held root": [hold.reply(code("FINAL('late')"))]})
+    with serving(tmp_path, script=script, max_streams=2) as s:
+        run_id = s.client.post("/v1/runs", json={"prompt": "held root"}).json()["run_id"]
+        with (
+            s.client.stream("GET", f"/v1/runs/{run_id}/events") as events,
+            s.client.stream("GET", f"/v1/runs/{run_id}/tree/live") as live,
+        ):
+            assert events.status_code == live.status_code == 200
+            refused = s.client.get(f"/v1/runs/{run_id}/events")
+            error = error_of(refused, 503)
+            assert "bound of 2 streams" in error["message"] and "--max-streams" in error["fix"]
+            assert refused.headers["retry-after"].isdigit()
+            error_of(s.client.get(f"/v1/runs/{run_id}/tree/live"), 503)
+            error_of(s.client.post("/v1/chat/completions", json=CHAT), 503)  # starts nothing
+            assert [r["id"] for r in s.client.get("/v1/runs").json()["runs"]] == [run_id]
+        until(lambda: s.app.state.streams.open == 0)  # the server saw both clients go
+        hold.released.set()
+        answered = s.client.post("/v1/chat/completions", json=CHAT)
+        assert answered.json()["choices"][0]["message"]["content"] == "quick"
+        whole = list(sse(s.client.get(f"/v1/runs/{run_id}/events").text.splitlines()))
+        assert whole and s.app.state.streams.open == 0
+
+
+def test_a_client_past_its_bound_of_queued_starts_gets_429_and_other_clients_do_not(tmp_path, hold):
+    script = dict(SCRIPT, **{"held root": [hold.reply(code("FINAL('late')"))]})
+    one_slot = fast(max_iterations=2, max_concurrency=1)  # the held root takes it
+    with serving(tmp_path, script=script, limits=one_slot, max_queued=2) as s:
+        held = s.client.post("/v1/runs", json={"prompt": "held root"}).json()["run_id"]
+        wait_state(s.client, held, "running")
+        queued = [
+            s.client.post("/v1/runs", json={"prompt": "quick root"}).json()["run_id"]
+            for _ in range(2)
+        ]
+        assert all(s.client.get(f"/v1/runs/{q}").json()["state"] == "queued" for q in queued)
+        error = error_of(s.client.post("/v1/runs", json={"prompt": "quick root"}), 429)
+        assert "127.0.0.1 has 2 runs" in error["message"] and "bound of 2" in error["message"]
+        assert "--max-queued" in error["fix"]
+        error_of(s.client.post("/v1/chat/completions", json=CHAT), 429)
+        assert s.app.state.streams.open == 0  # the refused completion gave its stream back
+        # Another address (loopback too) is another client, with its own count.
+        other = httpx.HTTPTransport(local_address="127.0.0.2")
+        with httpx.Client(base_url=s.base_url, headers=s.client.headers, transport=other) as c:
+            assert c.post("/v1/runs", json={"prompt": "quick root"}).status_code == 201
+        hold.released.set()  # the slot frees; the queued runs start, and the bound with them
+        for q in queued:
+            wait_state(s.client, q, "completed")
+        again = s.client.post("/v1/runs", json={"prompt": "quick root"})
+        assert again.status_code == 201, again.text
+        wait_state(s.client, again.json()["run_id"], "completed")
+
+
+def nested(depth: int) -> Any:
+    """A list `depth` levels deep (depth 1: [])."""
+    return json.loads("[" * depth + "]" * depth)
+
+
+def test_json_nested_past_the_bound_is_refused_before_it_is_parsed(tmp_path):
+    with serving(tmp_path) as s:
+        c = s.client
+        deep = b"[" * 100_000 + b"]" * 100_000
+        body = b'{"prompt": "quick root", "context": ' + deep + b"}"
+        error = error_of(c.post("/v1/runs", content=body), 400)
+        assert error["message"] == (
+            f"the body nests 100,001 levels deep, over the bound of {MAX_JSON_DEPTH} levels"
+        )
+        chat = b'{"model": "scripted", "messages": [{"role": "user", "content": ' + deep + b"}]}"
+        assert (
+            "100,003 levels"
+            in error_of(c.post("/v1/chat/completions", content=chat), 400)["message"]
+        )
+        error_of(c.post("/v1/asks/a-x/answer", content=b'{"value": ' + deep + b"}"), 400)
+        error_of(c.post("/v1/runs/r-x/send", content=deep), 400)
+        # Brackets inside strings are text, and count for nothing.
+        text = "[" * 100_000 + '"\\' + "{" * 10
+        started = c.post("/v1/runs", json={"prompt": "quick root", "context": text})
+        assert started.status_code == 201, started.text
+        assert wait_state(c, started.json()["run_id"], "completed")["answer"] == "quick"
+        # At the bound a body is taken (the object is one level, its context the rest).
+        at_bound = {"prompt": "quick root", "context": nested(MAX_JSON_DEPTH - 1)}
+        taken = c.post("/v1/runs", json=at_bound)
+        assert taken.status_code == 201, taken.text
+        wait_state(c, taken.json()["run_id"], "completed")
+        over = {"prompt": "quick root", "context": nested(MAX_JSON_DEPTH)}
+        assert "65 levels" in error_of(c.post("/v1/runs", json=over), 400)["message"]
+
+        # A flow spec sent as text is parsed too: JSON by its brackets, YAML by indentation.
+        spec_json = {"spec": "[" * 100_000 + "]" * 100_000}
+        refused = error_of(c.post("/v1/flows", json=spec_json), 422)
+        assert refused["field"] == "spec" and "100,000 levels" in refused["message"]
+        yaml_text = "\n".join(" " * i + "a:" for i in range(1_400)) + " 1\n"
+        refused = error_of(c.post("/v1/flows", json={"spec": yaml_text}), 422)
+        assert refused["field"] == "spec" and "nests too deep" in refused["message"]
+        assert len(c.get("/v1/runs").json()["runs"]) == 2  # the two runs taken above
 
 
 # ---- bad input ------------------------------------------------------------------------------
