@@ -4,7 +4,13 @@ and real workers; the clients are httpx and the real `openai` client."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import select
+import signal
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -14,6 +20,7 @@ from typing import Any
 
 import httpx2 as httpx
 import openai
+import psutil
 import pytest
 import uvicorn
 from typer.testing import CliRunner
@@ -23,6 +30,8 @@ from brood.cli.main import app as cli
 from brood.serve import make_app
 from brood.serve.bodies import MAX_BODY_BYTES, MAX_JSON_DEPTH
 from brood.serve.guard import is_loopback
+from tests.trust_util import coder, outcome, task
+from tests.trust_util import limits as trust_limits
 from tests.util import fast
 
 TOKEN = "s3cret-token"
@@ -751,3 +760,119 @@ def test_brood_serve_refuses_a_non_loopback_host_without_a_token(tmp_path, monke
     assert result.exit_code == 2
     assert all(is_loopback(h) for h in ("127.0.0.1", "127.8.0.1", "::1", "[::1]", "localhost"))
     assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "192.0.2.7", "example.test"))
+
+
+# ---- model code with the network, against brood serve ---------------------------------------
+LOGIN = re.compile(r"log in at (http://127\.0\.0\.1:\d+)/\?token=([\w-]+)")
+START_S = 60.0  # bound on the server's start-up; a failure, never a pace
+
+
+@contextmanager
+def brood_serve(store: str) -> Iterator[tuple[subprocess.Popen[str], str, str]]:
+    """`brood serve` as its own process on a free loopback port, given no token: the process,
+    its base URL and the token it printed. It is stopped (SIGTERM, as a terminal's Ctrl-C
+    would be SIGINT) and reaped at the end, and nothing it started is left."""
+    env = {k: v for k, v in os.environ.items() if k not in ("BROOD_TOKEN", "BROOD_MODEL")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "brood.cli.main", "serve", "--port", "0", "--store", store],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+    assert proc.stderr is not None
+    try:
+        said = ""
+        while not (found := LOGIN.search(said)):
+            ready, _, _ = select.select([proc.stderr], [], [], START_S)
+            line = proc.stderr.readline() if ready else ""
+            assert line, f"brood serve printed no login URL: {said!r} (exit {proc.poll()})"
+            said += line
+        children = psutil.Process(proc.pid).children(recursive=True)
+        yield proc, found[1], found[2]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(START_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            proc.stderr.close()
+    # uvicorn shuts down, then raises the signal it caught again: SIGTERM is how it ends.
+    assert proc.returncode in (0, -signal.SIGTERM), proc.returncode
+    assert not [c for c in children if c.is_running()], "brood serve left processes"
+
+
+# Model code: every call it makes to the server, with what it answered (status, body).
+ATTACK = """import urllib.request, urllib.error
+def call(method, path, body=None):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(BASE + path, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return [r.status, r.read().decode(errors="replace")[:400]]
+    except urllib.error.HTTPError as e:
+        return [e.code, e.read().decode(errors="replace")[:400]]
+    except Exception as e:
+        return [type(e).__name__, str(e)[:400]]
+def read(path):
+    try:
+        with open(path, "rb") as f:
+            return f.read().decode(errors="replace")[:2000]
+    except Exception as e:
+        return type(e).__name__
+R["list"] = call("GET", "/v1/runs")
+R["answer"] = call("GET", f"/v1/runs/{DONE}")
+R["tree"] = call("GET", f"/v1/runs/{DONE}/tree")
+R["events"] = call("GET", f"/v1/runs/{DONE}/events")
+R["page"] = call("GET", f"/ui/runs/{DONE}")
+R["asks"] = call("GET", "/v1/asks")
+R["schema"] = call("GET", "/openapi.json")
+R["cancel"] = call("POST", f"/v1/runs/{LIVE}/cancel")
+R["send"] = call("POST", f"/v1/runs/{LIVE}/send", {"message": "stop now"})
+R["start"] = call("POST", "/v1/runs", {"prompt": "work for me"})
+R["guess"] = call("GET", "/v1/runs?token=x")
+R["shell"] = call("GET", "/")
+R["cmdline"] = read(f"/proc/{SERVER}/cmdline")
+R["environ"] = read(f"/proc/{SERVER}/environ")
+"""
+SECRET = "the victim's secret answer"
+
+
+def test_model_code_with_the_network_gets_401_from_brood_serve_and_acts_on_nothing(tmp_path):
+    store = f"sqlite:///{tmp_path / 'brood.db'}"
+    release = threading.Event()
+
+    def model(messages: list[dict[str, Any]]) -> str:
+        if "victim holds" in str(messages[1].get("content", "")):
+            release.wait(HOLD_S)  # the live victim's first turn waits for the test
+        return coder(messages)
+
+    with brood.Supervisor(model, limits=trust_limits(network=True), store=store) as sup:
+        done = sup.run(task(f"FINAL({SECRET!r})"))
+        assert done.answer == SECRET
+        live = sup.spawn("victim holds\n" + task("FINAL('victim went on')"))
+        until(lambda: live.status() == "running")
+        sup.store.flush()
+        with brood_serve(store) as (server, base, token):
+            consts = f"BASE = {base!r}\nDONE = {done.run_id!r}\nLIVE = {live.id!r}\n"
+            result, got = outcome(sup, consts + f"SERVER = {server.pid}\n" + ATTACK)
+            for name in ("list", "answer", "tree", "events", "page", "asks", "schema"):
+                assert got[name][0] == 401, (name, got[name])
+            for name in ("cancel", "send", "start", "guess"):
+                assert got[name][0] == 401, (name, got[name])
+            assert got["shell"][0] == 200  # the dashboard's page, which holds no data
+            assert SECRET not in json.dumps(got) and token not in json.dumps(got)
+
+            assert live.status() == "running"  # untouched: no cancel, no message
+            auth = {"Authorization": f"Bearer {token}"}
+            with httpx.Client(base_url=base, headers=auth, timeout=30) as owner:
+                assert owner.get(f"/v1/runs/{done.run_id}").json()["answer"] == SECRET
+                roots = {r["id"] for r in owner.get("/v1/runs").json()["runs"]}
+                assert roots == {done.run_id, live.id, result.run_id}  # nothing started
+            events = sup.store.events(live.id)
+            assert not [e for e in events if e["kind"] == "message"]
+        release.set()
+        assert live.wait(HOLD_S) == "victim went on"
