@@ -591,6 +591,11 @@ def test_streams_past_the_bound_are_refused_with_503_and_a_closed_one_frees_its_
         assert answered.json()["choices"][0]["message"]["content"] == "quick"
         whole = list(sse(s.client.get(f"/v1/runs/{run_id}/events").text.splitlines()))
         assert whole and s.app.state.streams.open == 0
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(brood.InvalidArgument, match="--max-streams"):
+            make_app(store_url=f"sqlite:///{tmp_path / 'brood.db'}", max_streams=bad)
+    with pytest.raises(brood.InvalidArgument, match="--max-queued"):
+        make_app(store_url=f"sqlite:///{tmp_path / 'brood.db'}", max_queued=0)
 
 
 def test_a_client_past_its_bound_of_queued_starts_gets_429_and_other_clients_do_not(tmp_path, hold):

@@ -274,14 +274,15 @@ def make_app(
     runs (503). A bad store URL or model spec raises at once.
 
     Every `/v1`, `/ui` and `/openapi.json` call must carry `Authorization: Bearer TOKEN`.
-    Without `token` the app makes one (`secrets.token_urlsafe`), read it from
-    `app.state.token`, and answers only loopback `Host` names, as `brood serve` does
-    without `--token`. There is no server without a token: one on a loopback port answers
-    every process of the machine, model code that may open connections included, and a
-    caller that must pick a token tends to pick a weak one. `max_streams` bounds the
-    responses that follow a tree at once (event streams, live trees, chat completions;
-    503 past it), `max_queued` the runs each client address has started here that have
-    not started yet (429 past it).
+    Without `token` the app makes one (`secrets.token_urlsafe(32)`), which a program
+    reads from `app.state.token`, and answers only loopback `Host` names, as `brood serve`
+    does without `--token`. Made rather than refused: there is no server without a token
+    (a loopback port answers every process of the machine, model code that may open
+    connections included), and a caller made to pick one tends to pick a weak one.
+
+    `max_streams` bounds the responses that follow a tree at once (event streams, live
+    trees, chat completions; 503 past it), `max_queued` the runs each client address has
+    started here that have not started yet (429 past it).
     """
     if token is not None and (not isinstance(token, str) or not token.strip()):
         raise brood.InvalidArgument(
@@ -293,7 +294,10 @@ def make_app(
         )
     for name, value in (("max_streams", max_streams), ("max_queued", max_queued)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise brood.InvalidArgument(f"{name} must be a whole number >= 1, got {value!r}")
+            flag = "--" + name.replace("_", "-")  # brood serve's name for it
+            raise brood.InvalidArgument(
+                f"{name} ({flag}) must be a whole number >= 1, got {value!r}"
+            )
     made = token is None
     token = secrets.token_urlsafe(32) if token is None else token
     host = Host(store_url, model, limits, max_queued=max_queued)
