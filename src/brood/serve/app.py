@@ -8,6 +8,7 @@ answer is JSON, refusals included (`brood.serve.errors`); who may call is `guard
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -22,10 +23,12 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import ASGIApp
 
 import brood
 from brood.serve import dashboard, openai_compat
 from brood.serve.bodies import (
+    check_depth,
     int_param,
     json_type,
     object_field,
@@ -33,6 +36,7 @@ from brood.serve.bodies import (
     seconds_field,
     text_field,
 )
+from brood.serve.caps import MAX_QUEUED, MAX_STREAMS, Streams, client_of, following
 from brood.serve.errors import ApiError, Json, error_response, from_brood
 from brood.serve.guard import CatchAll, Guard
 from brood.serve.host import RUN_TIMEOUT_S, STATES, Host
@@ -77,9 +81,8 @@ async def start_run(request: Request) -> Response:
     body = await read_object(request, allowed=("prompt", "context", "timeout"))
     prompt = text_field(body, "prompt")
     timeout = seconds_field(body, "timeout", RUN_TIMEOUT_S)
-    run_id = await run_in_threadpool(
-        _host(request).start, str(prompt), body.get("context"), timeout
-    )
+    start = partial(_host(request).start, client=client_of(request))
+    run_id = await run_in_threadpool(start, str(prompt), body.get("context"), timeout)
     return Json({"run_id": run_id}, status_code=201, headers={"Location": f"/v1/runs/{run_id}"})
 
 
@@ -93,11 +96,11 @@ async def get_tree(request: Request) -> Response:
     return Json(await run_in_threadpool(host.journal.tree, run_id))  # 404: UnknownRun
 
 
-async def run_events(request: Request) -> Response:
+async def run_events(request: Request) -> ASGIApp:
     host, run_id = _host(request), _run_id(request)
     after = resume_point(request)
     row = await run_in_threadpool(host.run_row, run_id)
-    return tree_events(host, row["root_id"], after)
+    return following(request, tree_events(host, row["root_id"], after))
 
 
 async def cancel_run(request: Request) -> Response:
@@ -138,6 +141,7 @@ async def start_flow(request: Request) -> Response:
     body = await read_object(request, allowed=("spec", "inputs"))
     spec = body.get("spec")
     if isinstance(spec, str) and spec.strip():
+        check_depth(spec, "the spec", field="spec")  # JSON text is parsed by recursion
         # A one-line string could be read as a path on this machine; a spec over HTTP is
         # always text, which a line break makes it.
         spec = spec + "\n"
@@ -149,7 +153,15 @@ async def start_flow(request: Request) -> Response:
     host = _host(request)
 
     def start() -> brood.FlowHandle:
-        return host.supervisor().flow_run(spec, inputs=inputs)
+        try:
+            return host.supervisor().flow_run(spec, inputs=inputs)
+        except RecursionError:  # YAML nested by indentation, which no bracket count sees
+            raise ApiError(
+                422,
+                "the spec nests too deep to be read (PyYAML reads nesting by recursion)",
+                field="spec",
+                fix="a flow spec nests a few levels; write it flatter",
+            ) from None
 
     flow = await run_in_threadpool(start)
     return Json(
@@ -192,7 +204,7 @@ async def list_models(request: Request) -> Response:
     return Json(openai_compat.models(_host(request), request.app.state.started))
 
 
-async def chat_completions(request: Request) -> Response:
+async def chat_completions(request: Request) -> ASGIApp:
     return await openai_compat.chat_completions(request, _host(request))
 
 
@@ -250,6 +262,8 @@ def make_app(
     model: Any = None,
     token: str | None = None,
     limits: brood.Limits | None = None,
+    max_streams: int = MAX_STREAMS,
+    max_queued: int = MAX_QUEUED,
 ) -> Starlette:
     """The app of `brood serve`: the JSON API under `/v1` over the journal at `store_url`.
 
@@ -257,16 +271,36 @@ def make_app(
     model of the one supervisor the app hosts, made at the first run started through it
     and closed, every worker's exit confirmed, when the app shuts down. Without a model the
     app still reads the journal and acts on other processes' trees, and refuses to start
-    runs (503). With `token`, every `/v1` and `/openapi.json` call must carry
-    `Authorization: Bearer TOKEN`. A bad store URL or model spec raises at once.
+    runs (503). A bad store URL or model spec raises at once.
+
+    Every `/v1`, `/ui` and `/openapi.json` call must carry `Authorization: Bearer TOKEN`.
+    Without `token` the app makes one (`secrets.token_urlsafe(32)`), which a program
+    reads from `app.state.token`, and answers only loopback `Host` names, as `brood serve`
+    does without `--token`. Made rather than refused: there is no server without a token
+    (a loopback port answers every process of the machine, model code that may open
+    connections included), and a caller made to pick one tends to pick a weak one.
+
+    `max_streams` bounds the responses that follow a tree at once (event streams, live
+    trees, chat completions; 503 past it), `max_queued` the runs each client address has
+    started here that have not started yet (429 past it).
     """
     if token is not None and (not isinstance(token, str) or not token.strip()):
-        raise brood.InvalidArgument("token must be a non-blank string, or None for no token")
+        raise brood.InvalidArgument(
+            "token must be a non-blank string, or None for a token made for this app"
+        )
     if limits is not None and not isinstance(limits, brood.Limits):
         raise brood.InvalidArgument(
             f"limits must be brood.Limits(...), got {type(limits).__name__}"
         )
-    host = Host(store_url, model, limits)
+    for name, value in (("max_streams", max_streams), ("max_queued", max_queued)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            flag = "--" + name.replace("_", "-")  # brood serve's name for it
+            raise brood.InvalidArgument(
+                f"{name} ({flag}) must be a whole number >= 1, got {value!r}"
+            )
+    made = token is None
+    token = secrets.token_urlsafe(32) if token is None else token
+    host = Host(store_url, model, limits, max_queued=max_queued)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -278,7 +312,10 @@ def make_app(
 
     app = Starlette(
         routes=ROUTES,
-        middleware=[Middleware(CatchAll), Middleware(Guard, token=token)],
+        middleware=[
+            Middleware(CatchAll),
+            Middleware(Guard, token=token, loopback_only=made),
+        ],
         exception_handlers={
             ApiError: _api_error,
             brood.BroodError: _brood_error,
@@ -288,5 +325,7 @@ def make_app(
     )
     app.state.host = host
     app.state.token = token
+    app.state.token_made = made  # brood serve prints a login URL for a token it made
+    app.state.streams = Streams(max_streams)
     app.state.started = int(time.time())
     return app

@@ -2,12 +2,15 @@
 own (`static/dash.js`); no build step, no front-end library.
 
 A page (`/`, `/runs/{id}`, `/flows/{id}`, `/asks`) is one shell that holds no data. The
-script fetches the page's body from `/ui/...` with the token when the server has one, so
-the token lives in the page, never in a cookie: another site's page can neither read the
-dashboard nor act through it. Bodies are rendered by Jinja with autoescape on, so a prompt,
-an answer or a REPL output is always shown as text. The live tree is the one thing the
-script draws itself, from `GET /v1/runs/{id}/tree/live`: batches of the runs of the subtree
-whose rows changed, and which runs wrote events.
+script fetches the page's body from `/ui/...` with the server's token in the
+`Authorization` header, never in a cookie: another site's page can neither read the
+dashboard nor act through it. The script takes the token from the login URL once
+(`?token=`, which it removes from the address bar) or asks for it, and keeps it in the
+browser's storage for this server's origin, forgetting it when the server refuses it.
+Bodies are rendered by Jinja with autoescape on, so a prompt, an answer or a REPL output is
+always shown as text. The live tree is the one thing the script draws itself, from
+`GET /v1/runs/{id}/tree/live`: batches of the runs of the subtree whose rows changed, and
+which runs wrote events.
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp
 
 from brood.journal import TERMINAL_VALUES
 from brood.serve.bodies import int_param
+from brood.serve.caps import following
 from brood.serve.errors import ApiError
 from brood.serve.host import STATES, Host
 from brood.serve.stream import PING_S, SSE_SEP
@@ -99,8 +104,7 @@ def _page(name: str, **values: Any) -> HTMLResponse:
 
 # ---- the shell and its two files ----------------------------------------------------------
 async def shell(request: Request) -> Response:
-    token = request.app.state.token is not None
-    return _page("shell.html", needs_token=token)
+    return _page("shell.html")
 
 
 async def static(request: Request) -> Response:
@@ -387,7 +391,7 @@ def live_rows(host: Host, run_id: str) -> list[dict[str, Any]]:
     return out
 
 
-async def tree_live(request: Request) -> Response:
+async def tree_live(request: Request) -> ASGIApp:
     """SSE: `runs` events, each `{"runs": [...], "wrote": {run_id: seq}}` with the runs of
     the subtree whose rows changed since the last one (all of them first) and the last
     event seq of each run that wrote events; then one `end` once the tree has ended."""
@@ -416,7 +420,7 @@ async def tree_live(request: Request) -> Response:
             spent = time.monotonic() - began
             await anyio.sleep(max(LIVE_POLL_S, spent * LIVE_LOAD))
 
-    return EventSourceResponse(stream(), sep=SSE_SEP, ping=PING_S)
+    return following(request, EventSourceResponse(stream(), sep=SSE_SEP, ping=PING_S))
 
 
 SHELL_ROUTES = [

@@ -1,10 +1,14 @@
 """Who may call the server, and the net under every endpoint (DESIGN.md sections 10, 14).
 
 `Guard` refuses before any endpoint runs:
-- with a token, a call to `/v1`, `/ui` or `/openapi.json` without `Authorization: Bearer TOKEN`
-  (401; compared in constant time);
-- without one (a loopback server), a `Host` that is not a loopback name: a web page the
-  user visits cannot reach the server by rebinding a name of its own to 127.0.0.1;
+- a call to `/v1`, `/ui` or `/openapi.json` without `Authorization: Bearer TOKEN` (401;
+  compared in constant time). Every server has a token: a loopback port is reachable by
+  every process of the machine, model code run with `Limits(network=True)` included, so
+  an address is no proof of who calls;
+- on a server whose token was made for it (`brood serve` without `--token`, which listens
+  on loopback only), a `Host` that is not a loopback name: a web page the user visits
+  cannot reach the server by rebinding a name of its own to 127.0.0.1. A server given its
+  token may sit behind a proxy that passes its own names on;
 - a call from a web page of another origin (an `Origin` that is not this server's): no
   page may start or cancel runs in the user's name. The server sends no CORS headers, so
   a browser lets no other page read an answer either;
@@ -51,9 +55,10 @@ def _host_of(authority: str) -> str:
 
 
 class Guard:
-    def __init__(self, app: ASGIApp, *, token: str | None) -> None:
+    def __init__(self, app: ASGIApp, *, token: str, loopback_only: bool) -> None:
         self.app = app
         self.token = token
+        self.loopback_only = loopback_only
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -69,11 +74,11 @@ class Guard:
     def _check(self, scope: Scope) -> None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         host = headers.get("host", "")
-        if self.token is None and not is_loopback(_host_of(host)):
+        if self.loopback_only and not is_loopback(_host_of(host)):
             raise ApiError(
                 403,
-                f"Host {host!r} is not a loopback name; a server without a token answers "
-                "only 127.0.0.1, ::1 and localhost",
+                f"Host {host!r} is not a loopback name; a server started without --token "
+                "answers only 127.0.0.1, ::1 and localhost",
                 fix="start brood serve with --token to serve other names",
             )
         origin = headers.get("origin")
@@ -84,7 +89,7 @@ class Guard:
                 "from programs, not from other sites' pages",
             )
         path: str = scope["path"]
-        if self.token is not None and (path == "/v1" or path.startswith(PROTECTED)):
+        if path == "/v1" or path.startswith(PROTECTED):
             scheme, _, given = headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(
                 given.strip().encode(), self.token.encode()

@@ -12,11 +12,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import brood
 from brood.journal import TERMINAL_VALUES, Journal
 from brood.models import resolve_model
+from brood.serve.caps import Queued
 from brood.serve.errors import ApiError
 from brood.store.base import open_store
 
@@ -42,10 +45,20 @@ def open_journal(store_url: str) -> Journal:
         return Journal(store_url)
 
 
+def _state(handle: brood.RunHandle) -> str:
+    """A hosted run's state; "closed" once its supervisor is (nothing of it waits then)."""
+    try:
+        return handle.status()
+    except brood.BroodError:
+        return "closed"
+
+
 class Host:
     """The journal and the hosted supervisor (made at the first run started here)."""
 
-    def __init__(self, store_url: str, model: Any, limits: brood.Limits | None) -> None:
+    def __init__(
+        self, store_url: str, model: Any, limits: brood.Limits | None, *, max_queued: int
+    ) -> None:
         model = model if model is not None else os.environ.get("BROOD_MODEL")
         # Resolved here so that a bad spec stops the server at its start, not its first run.
         self.model = None if model is None else resolve_model(model)
@@ -53,6 +66,7 @@ class Host:
         self.store_url = store_url
         self.limits = limits
         self.journal = open_journal(store_url)
+        self.queued = Queued(max_queued)
         self._supervisor: brood.Supervisor | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -75,9 +89,17 @@ class Host:
                 )
             return self._supervisor
 
-    def start(self, prompt: str, context: Any = None, timeout: float = RUN_TIMEOUT_S) -> str:
-        """Start a root run in the hosted supervisor; returns its id at once."""
-        return self.supervisor().spawn(prompt, context=context, timeout=timeout).id
+    def start(
+        self, prompt: str, context: Any = None, timeout: float = RUN_TIMEOUT_S, *, client: str
+    ) -> str:
+        """Start a root run in the hosted supervisor for `client` (its address); returns its
+        id at once. Refused (429) while the client has `max_queued` runs not started yet."""
+
+        def spawn() -> tuple[str, Callable[[], str]]:
+            handle = self.supervisor().spawn(prompt, context=context, timeout=timeout)
+            return handle.id, partial(_state, handle)
+
+        return self.queued.admit(client, spawn)
 
     def close(self) -> None:
         """Cancel the hosted supervisor's runs, confirm every exit, close the journal."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 import anyio
@@ -19,9 +20,11 @@ from sse_starlette.sse import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import ASGIApp
 
 import brood
 from brood.serve.bodies import json_type, read_object
+from brood.serve.caps import client_of, streams_of
 from brood.serve.errors import ApiError, Json
 from brood.serve.host import Host
 from brood.serve.stream import SSE_SEP, tree_progress
@@ -94,7 +97,9 @@ def _check_model(host: Host, asked: Any) -> None:
     )
 
 
-async def chat_completions(request: Request, host: Host) -> Response:
+async def chat_completions(request: Request, host: Host) -> ASGIApp:
+    """The completion; it follows its tree to the end, so it counts as one of the server's
+    streams from before its run starts (503 past the bound, and nothing is started)."""
     body = await read_object(request)
     _check_model(host, body.get("model"))
     task, context = _task(body.get("messages"))
@@ -110,14 +115,24 @@ async def chat_completions(request: Request, host: Host) -> Response:
             f"stream_options must be an object, got {json_type(options)}",
             field="stream_options",
         )
-    run_id = await run_in_threadpool(host.start, task, context)
-    reply = _Reply(
-        host, run_id, str(body["model"]), usage_chunk=options.get("include_usage") is True
-    )
-    headers = {RUN_HEADER: run_id}
-    if stream:
-        return EventSourceResponse(reply.chunks(), sep=SSE_SEP, headers=headers)
-    return await reply.whole(request, headers)
+    streams = streams_of(request)
+    give = streams.take()
+    handed = False  # to the streamed response, which gives the stream back once sent
+    try:
+        start = partial(host.start, client=client_of(request))
+        run_id = await run_in_threadpool(start, task, context)
+        reply = _Reply(
+            host, run_id, str(body["model"]), usage_chunk=options.get("include_usage") is True
+        )
+        headers = {RUN_HEADER: run_id}
+        if stream:
+            chunks = EventSourceResponse(reply.chunks(), sep=SSE_SEP, headers=headers)
+            handed = True
+            return streams.held(chunks, give)
+        return await reply.whole(request, headers)
+    finally:
+        if not handed:
+            give()
 
 
 class _Reply:

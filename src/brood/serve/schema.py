@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import brood
-from brood.serve.bodies import MAX_BODY_BYTES
+from brood.serve.bodies import MAX_BODY_BYTES, MAX_JSON_DEPTH
 
 REF_ERROR = {"$ref": "#/components/schemas/Error"}
 ANY_OBJECT: dict[str, Any] = {"type": "object", "additionalProperties": True}
@@ -17,14 +17,15 @@ NOT_BLANK = "\\S"  # a string with some text: the server refuses a blank one (42
 TEXT = {"type": "string", "pattern": NOT_BLANK}
 
 ERRORS = {
-    "400": "malformed JSON",
+    "400": f"malformed JSON, or JSON nested over {MAX_JSON_DEPTH} levels",
     "401": "a missing or wrong token",
     "403": "a Host or Origin this server does not answer",
     "404": "an unknown id",
     "409": "the run, ask or flow has ended (or is stale)",
     "413": f"a body over {MAX_BODY_BYTES:,} bytes",
     "422": "a field of the wrong type or value",
-    "503": "no model, or the journal cannot be read",
+    "429": "the client has its bound of runs started here that have not started yet",
+    "503": "no model, the journal cannot be read, or the server follows its bound of streams",
 }
 
 

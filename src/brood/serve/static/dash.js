@@ -1,18 +1,62 @@
-// brood's dashboard: fetches each page's body from /ui with the token (kept in this page
-// only), wires its buttons and forms to the JSON API under /v1, and draws the live tree
-// from GET /v1/runs/{id}/tree/live. Everything shown comes from the server already escaped,
-// or is set as text here.
+// brood's dashboard: fetches each page's body from /ui with the server's token in the
+// Authorization header, wires its buttons and forms to the JSON API under /v1, and draws
+// the live tree from GET /v1/runs/{id}/tree/live. Everything shown comes from the server
+// already escaped, or is set as text here.
+//
+// The token comes once in the login URL brood serve prints (?token=...), which is taken out
+// of the address bar at once, or from the form. It is kept in localStorage under this
+// server's origin, so a reload or a new tab does not ask again (sessionStorage is one tab's
+// only), and forgotten when the server refuses it. It is never a cookie: a browser would
+// send a cookie with another site's requests too.
 "use strict";
 
 const TERMINAL = new Set(["completed", "failed", "cancelled", "timed_out"]);
 const KIDS_PAGE = 50; // children an open node shows before "show more"
 const AUTO_OPEN = 300; // a tree this small opens whole; a bigger one opens its root only
 
+const TOKEN_KEY = "brood-token " + location.origin;
+
 const S = {
   token: null,
   waiters: [], // calls waiting for the token
   page: null, // AbortController of the page shown: its streams and timers stop with it
 };
+
+// ---- the token --------------------------------------------------------------------------
+function keepToken(token) {
+  S.token = token || null;
+  try {
+    if (S.token) localStorage.setItem(TOKEN_KEY, S.token);
+    else localStorage.removeItem(TOKEN_KEY);
+  } catch (_) {} // storage refused (a private window): the token lives in this page only
+}
+
+function storedToken() {
+  try {
+    return localStorage.getItem(TOKEN_KEY);
+  } catch (_) {
+    return null;
+  }
+}
+
+// The login URL's token is taken once and removed from the address bar (and so from the
+// history, bookmarks and the screen), whatever else the address holds.
+function takeToken() {
+  const url = new URL(location.href);
+  const given = url.searchParams.get("token");
+  if (given !== null) {
+    url.searchParams.delete("token");
+    history.replaceState(history.state, "", url.pathname + url.search + url.hash);
+    if (given.trim()) keepToken(given.trim());
+  }
+  if (!S.token) S.token = storedToken();
+}
+
+function tokenGiven(token) {
+  keepToken(token);
+  document.getElementById("token-form").hidden = true;
+  S.waiters.splice(0).forEach((resolve) => resolve());
+}
 
 // ---- calls ------------------------------------------------------------------------------
 function withToken(headers) {
@@ -23,6 +67,7 @@ function withToken(headers) {
 
 function tokenNeeded() {
   const form = document.getElementById("token-form");
+  if (S.token) return Promise.resolve(); // a newer token came meanwhile: try it
   form.hidden = false;
   form.querySelector("input").focus();
   return new Promise((resolve) => S.waiters.push(resolve));
@@ -31,10 +76,11 @@ function tokenNeeded() {
 async function call(url, options) {
   for (;;) {
     const opts = Object.assign({}, options || {});
+    const sent = S.token;
     opts.headers = withToken(opts.headers);
     const res = await fetch(url, opts);
     if (res.status === 401) {
-      S.token = null;
+      if (S.token === sent) keepToken(null); // forget the refused token, not a newer one
       await tokenNeeded();
       continue;
     }
@@ -468,10 +514,14 @@ document.addEventListener("click", (e) => {
 window.addEventListener("popstate", () => show());
 document.getElementById("token-form").addEventListener("submit", (e) => {
   e.preventDefault();
-  const form = e.target;
-  S.token = form.querySelector("input").value.trim();
-  form.querySelector("input").value = "";
-  form.hidden = true;
-  S.waiters.splice(0).forEach((resolve) => resolve());
+  const input = e.target.querySelector("input");
+  const token = input.value.trim();
+  input.value = "";
+  tokenGiven(token);
 });
+window.addEventListener("storage", (e) => {
+  // Another tab of this server was given the token: this one waits no more.
+  if (e.key === TOKEN_KEY && e.newValue && S.waiters.length) tokenGiven(e.newValue);
+});
+takeToken();
 show();
