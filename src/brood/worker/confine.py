@@ -415,7 +415,7 @@ def gaps(policy: Policy, support: Support, *, private_network: bool) -> list[str
             f"memfd: a program written to a memfd may be executed ({why})",
         ]
         if not policy.network:
-            out.append(f"network: netlink and vsock sockets are not refused ({why})")
+            out.append(f"netlink and vsock: sockets are not refused without the network ({why})")
     if scratch_bound(policy, support) == SCRATCH_WATCHED:
         why = (
             "keep_scratch=True keeps scratch on disk to be read after the run"
