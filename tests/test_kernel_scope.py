@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 import brood
-from brood.backends.scratch import scratch_bytes
+from brood.backends.scratch import Measure, over_limit, scratch_bytes
 from tests.trust_util import (
     NO_FINAL,
     coder,
@@ -505,3 +505,8 @@ def test_scratch_bytes_counts_what_is_on_disk(tmp_path):
     size = scratch_bytes(str(tmp_path))
     assert 2 * MIB <= size < 2 * MIB + 64 * 1024, size
     assert scratch_bytes(str(tmp_path / "missing")) == 0
+    assert over_limit(Measure(size), size) is None
+    past = over_limit(Measure(size), size - 1)
+    assert past is not None and f"holds {size} bytes, past Limits.worker_disk={size - 1}" in past
+    unread = over_limit(Measure(0, "PermissionError: no"), size)
+    assert unread is not None and "could not be measured (PermissionError: no)" in unread

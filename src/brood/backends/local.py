@@ -143,11 +143,12 @@ class LocalBackend:
             failed &= set(self.conns.values())  # forget the workers that are gone
             if not busy:
                 continue
-            sizes = await asyncio.to_thread(scratch_sizes, [c.scratch for c in busy])
-            for conn, size in zip(busy, sizes, strict=True):
-                if size > limit and not conn.exited.done():
+            measures = await asyncio.to_thread(scratch_sizes, [c.scratch for c in busy])
+            for conn, measure in zip(busy, measures, strict=True):
+                reason = over_limit(measure, limit)
+                if reason is not None and not conn.exited.done():
                     failed.add(conn)
-                    conn.deliver(Failed(reason=over_limit(size, limit), error=""))
+                    conn.deliver(Failed(reason=reason, error=""))
 
     async def _start_zygote(self) -> None:
         if self._closed:

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import os
 import stat
+from typing import NamedTuple
 
-__all__ = ["SCRATCH_WATCH_S", "over_limit", "scratch_bytes", "scratch_sizes"]
+__all__ = ["SCRATCH_WATCH_S", "Measure", "over_limit", "scratch_bytes", "scratch_sizes"]
 
 # A look walks every busy scratch directory in a thread: a few calls for the few files a run
 # usually leaves. Shorter would bound a fast writer more tightly at more cost to every run.
@@ -27,7 +28,8 @@ def scratch_bytes(path: str) -> int:
     """Bytes the files under `path` take on disk: allocated blocks, so a sparse file counts
     what it uses; a file with several hard links once. A directory model code made
     unreadable is made readable again (the supervisor's user owns everything its workers
-    write), so nothing can hide from the count. 0 for a missing `path`."""
+    write), so nothing can hide from the count. 0 for a missing `path`. Raises OSError when
+    a directory cannot be read even so."""
     total = 0
     seen: set[tuple[int, int]] = set()
     todo = [path]
@@ -35,8 +37,8 @@ def scratch_bytes(path: str) -> int:
         directory = todo.pop()
         try:
             entries = _entries(directory)
-        except FileNotFoundError:
-            continue
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # removed (or replaced) meanwhile
         for entry in entries:
             try:
                 st = entry.stat(follow_symlinks=False)
@@ -52,9 +54,20 @@ def scratch_bytes(path: str) -> int:
     return total
 
 
-def scratch_sizes(paths: list[str]) -> list[int]:
-    """`scratch_bytes` of each path: one call for a look at every busy worker."""
-    return [scratch_bytes(p) for p in paths]
+class Measure(NamedTuple):
+    size: int
+    error: str = ""  # why the size could not be taken (then `size` is 0)
+
+
+def scratch_sizes(paths: list[str]) -> list[Measure]:
+    """`scratch_bytes` of each path: one call (one thread) for a look at every busy worker."""
+    out = []
+    for path in paths:
+        try:
+            out.append(Measure(scratch_bytes(path)))
+        except OSError as exc:
+            out.append(Measure(0, f"{type(exc).__name__}: {exc}"))
+    return out
 
 
 def _entries(directory: str) -> list[os.DirEntry[str]]:
@@ -67,10 +80,19 @@ def _entries(directory: str) -> list[os.DirEntry[str]]:
             return list(it)
 
 
-def over_limit(size: int, limit: int) -> str:
-    """The reason a run fails with when its scratch holds `size` bytes, past `limit`."""
+def over_limit(measure: Measure, limit: int) -> str | None:
+    """The reason a run fails with when its scratch measured `measure`, past `limit` (or
+    could not be measured: then the limit cannot hold), else None."""
+    if measure.error:
+        what = (
+            f"its scratch directory could not be measured ({measure.error}), so "
+            f"Limits.worker_disk={limit} cannot be held"
+        )
+    elif measure.size > limit:
+        what = f"its scratch directory holds {measure.size} bytes, past Limits.worker_disk={limit}"
+    else:
+        return None
     return (
-        f"worker disk limit: its scratch directory holds {size} bytes, past "
-        f"Limits.worker_disk={limit} (scratch is watched, not a tmpfs of its own: `brood "
-        "doctor` says why); write less there, or raise the limit"
+        f"worker disk limit: {what} (scratch is watched here, not a tmpfs of its own: "
+        "`brood doctor` says why); write less there, or raise the limit"
     )

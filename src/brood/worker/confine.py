@@ -1,4 +1,5 @@
-"""Kernel confinement of a worker: rlimits, Landlock, capability drop, private network,
+"""Kernel confinement of a worker: rlimits, Landlock, capability drop, a seccomp filter
+(for what Landlock does not scope), private network, a bounded scratch (`brood.worker.disk`)
 and a cgroup per worker (pids and memory limits, and a kill that reaches every process).
 
 Invariant: `apply` (and `cgroup_enter`, where a cgroup is usable) either enforces every
@@ -886,7 +887,7 @@ class _Program:
 def seccomp_program(network: bool, machine: str | None = None) -> list[tuple[int, int, int, int]]:
     """The worker's filter as (code, jt, jf, k) instructions. With `network` False it also
     refuses addressed sends and netlink and vsock sockets. Raises KeyError for a machine
-    brood has no system call numbers for (`seccomp_numbers_known`)."""
+    brood has no system call numbers for."""
     n = _SECCOMP[machine or platform.machine()]
     p = _Program()
     p.load(_ARCH)
@@ -1002,7 +1003,7 @@ class _SockFprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
 
 
-def seccomp_numbers_known(machine: str | None = None) -> bool:
+def _numbers_known(machine: str | None = None) -> bool:
     """Whether brood knows the system call numbers of this machine (x86_64, aarch64)."""
     return (machine or platform.machine()) in _SECCOMP
 
@@ -1022,7 +1023,7 @@ def _probe_seccomp() -> tuple[bool, str]:
     """Install the filter in a short-lived child, as `apply` does (after no_new_privs), and
     check that it refuses unshare(CLONE_NEWUSER). The program is built here, so the child
     only makes system calls and leaves with _exit (safe in a threaded caller)."""
-    if not seccomp_numbers_known():
+    if not _numbers_known():
         return False, f"brood has no system call numbers for {platform.machine()!r}"
     program = seccomp_program(network=False)
     try:
