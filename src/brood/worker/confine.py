@@ -51,6 +51,7 @@ __all__ = [
     "default_read_paths",
     "enter_private_network",
     "gaps",
+    "prepare",
     "probe",
     "scratch_bound",
     "seccomp_program",
@@ -691,7 +692,7 @@ def apply(policy: Policy, support: Support) -> None:
         if support.drop_caps or support.caps_held:
             _drop_caps(full=support.drop_caps)
         if support.seccomp:  # after no_new_privs, which a filter needs without CAP_SYS_ADMIN
-            _install_filter(seccomp_program(policy.network))
+            _install_filter(_compiled_filter(policy.network))
     # Lifecycle, not security: orphans of model code reparent to the worker, not past it.
     _prctl("PR_SET_CHILD_SUBREAPER", _PR_SET_CHILD_SUBREAPER, 1)
 
@@ -1008,12 +1009,30 @@ def _numbers_known(machine: str | None = None) -> bool:
     return (machine or platform.machine()) in _SECCOMP
 
 
-def _install_filter(program: list[tuple[int, int, int, int]]) -> None:
+@functools.cache
+def _compiled_filter(network: bool) -> _SockFprog:
+    """The filter as the kernel takes it. Cached: `prepare` builds it in the zygote, so a
+    worker only installs it; building it there cost each worker about a millisecond (and
+    copy-on-write pages) at every fork."""
+    program = seccomp_program(network)
     filters = (_SockFilter * len(program))(*[_SockFilter(*ins) for ins in program])
-    fprog = _SockFprog(len(program), filters)
+    return _SockFprog(len(program), filters)  # holds `filters` alive (ctypes' _objects)
+
+
+def _install_filter(fprog: _SockFprog) -> None:
     ctypes.set_errno(0)
     if _libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.addressof(fprog), 0, 0) < 0:
         raise _fail("installing the seccomp filter", ctypes.get_errno())
+
+
+def prepare(policy: Policy, support: Support) -> None:
+    """Compute once, in the zygote before it forks, what every worker's `apply` needs: the
+    Landlock read paths and the compiled seccomp filter. Workers then share them
+    copy-on-write instead of each building its own."""
+    if policy.confine:
+        default_read_paths()
+        if support.seccomp:
+            _compiled_filter(policy.network)
 
 
 _PROBE_NOT_REFUSED = 200  # the probe child's exit code when the filter let unshare through
@@ -1025,7 +1044,7 @@ def _probe_seccomp() -> tuple[bool, str]:
     only makes system calls and leaves with _exit (safe in a threaded caller)."""
     if not _numbers_known():
         return False, f"brood has no system call numbers for {platform.machine()!r}"
-    program = seccomp_program(network=False)
+    program = _compiled_filter(network=False)
     try:
         pid = os.fork()
     except OSError as exc:

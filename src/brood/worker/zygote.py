@@ -344,8 +344,7 @@ def main() -> None:
     ctrl = socket.socket(fileno=fd)
     ctrl.setblocking(True)
     zygote = Zygote(ctrl, scratch_root, policy, support)
-    if policy.confine:
-        confine.default_read_paths()  # computed once here, not again in every worker
+    confine.prepare(policy, support)  # computed once here, not again in every worker
     gc.collect()
     gc.freeze()  # forked workers then share this heap instead of copying it on first GC
     zygote.serve()
