@@ -13,6 +13,11 @@ directory after the run, from outside, so it stays on the scratch root's filesys
 supervisor watches its size instead (`brood.backends.scratch`). The directory the supervisor
 made stays beneath the mount, empty, and is removed at the run's end as before.
 
+What it costs: a tmpfs keeps its files in memory (swappable), charged to the worker's
+cgroup, so they count toward `Limits.worker_memory` where brood has a memory cgroup (not
+toward RLIMIT_AS); and making the namespace and the mount adds about 0.3 ms to a worker's
+start and exit.
+
 Who may mount: root (CAP_SYS_ADMIN) directly; any other user in a user namespace of its own,
 where the kernel allows one (the worker maps its own uid and gid into it, so files keep
 their owner, and `confine.apply` then drops the capabilities the namespace gave it).
