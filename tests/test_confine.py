@@ -10,8 +10,10 @@ import os
 import resource
 import signal
 import socket
+import struct
 import sys
 import sysconfig
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,9 +24,12 @@ import msgspec
 import pytest
 
 import brood
+from brood.backends.confinement import policy_of
 from brood.errors import ConfinementError
+from brood.worker import disk
 from brood.worker.confine import (
     CGROUP_HEADROOM,
+    SCRATCH_WATCHED,
     Policy,
     Support,
     apply,
@@ -38,9 +43,13 @@ from brood.worker.confine import (
     enter_private_network,
     gaps,
     probe,
+    scratch_bound,
+    seccomp_program,
 )
 
 SUPPORT = probe()
+NOBODY = 65534
+_PR_SET_DUMPABLE = 4
 STDLIB_FILE = os.path.join(sysconfig.get_paths()["stdlib"], "os.py")
 _PTRACE_SEIZE = 0x4206  # attaches without stopping the tracee, should the refusal fail
 _CAP_SYS_RESOURCE = 24
@@ -347,6 +356,8 @@ def test_gaps_are_empty_for_the_default_policy_here(scratch: Path) -> None:
     policy = Policy(scratch=str(scratch))
     assert gaps(policy, SUPPORT, private_network=SUPPORT.netns) == []
     assert SUPPORT.landlock_abi >= 6 and SUPPORT.drop_caps and SUPPORT.netns, SUPPORT
+    assert SUPPORT.seccomp and SUPPORT.no_new_privs and SUPPORT.disk == disk.TMPFS, SUPPORT
+    assert gaps(policy_of(brood.Limits()), SUPPORT, private_network=SUPPORT.netns) == []
     lines = gaps(Policy(scratch=str(scratch), processes=10), SUPPORT, private_network=False)
     assert any(line.startswith("network: UDP") for line in lines)
     # A usable cgroup enforces the process limit, even for root.
@@ -406,9 +417,14 @@ def test_doctor_reports_support_and_gaps() -> None:
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert report["support"]["landlock_abi"] == SUPPORT.landlock_abi
-    assert report["gaps"] == gaps(Policy(scratch="/x"), SUPPORT, private_network=SUPPORT.netns)
+    assert report["support"]["seccomp"] == SUPPORT.seccomp
+    policy = policy_of(brood.Limits())
+    assert report["gaps"] == gaps(policy, SUPPORT, private_network=SUPPORT.netns)
+    assert report["scratch_disk"] == scratch_bound(policy, SUPPORT)
     text = CliRunner().invoke(app, ["doctor"])
     assert text.exit_code == 0 and "landlock" in text.output and "gaps" in text.output
+    for row in ("no_new_privs", "seccomp filter", "user namespaces", "scratch disk"):
+        assert row in text.output, text.output
 
 
 # ---- cgroups ---------------------------------------------------------------------------------
@@ -660,3 +676,248 @@ def test_fork_bomb_in_model_code_ends_and_leaves_nothing() -> None:
     mine = f"brood-{zygote}"
     left = [d for d in os.listdir(SUPPORT.cgroup_dir) if d == mine or d.startswith(mine + "-")]
     assert not left
+
+
+# ---- the seccomp filter's decisions, for each machine ------------------------------------------
+# Checked with a small interpreter of the instructions the filter uses, so aarch64's program
+# is checked on any machine. The numbers are written out here, apart from brood's table.
+SYSCALLS = {
+    "x86_64": dict(
+        read=0,
+        socket=41,
+        socketpair=53,
+        sendto=44,
+        sendmsg=46,
+        sendmmsg=307,
+        io_uring_setup=425,
+        prlimit64=302,
+        setpriority=141,
+        ioprio_set=251,
+        sched_setparam=142,
+        sched_setscheduler=144,
+        sched_setaffinity=203,
+        sched_setattr=314,
+        unshare=272,
+        setns=308,
+        clone=56,
+        clone3=435,
+        execveat=322,
+        memfd_create=319,
+    ),
+    "aarch64": dict(
+        read=63,
+        socket=198,
+        socketpair=199,
+        sendto=206,
+        sendmsg=211,
+        sendmmsg=269,
+        io_uring_setup=425,
+        prlimit64=261,
+        setpriority=140,
+        ioprio_set=30,
+        sched_setparam=118,
+        sched_setscheduler=119,
+        sched_setaffinity=122,
+        sched_setattr=274,
+        unshare=97,
+        setns=268,
+        clone=220,
+        clone3=435,
+        execveat=281,
+        memfd_create=279,
+    ),
+}
+AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+ALLOW, EPERM, EACCES, ENOSYS = "allow", "EPERM", "EACCES", "ENOSYS"
+POINTER = 0x7FFF_1234_5678
+THREAD_FLAGS = 0x3D0F00  # what glibc's pthread_create passes to clone
+
+
+def run_filter(program: list[tuple[int, int, int, int]], arch: int, nr: int, *args: int) -> str:
+    """What the filter answers to a call (classic BPF: load, and, jumps, return)."""
+    data = struct.pack("<iIQ6Q", nr, arch, 0, *args, *[0] * (6 - len(args)))
+    acc, pc = 0, 0
+    while True:
+        code, jt, jf, k = program[pc]
+        pc += 1
+        if code == 0x20:
+            acc = struct.unpack_from("<I", data, k)[0]
+        elif code == 0x54:
+            acc &= k
+        elif code == 0x06:
+            action, value = k & 0xFFFF0000, k & 0xFFFF
+            if action == 0x7FFF0000:
+                return ALLOW
+            assert action == 0x00050000, hex(k)
+            return errno.errorcode[value]
+        else:
+            taken = {0x15: acc == k, 0x25: acc > k, 0x35: acc >= k, 0x45: bool(acc & k)}[code]
+            pc += jt if taken else jf
+
+
+# (call, arguments, answer with the network off, answer with it on)
+FILTER_CASES = [
+    ("read", (0, POINTER, 10), ALLOW, ALLOW),
+    ("prlimit64", (0, 0, POINTER, 0), ALLOW, ALLOW),  # setting its own limits
+    ("prlimit64", (1234, 7, 0, POINTER), ALLOW, ALLOW),  # reading another's
+    ("prlimit64", (1234, 0, POINTER, 0), EPERM, EPERM),
+    ("prlimit64", (1234, 0, 1 << 32, 0), EPERM, EPERM),  # a pointer with only a high half
+    ("prlimit64", (1 << 32, 0, POINTER, 0), ALLOW, ALLOW),  # the kernel reads pid 0
+    ("setpriority", (0, 0, 19), ALLOW, ALLOW),
+    ("setpriority", (1, 0, 19), ALLOW, ALLOW),  # its own process group
+    ("setpriority", (0, 1234, 19), EPERM, EPERM),
+    ("setpriority", (2, 0, 19), EPERM, EPERM),  # PRIO_USER: every process of the user
+    ("ioprio_set", (1, 0, 3 << 13), ALLOW, ALLOW),
+    ("ioprio_set", (1, 1234, 3 << 13), EPERM, EPERM),
+    ("ioprio_set", (3, 0, 3 << 13), EPERM, EPERM),
+    *[
+        (call, (pid, POINTER), answer, answer)
+        for call in ("sched_setparam", "sched_setscheduler", "sched_setaffinity", "sched_setattr")
+        for pid, answer in ((0, ALLOW), (1234, EPERM))
+    ],
+    ("unshare", (0x10000000,), EPERM, EPERM),
+    ("unshare", (0x400,), EPERM, EPERM),  # even CLONE_FILES alone: unshare is not needed
+    ("setns", (3, 0), EPERM, EPERM),
+    ("clone3", (POINTER, 88), ENOSYS, ENOSYS),
+    ("clone", (17,), ALLOW, ALLOW),  # fork
+    ("clone", (THREAD_FLAGS,), ALLOW, ALLOW),
+    ("clone", (0x10000000 | 17,), EPERM, EPERM),
+    ("clone", (0x20000 | 17,), EPERM, EPERM),
+    ("execveat", (3, POINTER, POINTER, POINTER, 0), ALLOW, ALLOW),
+    ("execveat", (3, POINTER, POINTER, POINTER, 0x1000), EPERM, EPERM),  # AT_EMPTY_PATH
+    ("memfd_create", (POINTER, 0), EPERM, EPERM),
+    ("memfd_create", (POINTER, 0x0008 | 0x1), ALLOW, ALLOW),  # NOEXEC_SEAL | CLOEXEC
+    ("memfd_create", (POINTER, 0x0010), EPERM, EPERM),  # MFD_EXEC
+    ("io_uring_setup", (8, POINTER), EPERM, EPERM),
+    ("socket", (1, 1, 0), EACCES, EACCES),  # AF_UNIX
+    ("socket", (2, 2, 0), ALLOW, ALLOW),  # AF_INET: Landlock and the netns govern it
+    ("socket", (16, 3, 0), EACCES, ALLOW),  # AF_NETLINK
+    ("socket", (40, 1, 0), EACCES, ALLOW),  # AF_VSOCK
+    ("socketpair", (1, 1, 0, POINTER), ALLOW, ALLOW),
+    ("socketpair", (1, 5, 0, POINTER), ALLOW, ALLOW),  # SOCK_SEQPACKET
+    ("socketpair", (1, 2 | 0x80000, 0, POINTER), EACCES, EACCES),  # SOCK_DGRAM | CLOEXEC
+    ("socketpair", (1, 2 | 0x800, 0, POINTER), EACCES, EACCES),  # SOCK_DGRAM | NONBLOCK
+    ("sendto", (3, POINTER, 2, 0, 0, 0), ALLOW, ALLOW),  # send(): no address
+    ("sendto", (3, POINTER, 2, 0, POINTER, 20), EPERM, ALLOW),
+    ("sendmsg", (3, POINTER, 0), EPERM, ALLOW),
+    ("sendmmsg", (3, POINTER, 2, 0), EPERM, ALLOW),
+]
+
+
+@pytest.mark.parametrize("machine", list(SYSCALLS))
+@pytest.mark.parametrize("network", [False, True], ids=["network-off", "network-on"])
+def test_the_filter_answers_each_call_as_designed(machine: str, network: bool) -> None:
+    program = seccomp_program(network, machine)
+    assert len(program) < 4096  # BPF_MAXINSNS
+    numbers, arch = SYSCALLS[machine], AUDIT_ARCH[machine]
+    for call, args, off, on in FILTER_CASES:
+        got = run_filter(program, arch, numbers[call], *args)
+        assert got == (on if network else off), (call, args, got)
+    assert run_filter(program, 0x40000003, 1) == EACCES  # i386 through int 0x80: refused
+    if machine == "x86_64":
+        assert run_filter(program, arch, 0x40000000 | 0) == EACCES  # the x32 table
+
+
+def test_gaps_without_seccomp_name_each_hole(scratch: Path) -> None:
+    without = msgspec.structs.replace(SUPPORT, seccomp=False, seccomp_error="gone (test)")
+    lines = gaps(Policy(scratch=str(scratch)), without, private_network=True)
+    prefixes = [line.split(":", 1)[0] for line in lines if "gone (test)" in line]
+    for prefix in ("unix sockets", "other processes", "namespaces", "memfd", "netlink and vsock"):
+        assert prefix in prefixes, lines
+    online = gaps(Policy(scratch=str(scratch), network=True), without, private_network=False)
+    assert not any(line.startswith("netlink") for line in online)
+
+
+def test_scratch_bound_and_its_gap(scratch: Path) -> None:
+    policy = Policy(scratch=str(scratch), disk=1 << 20)
+    with_tmpfs = msgspec.structs.replace(SUPPORT, disk=disk.TMPFS, disk_error="")
+    no_tmpfs = msgspec.structs.replace(SUPPORT, disk="", disk_error="no mount here (test)")
+    kept = msgspec.structs.replace(policy, keep_scratch=True)
+    assert scratch_bound(policy, with_tmpfs) == disk.TMPFS
+    assert scratch_bound(policy, no_tmpfs) == SCRATCH_WATCHED
+    assert scratch_bound(kept, with_tmpfs) == SCRATCH_WATCHED
+    assert scratch_bound(msgspec.structs.replace(policy, disk=None), with_tmpfs) == ""
+    assert scratch_bound(msgspec.structs.replace(policy, confine=False), with_tmpfs) == ""
+
+    def disk_lines(p: Policy, s: Support) -> list[str]:
+        return [ln for ln in gaps(p, s, private_network=True) if ln.startswith("disk:")]
+
+    assert disk_lines(policy, with_tmpfs) == []
+    (line,) = disk_lines(policy, no_tmpfs)
+    assert "no mount here (test)" in line and "Limits.worker_disk" in line
+    (line,) = disk_lines(kept, with_tmpfs)
+    assert "keep_scratch=True" in line
+
+
+def test_scratch_is_a_tmpfs_of_its_own(scratch: Path) -> None:
+    policy = Policy(scratch=str(scratch), disk=1 << 20)
+    if scratch_bound(policy, SUPPORT) == SCRATCH_WATCHED:
+        require(False, policy)
+
+    def fill() -> list[Any]:
+        os.chdir(scratch)  # as the zygote does after apply: onto the tmpfs
+        fs = os.statvfs(".")
+        got: list[Any] = [fs.f_blocks * fs.f_frsize, os.stat(".").st_dev != parent_dev]
+        try:
+            with open("fill", "wb") as f:
+                f.write(b"x" * (2 << 20))
+        except OSError as exc:
+            return [*got, exc.errno]
+        return [*got, None]
+
+    parent_dev = os.stat(scratch.parent).st_dev
+    assert outcome_of(policy, fill).value == [1 << 20, True, errno.ENOSPC]
+    assert os.listdir(scratch) == []  # it was the worker's own tmpfs, gone with it
+    with open("/proc/self/mountinfo") as f:
+        assert str(scratch) not in f.read()
+
+
+def test_scratch_tmpfs_for_a_user_without_privileges(tmp_path: Path) -> None:
+    """A worker of a user without CAP_SYS_ADMIN mounts its tmpfs in a user namespace of its
+    own, and apply then drops the capabilities that namespace gave it."""
+    if os.geteuid() != 0:
+        pytest.skip("making a process of another user needs root")
+    where = tempfile.mkdtemp()  # beside the test's tmp_path, which that user cannot reach
+    os.chown(where, NOBODY, NOBODY)
+    base = msgspec.structs.replace(
+        SUPPORT, landlock_abi=0, drop_caps=False, caps_held=False, cgroup="", uid=NOBODY
+    )
+
+    def as_nobody() -> dict[str, Any]:
+        os.setgroups([])
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+        # A process started by that user is dumpable; one that dropped from root is not,
+        # and could then not write its own /proc/self/uid_map.
+        ctypes.CDLL(None).prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
+        mechanism, why = disk.probe()
+        if not mechanism:
+            return {"skip": why}
+        support = msgspec.structs.replace(base, disk=mechanism)
+        apply(Policy(scratch=where, disk=1 << 20), support)
+        path = os.path.join(where, "fill")
+        try:
+            with open(path, "wb") as f:
+                f.write(b"x" * (2 << 20))
+            err = None
+        except OSError as exc:
+            err = exc.errno
+        return {
+            "mechanism": mechanism,
+            "errno": err,
+            "owner": os.stat(path).st_uid,
+            "caps": _capabilities_left(),
+        }
+
+    try:
+        got = outcome_of(None, as_nobody).value
+    finally:
+        os.rmdir(where)
+    if "skip" in got:
+        pytest.skip(f"no user namespace with a mount for uid {NOBODY} here: {got['skip']}")
+    assert got == {
+        "mechanism": disk.TMPFS_USERNS,
+        "errno": errno.ENOSPC,
+        "owner": NOBODY,
+        "caps": [0, 0, 0, 0],
+    }

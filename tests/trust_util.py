@@ -94,3 +94,10 @@ def require(lim: brood.Limits, *prefixes: str) -> None:
     lines = [line for line in unenforced(worker_settings(lim)) if line.split(":", 1)[0] in prefixes]
     if lines:
         pytest.skip("; ".join(lines))
+
+
+def as_seen_by(sup: brood.Supervisor, run_id: str, path: str) -> str:
+    """`path` as the live worker of run `run_id` sees it: its scratch may be a tmpfs in a
+    mount namespace of its own, which only its processes (and /proc/PID/root) see."""
+    pid = sup._core.runs[run_id].rec.pid
+    return f"/proc/{pid}/root{path}"

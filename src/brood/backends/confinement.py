@@ -56,7 +56,7 @@ def worker_environment(
     return env
 
 
-def policy_of(limits: Limits) -> confine.Policy:
+def policy_of(limits: Limits, keep_scratch: bool = False) -> confine.Policy:
     return confine.Policy(
         confine=limits.confine,
         scratch="",  # each worker's own, filled in by the zygote
@@ -69,6 +69,8 @@ def policy_of(limits: Limits) -> confine.Policy:
         processes=limits.worker_processes,
         file_size=limits.worker_file_size,
         open_files=limits.worker_open_files,
+        disk=limits.worker_disk,
+        keep_scratch=keep_scratch,
     )
 
 
@@ -79,7 +81,8 @@ def worker_settings(
 ) -> WorkerSettings:
     if not isinstance(keep_scratch, bool):
         raise InvalidArgument(f"keep_scratch must be True or False, got {keep_scratch!r}")
-    return WorkerSettings(policy_of(limits), worker_environment(worker_env), keep_scratch)
+    policy = policy_of(limits, keep_scratch)
+    return WorkerSettings(policy, worker_environment(worker_env), keep_scratch)
 
 
 def unenforced(settings: WorkerSettings) -> list[str]:

@@ -32,6 +32,7 @@ from brood.backends.owners import (
     sweep_orphans,
     unregister_owner,
 )
+from brood.backends.scratch import SCRATCH_WATCH_S, over_limit, scratch_sizes
 from brood.errors import BackendError
 from brood.protocol import (
     HEADER,
@@ -121,6 +122,33 @@ class LocalBackend:
         sweep_orphans()
         self.owner = register_owner()
         await self._start_zygote()
+        policy = self.settings.policy
+        if policy.disk is not None and (
+            confine.scratch_bound(policy, confine.probe()) == confine.SCRATCH_WATCHED
+        ):
+            self._track(self._watch_scratch(policy.disk))
+
+    async def _watch_scratch(self, limit: int) -> None:
+        """Where no tmpfs bounds scratch (brood.backends.scratch), look at every busy
+        worker's scratch each SCRATCH_WATCH_S, and fail the run of one past `limit`
+        (Limits.worker_disk) as a worker's own failure would: the supervisor then stops it."""
+        failed: set[WorkerConn] = set()
+        while not self._closed:
+            await asyncio.sleep(SCRATCH_WATCH_S)
+            busy = [
+                c
+                for c in self.conns.values()
+                if c.handler is not None and not c.exited.done() and c not in failed
+            ]
+            failed &= set(self.conns.values())  # forget the workers that are gone
+            if not busy:
+                continue
+            measures = await asyncio.to_thread(scratch_sizes, [c.scratch for c in busy])
+            for conn, measure in zip(busy, measures, strict=True):
+                reason = over_limit(measure, limit)
+                if reason is not None and not conn.exited.done():
+                    failed.add(conn)
+                    conn.deliver(Failed(reason=reason, error=""))
 
     async def _start_zygote(self) -> None:
         if self._closed:

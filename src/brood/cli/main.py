@@ -924,12 +924,15 @@ def doctor(as_json: JsonOpt = False) -> None:
     import msgspec
 
     from brood.backends.confinement import unenforced, worker_settings
-    from brood.worker.confine import probe
+    from brood.worker import disk
+    from brood.worker.confine import SCRATCH_WATCHED, probe, scratch_bound
 
     support = probe()
-    lines = unenforced(worker_settings(brood.Limits()))
+    settings = worker_settings(brood.Limits())
+    lines = unenforced(settings)
+    bound = scratch_bound(settings.policy, support)
     if as_json:
-        print_json({"support": msgspec.to_builtins(support), "gaps": lines})
+        print_json({"support": msgspec.to_builtins(support), "scratch_disk": bound, "gaps": lines})
         return
     abi = support.landlock_abi
 
@@ -945,6 +948,22 @@ def doctor(as_json: JsonOpt = False) -> None:
     held = support.caps_held
     row("capability drop", support.drop_caps or not held, "all sets" if held else "none held")
     row("network namespace", support.netns, support.netns_error or "only a down loopback")
+    row(
+        "no_new_privs",
+        support.no_new_privs,
+        "exec gains no privileges" if support.no_new_privs else "the kernel lacks it (< 3.5)",
+    )
+    seccomp = support.seccomp
+    row(
+        "seccomp filter",
+        seccomp,
+        "refuses what Landlock does not scope" if seccomp else support.seccomp_error,
+    )
+    row("  other processes", seccomp, "no prlimit, setpriority, sched_set* on them")
+    row("  user namespaces", seccomp, "unshare, setns, clone(CLONE_NEW*) refused")
+    row("  memfd exec", seccomp, "memfd only with MFD_NOEXEC_SEAL; no fexecve")
+    row("  unix sockets", seccomp, "none made; no datagram pairs")
+    row("  without network", seccomp, "no netlink, vsock or addressed sends")
     row("rlimits", True, "memory (AS), cpu, file size, open files")
     if support.cgroup:
         row("cgroups", True, f"{support.cgroup}: pids per worker, memory per worker")
@@ -953,6 +972,12 @@ def doctor(as_json: JsonOpt = False) -> None:
         row("cgroups", False, support.cgroup_error or "not usable here")
         why = "root is exempt" if support.uid == 0 else "counts every process of the user"
         row("  processes", False, f"RLIMIT_NPROC: {why}")
+    scratch = {
+        disk.TMPFS: "tmpfs of worker_disk, own mount namespace",
+        disk.TMPFS_USERNS: "tmpfs of worker_disk, own user namespace",
+        SCRATCH_WATCHED: f"watched by the supervisor: {support.disk_error}",
+    }
+    row("scratch disk", bound != SCRATCH_WATCHED, scratch.get(bound, "not bounded"))
     console = Terminal()
     console.print(f"[bold]worker confinement on this machine[/bold] (uid {support.uid})")
     console.print(table)

@@ -1,4 +1,5 @@
-"""Kernel confinement of a worker: rlimits, Landlock, capability drop, private network,
+"""Kernel confinement of a worker: rlimits, Landlock, capability drop, a seccomp filter
+(for what Landlock does not scope), private network, a bounded scratch (`brood.worker.disk`)
 and a cgroup per worker (pids and memory limits, and a kill that reaches every process).
 
 Invariant: `apply` (and `cgroup_enter`, where a cgroup is usable) either enforces every
@@ -28,13 +29,16 @@ import sysconfig
 import threading
 import time
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import msgspec
 
 from brood.errors import ConfinementError
+from brood.worker import disk
 
 __all__ = [
     "CGROUP_HEADROOM",
+    "SCRATCH_WATCHED",
     "Policy",
     "Support",
     "apply",
@@ -47,7 +51,10 @@ __all__ = [
     "default_read_paths",
     "enter_private_network",
     "gaps",
+    "prepare",
     "probe",
+    "scratch_bound",
+    "seccomp_program",
 ]
 
 # ---- kernel constants (include/uapi/linux/landlock.h, prctl.h, capability.h, sched.h) -----
@@ -80,6 +87,7 @@ _SCOPE_SIGNAL = 1 << 1
 _PR_CAPBSET_DROP = 24
 _PR_SET_SECUREBITS = 28
 _PR_SET_NO_NEW_PRIVS = 38
+_PR_GET_NO_NEW_PRIVS = 39
 _PR_SET_CHILD_SUBREAPER = 36
 _PR_CAP_AMBIENT = 47
 _PR_CAP_AMBIENT_CLEAR_ALL = 4
@@ -168,6 +176,11 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
     it counts every process of the user and does not apply to root. `memory` is RLIMIT_AS
     per process and, where the cgroup's memory controller is usable, also the memory limit
     of the worker's whole cgroup.
+
+    `disk` bounds the bytes in the worker's scratch directory: a tmpfs of that size where
+    `Support.disk` names a way to mount one (`brood.worker.disk`), unless `keep_scratch`
+    (the user reads scratch after the run, so it stays on disk and the supervisor watches
+    its size; `scratch_bound` says which holds).
     """
 
     confine: bool = True
@@ -181,6 +194,8 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
     processes: int | None = None  # -> pids.max (+ CGROUP_HEADROOM) and RLIMIT_NPROC
     file_size: int | None = None  # bytes -> RLIMIT_FSIZE
     open_files: int | None = None  # -> RLIMIT_NOFILE
+    disk: int | None = None  # bytes -> the size of the scratch tmpfs (or of the watch)
+    keep_scratch: bool = False  # scratch outlives the run: no tmpfs, a watched size
 
 
 class Support(msgspec.Struct, frozen=True):
@@ -200,6 +215,15 @@ class Support(msgspec.Struct, frozen=True):
     # memory controller is not usable (`cgroup_error` then says why, and RLIMIT_AS remains).
     cgroup_memory_dir: str = ""
     cgroup_error: str = ""
+    # The seccomp filter installs and refuses what it should (then user namespaces are
+    # refused as well); `seccomp_error` says why not.
+    seccomp: bool = False
+    seccomp_error: str = ""
+    no_new_privs: bool = False  # PR_SET_NO_NEW_PRIVS exists (Linux 3.5)
+    # How a worker can bound its scratch: disk.TMPFS, disk.TMPFS_USERNS, or "" (then
+    # `disk_error` says why, and the supervisor watches scratch sizes instead).
+    disk: str = ""
+    disk_error: str = ""
 
 
 # ---- probing ------------------------------------------------------------------------------
@@ -271,9 +295,10 @@ def _probe_netns() -> tuple[bool, str]:
 def probe() -> Support:
     """What this machine can enforce. Cached per process; cheap; never raises.
 
-    Forks one short-lived child to try `unshare(CLONE_NEWNET)`, and one that moves itself
-    into a test cgroup (created under our own and removed again; on cgroup v2 this enables
-    the pids and memory controllers for our cgroup's children, which is what brood needs).
+    Forks short-lived children to try `unshare(CLONE_NEWNET)`, the seccomp filter and a
+    scratch tmpfs (`brood.worker.disk`), and one that moves itself into a test cgroup
+    (created under our own and removed again; on cgroup v2 this enables the pids and memory
+    controllers for our cgroup's children, which is what brood needs).
     Call it in the zygote before forking workers so they inherit the cached answer.
     """
     try:
@@ -285,6 +310,14 @@ def probe() -> Support:
         netns, netns_error = _probe_netns()
     except Exception as exc:
         netns, netns_error = False, f"probe failed ({exc!r})"
+    try:
+        seccomp, seccomp_error = _probe_seccomp()
+    except Exception as exc:
+        seccomp, seccomp_error = False, f"probe failed ({exc!r})"
+    try:
+        bound, disk_error = disk.probe()
+    except Exception as exc:
+        bound, disk_error = "", f"probe failed ({exc!r})"
     base = Support(
         landlock_abi=abi,
         drop_caps=bool(eff >> _CAP_SETPCAP & 1),
@@ -293,6 +326,11 @@ def probe() -> Support:
         uid=os.geteuid(),
         landlock_error=landlock_error,
         netns_error=netns_error,
+        seccomp=seccomp,
+        seccomp_error=seccomp_error,
+        no_new_privs=_libc.prctl(_PR_GET_NO_NEW_PRIVS, 0, 0, 0, 0) >= 0,
+        disk=bound,
+        disk_error=disk_error,
     )
     try:
         return _probe_cgroup(base)
@@ -362,12 +400,50 @@ def gaps(policy: Policy, support: Support, *, private_network: bool) -> list[str
                 f"processes: RLIMIT_NPROC counts all processes of the user (uid {support.uid}), "
                 f"not this worker's; {nocg}"
             )
-    if policy.confine and not seccomp_supported():
+    if not support.no_new_privs:
         out.append(
-            "unix sockets: connecting to a socket bound to a path is not refused (Landlock does "
-            f"not govern it, and brood has no seccomp filter for {platform.machine()!r})"
+            "no_new_privs: the kernel has no PR_SET_NO_NEW_PRIVS (Linux < 3.5): a setuid "
+            "program model code runs gains its privileges"
+        )
+    if not support.seccomp:
+        why = support.seccomp_error or "no seccomp filter"
+        out += [
+            "unix sockets: connecting, or sending a datagram, to a socket bound to a path is "
+            f"not refused (Landlock does not govern it; {why})",
+            "other processes: prlimit, setpriority, ioprio_set and sched_set* may change any "
+            f"process of the worker's user, the supervisor included ({why})",
+            "namespaces: model code may make user, mount, network and pid namespaces where "
+            f"the kernel lets its user ({why})",
+            f"memfd: a program written to a memfd may be executed ({why})",
+        ]
+        if not policy.network:
+            out.append(f"netlink and vsock: sockets are not refused without the network ({why})")
+    if scratch_bound(policy, support) == SCRATCH_WATCHED:
+        why = (
+            "keep_scratch=True keeps scratch on disk to be read after the run"
+            if policy.keep_scratch
+            else f"scratch cannot be a tmpfs of its own here ({support.disk_error})"
+        )
+        out.append(
+            f"disk: {why}; the supervisor watches each run's scratch and fails a run past "
+            "Limits.worker_disk, but a run can write more between two looks, and scratch "
+            "shares the temporary directory's filesystem (a default journal's too)"
         )
     return out
+
+
+SCRATCH_WATCHED = "watched"
+
+
+def scratch_bound(policy: Policy, support: Support) -> str:
+    """How `policy.disk` holds for a worker here: `disk.TMPFS` or `disk.TMPFS_USERNS` (the
+    worker mounts a tmpfs of that size on its scratch), SCRATCH_WATCHED (the supervisor
+    watches the size), or "" (nothing to hold: no bound asked, or confinement is off)."""
+    if not policy.confine or policy.disk is None:
+        return ""
+    if policy.keep_scratch or not support.disk:
+        return SCRATCH_WATCHED
+    return support.disk
 
 
 # ---- paths --------------------------------------------------------------------------------
@@ -588,43 +664,331 @@ def apply(policy: Policy, support: Support) -> None:
     Call in a freshly forked worker BEFORE it starts any thread: Landlock, no_new_privs and
     capabilities apply to the calling thread (threads started later inherit them). Order:
     rlimits; PR_SET_NO_NEW_PRIVS; Landlock (files, TCP unless `policy.network`, and at ABI 6
-    signal and abstract-socket scoping); the capability drop; PR_SET_CHILD_SUBREAPER.
-    Raises `ConfinementError` when a mechanism `support` reports fails to apply, or when the
-    process already runs more than one thread. With `policy.confine` False, sets only the
-    rlimits and the subreaper flag.
+    signal and abstract-socket scoping); the capability drop; the seccomp filter (see
+    `seccomp_program`); PR_SET_CHILD_SUBREAPER. Before all that, where `scratch_bound` says
+    so, it mounts the scratch tmpfs (`brood.worker.disk`): change into `policy.scratch`
+    after `apply`, not before. Raises `ConfinementError` when a mechanism `support` reports
+    fails to apply, or when the process already runs more than one thread. With
+    `policy.confine` False, sets only the rlimits and the subreaper flag.
     """
     if policy.confine and (n := _thread_count()) != 1:
         raise ConfinementError(
             f"confinement: the process runs {n} threads; Landlock and the capability drop "
             "bind only the calling thread, so apply() must run before any thread starts"
         )
+    # First the scratch tmpfs: the Landlock rules below must name it, not the directory
+    # beneath it.
+    bound = scratch_bound(policy, support)
+    mounts = policy.disk is not None and bound in (disk.TMPFS, disk.TMPFS_USERNS)
+    if mounts and disk.bound_scratch(policy.scratch, policy.disk or 0, bound):
+        # The new user namespace gave this process every capability within it.
+        support = msgspec.structs.replace(support, drop_caps=True, caps_held=True)
     _apply_rlimits(policy)
     if policy.confine:
-        _prctl("PR_SET_NO_NEW_PRIVS", _PR_SET_NO_NEW_PRIVS, 1)
+        if support.no_new_privs:
+            _prctl("PR_SET_NO_NEW_PRIVS", _PR_SET_NO_NEW_PRIVS, 1)
         if support.landlock_abi > 0:
             _apply_landlock(policy, support.landlock_abi)
         if support.drop_caps or support.caps_held:
             _drop_caps(full=support.drop_caps)
-        if seccomp_supported():
-            _refuse_unix_sockets()  # after no_new_privs, which an unprivileged filter needs
+        if support.seccomp:  # after no_new_privs, which a filter needs without CAP_SYS_ADMIN
+            _install_filter(_compiled_filter(policy.network))
     # Lifecycle, not security: orphans of model code reparent to the worker, not past it.
     _prctl("PR_SET_CHILD_SUBREAPER", _PR_SET_CHILD_SUBREAPER, 1)
 
 
-# ---- seccomp: no new AF_UNIX sockets, no io_uring -------------------------------------------
-# Landlock (up to ABI 7) does not govern connect() to a socket bound to a path, and a
-# worker runs as the supervisor's user: it could reach any such socket that user may
-# (a container engine's, another program's). A filter refuses socket(AF_UNIX, ...), so
-# model code cannot make a socket to connect with; socketpair(), which asyncio's
-# self-pipe uses, still works. io_uring could make sockets past the filter: refused too.
-_SECCOMP = {  # machine: (AUDIT_ARCH, socket, io_uring_setup, x32 bit or 0)
-    "x86_64": (0xC000003E, 41, 425, 0x40000000),
-    "aarch64": (0xC00000B7, 198, 425, 0),
+# ---- seccomp: what Landlock does not scope --------------------------------------------------
+# One filter, installed once per worker (`apply`), inherited by every thread and process the
+# worker starts, and never removable. Landlock scopes files, TCP, signals and ptrace; the
+# calls below act on things Landlock does not see, and the kernel lets them reach any
+# process or socket of the worker's user, which is the supervisor's user:
+#
+# - Unix sockets. Landlock (up to ABI 7) does not govern connect() or sendto() to a socket
+#   bound to a path, so socket(AF_UNIX) is refused: model code cannot reach a container
+#   engine's socket, the journal daemon's or another tree's. socketpair(AF_UNIX,
+#   SOCK_STREAM), which asyncio's self-pipe uses, stays; a SOCK_DGRAM pair is refused, since
+#   sendto() on a datagram socket names any path-bound socket. With the network off, also
+#   sendto() with an address, sendmsg() and sendmmsg() (whose address sits in a struct the
+#   filter cannot read; the worker's own channel uses send()), and netlink and vsock
+#   sockets. io_uring could make sockets past all this: refused.
+# - Other processes. prlimit64, setpriority, ioprio_set and sched_set* only ask that the
+#   target has the caller's user: model code could set RLIMIT_CPU=1 on the supervisor. Each
+#   may change the caller itself only (pid, or `who`, 0); reading limits (prlimit64 with no
+#   new limit, as resource.getrlimit does) stays allowed for any pid.
+# - Namespaces. unshare, setns and clone with a CLONE_NEW* flag are refused: a new user
+#   namespace gives back every capability inside it, and with them mount, network and pid
+#   namespaces of its own. clone3 passes its flags in a struct the filter cannot read, so it
+#   answers ENOSYS, and glibc falls back to clone (threads, fork, posix_spawn all do).
+# - memfd exec. A memfd lives on an internal mount Landlock does not check, so
+#   execve("/proc/self/fd/N") runs whatever was written to one (tried on Linux 6.18 with
+#   Landlock ABI 7), and a filter cannot read execve's path. So memfd_create is allowed only
+#   with MFD_NOEXEC_SEAL (Linux 6.3+: no exec bits, sealed so; older kernels refuse the flag,
+#   so no memfd at all there), and execveat with AT_EMPTY_PATH (fexecve) is refused. Neither
+#   CPython nor glibc makes a memfd of its own, and ctypes callbacks use anonymous memory.
+#   Scratch keeps its EXECUTE right: a program model code writes there runs, on a path
+#   Landlock sees and confined as the worker is.
+# Refusals are EPERM (EACCES for socket families, as before): PermissionError in Python.
+
+
+class _Numbers(NamedTuple):
+    """The system call numbers the filter looks at, for one machine."""
+
+    arch: int  # AUDIT_ARCH_*: a call made through another ABI has other numbers
+    x32: int  # x86_64's x32 bit (calls with it use the x32 table), or 0
+    socket: int
+    socketpair: int
+    sendto: int
+    sendmsg: int
+    sendmmsg: int
+    io_uring_setup: int
+    prlimit64: int
+    setpriority: int
+    ioprio_set: int
+    sched_setparam: int
+    sched_setscheduler: int
+    sched_setaffinity: int
+    sched_setattr: int
+    unshare: int
+    setns: int
+    clone: int
+    clone3: int
+    execveat: int
+    memfd_create: int
+
+
+# x86_64: arch/x86/entry/syscalls/syscall_64.tbl; aarch64: include/uapi/asm-generic/unistd.h.
+_SECCOMP = {
+    "x86_64": _Numbers(
+        arch=0xC000003E,
+        x32=0x40000000,
+        socket=41,
+        socketpair=53,
+        sendto=44,
+        sendmsg=46,
+        sendmmsg=307,
+        io_uring_setup=425,
+        prlimit64=302,
+        setpriority=141,
+        ioprio_set=251,
+        sched_setparam=142,
+        sched_setscheduler=144,
+        sched_setaffinity=203,
+        sched_setattr=314,
+        unshare=272,
+        setns=308,
+        clone=56,
+        clone3=435,
+        execveat=322,
+        memfd_create=319,
+    ),
+    "aarch64": _Numbers(
+        arch=0xC00000B7,
+        x32=0,
+        socket=198,
+        socketpair=199,
+        sendto=206,
+        sendmsg=211,
+        sendmmsg=269,
+        io_uring_setup=425,
+        prlimit64=261,
+        setpriority=140,
+        ioprio_set=30,
+        sched_setparam=118,
+        sched_setscheduler=119,
+        sched_setaffinity=122,
+        sched_setattr=274,
+        unshare=97,
+        setns=268,
+        clone=220,
+        clone3=435,
+        execveat=281,
+        memfd_create=279,
+    ),
 }
-_AF_UNIX = 1
+_SECCOMP["arm64"] = _SECCOMP["aarch64"]
+_AF_UNIX, _AF_NETLINK, _AF_VSOCK = 1, 16, 40
+_SOCK_DGRAM, _SOCK_TYPE_MASK = 2, 0xF  # SOCK_CLOEXEC and SOCK_NONBLOCK sit above the mask
+_PRIO_PGRP = 1  # setpriority's `which`: 0 a process, 1 a process group, 2 a user
+_IOPRIO_WHO_PGRP = 2  # ioprio_set's `which`: 1 a process, 2 a process group, 3 a user
+# CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID and NEWNET. CLONE_NEWTIME (0x80) is
+# no clone() flag: clone's low byte is the exit signal.
+_CLONE_NEW_ANY = 0x7E020000
+_CLONE_NEWUSER = 0x10000000
+_AT_EMPTY_PATH = 0x1000
+_MFD_NOEXEC_SEAL, _MFD_EXEC = 0x0008, 0x0010
 _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
 _RET_ALLOW, _RET_ERRNO = 0x7FFF0000, 0x00050000
-_LD_W_ABS, _JEQ_K, _JGE_K, _RET_K = 0x20, 0x15, 0x35, 0x06
+# Classic BPF: load a 32-bit word of struct seccomp_data into the accumulator, AND it with a
+# constant, compare it (jump if equal, greater, greater or equal, any bit set), return.
+_LD_W_ABS, _ALU_AND_K, _RET_K = 0x20, 0x54, 0x06
+_JEQ_K, _JGT_K, _JGE_K, _JSET_K = 0x15, 0x25, 0x35, 0x45
+_BPF_MAX_JUMP = 255  # a conditional jump's offsets are one byte each
+# struct seccomp_data: nr at 0, arch at 4, six 64-bit arguments from 16. Both machines are
+# little-endian: an argument's low half is at 16 + 8 * i, its high half 4 bytes later. An int
+# argument (a pid, a flag word) is its low half: the kernel ignores the high one.
+_NR, _ARCH = 0, 4
+
+
+def _low(i: int) -> int:
+    return 16 + 8 * i
+
+
+def _high(i: int) -> int:
+    return 16 + 8 * i + 4
+
+
+_Target = str | None  # a label to jump to, or None: the next instruction
+
+
+class _Program:
+    """A classic BPF program being written, with named jump targets (forward only, as BPF
+    requires), resolved by `assemble`."""
+
+    def __init__(self) -> None:
+        self.code: list[tuple[int, _Target, _Target, int]] = []
+        self.labels: dict[str, int] = {}
+
+    def label(self, name: str) -> None:
+        self.labels[name] = len(self.code)
+
+    def load(self, offset: int) -> None:
+        self.code.append((_LD_W_ABS, None, None, offset))
+
+    def mask(self, bits: int) -> None:
+        self.code.append((_ALU_AND_K, None, None, bits))
+
+    def jump(self, op: int, k: int, yes: _Target = None, no: _Target = None) -> None:
+        self.code.append((op, yes, no, k))
+
+    def ret(self, action: int) -> None:
+        self.code.append((_RET_K, None, None, action))
+
+    def if_null(self, arg: int, yes: str, no: str) -> None:
+        """Jump to `yes` if pointer argument `arg` is NULL (both halves zero), else `no`."""
+        self.load(_low(arg))
+        self.jump(_JEQ_K, 0, no=no)
+        self.load(_high(arg))
+        self.jump(_JEQ_K, 0, yes=yes, no=no)
+
+    def assemble(self) -> list[tuple[int, int, int, int]]:
+        return [
+            (op, self._offset(at, yes), self._offset(at, no), k)
+            for at, (op, yes, no, k) in enumerate(self.code)
+        ]
+
+    def _offset(self, at: int, target: _Target) -> int:
+        if target is None:
+            return 0
+        offset = self.labels[target] - at - 1
+        if not 0 <= offset <= _BPF_MAX_JUMP:
+            raise ValueError(f"seccomp: a jump from {at} to {target!r} spans {offset}")
+        return offset
+
+
+def seccomp_program(network: bool, machine: str | None = None) -> list[tuple[int, int, int, int]]:
+    """The worker's filter as (code, jt, jf, k) instructions. With `network` False it also
+    refuses addressed sends and netlink and vsock sockets. Raises KeyError for a machine
+    brood has no system call numbers for."""
+    n = _SECCOMP[machine or platform.machine()]
+    p = _Program()
+    p.load(_ARCH)
+    p.jump(_JEQ_K, n.arch, no="other_abi")
+    p.load(_NR)
+    if n.x32:
+        p.jump(_JGE_K, n.x32, yes="other_abi")
+    # Which call is it: refused outright, answered ENOSYS, or its arguments looked at below.
+    refused = [n.io_uring_setup, n.unshare, n.setns]
+    checked = {
+        "socket": [n.socket],
+        "socketpair": [n.socketpair],
+        "own_limits": [n.prlimit64],
+        "own_priority": [n.setpriority],
+        "own_io_priority": [n.ioprio_set],
+        "own_scheduling": [
+            n.sched_setparam,
+            n.sched_setscheduler,
+            n.sched_setaffinity,
+            n.sched_setattr,
+        ],
+        "clone": [n.clone],
+        "execveat": [n.execveat],
+        "memfd_create": [n.memfd_create],
+    }
+    if not network:
+        refused += [n.sendmsg, n.sendmmsg]
+        checked["sendto"] = [n.sendto]
+    for nr in refused:
+        p.jump(_JEQ_K, nr, yes="eperm")
+    p.jump(_JEQ_K, n.clone3, yes="enosys")
+    for name, numbers in checked.items():
+        for nr in numbers:
+            p.jump(_JEQ_K, nr, yes=name)
+    p.ret(_RET_ALLOW)
+
+    p.label("socket")  # socket(family, type, protocol)
+    p.load(_low(0))
+    p.jump(_JEQ_K, _AF_UNIX, yes="eacces")
+    if not network:
+        p.jump(_JEQ_K, _AF_NETLINK, yes="eacces")
+        p.jump(_JEQ_K, _AF_VSOCK, yes="eacces")
+    p.ret(_RET_ALLOW)
+
+    p.label("socketpair")  # socketpair(family, type, protocol, sv)
+    p.load(_low(0))
+    p.jump(_JEQ_K, _AF_UNIX, no="allow")
+    p.load(_low(1))
+    p.mask(_SOCK_TYPE_MASK)
+    p.jump(_JEQ_K, _SOCK_DGRAM, yes="eacces", no="allow")
+
+    if not network:
+        p.label("sendto")  # sendto(fd, buf, len, flags, dest_addr, addrlen)
+        p.if_null(4, yes="allow", no="eperm")
+
+    p.label("own_limits")  # prlimit64(pid, resource, new_limit, old_limit)
+    p.load(_low(0))
+    p.jump(_JEQ_K, 0, yes="allow")  # pid 0: the caller itself, read or set
+    p.if_null(2, yes="allow", no="eperm")  # another process: read only
+
+    p.label("own_priority")  # setpriority(which, who, prio)
+    p.load(_low(0))
+    p.jump(_JGT_K, _PRIO_PGRP, yes="eperm")  # PRIO_USER: every process of the user
+    p.load(_low(1))
+    p.jump(_JEQ_K, 0, yes="allow", no="eperm")  # who 0: the caller or its process group
+
+    p.label("own_io_priority")  # ioprio_set(which, who, ioprio)
+    p.load(_low(0))
+    p.jump(_JGT_K, _IOPRIO_WHO_PGRP, yes="eperm")  # IOPRIO_WHO_USER: the whole user
+    p.load(_low(1))
+    p.jump(_JEQ_K, 0, yes="allow", no="eperm")
+
+    p.label("own_scheduling")  # sched_set*(pid, ...)
+    p.load(_low(0))
+    p.jump(_JEQ_K, 0, yes="allow", no="eperm")
+
+    p.label("clone")  # clone(flags, stack, ...): flags are the first argument on both
+    p.load(_low(0))
+    p.jump(_JSET_K, _CLONE_NEW_ANY, yes="eperm", no="allow")
+
+    p.label("execveat")  # execveat(dirfd, path, argv, envp, flags)
+    p.load(_low(4))
+    p.jump(_JSET_K, _AT_EMPTY_PATH, yes="eperm", no="allow")
+
+    p.label("memfd_create")  # memfd_create(name, flags)
+    p.load(_low(1))
+    p.jump(_JSET_K, _MFD_EXEC, yes="eperm")
+    p.jump(_JSET_K, _MFD_NOEXEC_SEAL, yes="allow", no="eperm")
+
+    p.label("allow")
+    p.ret(_RET_ALLOW)
+    p.label("eperm")
+    p.ret(_RET_ERRNO | errno.EPERM)
+    p.label("eacces")
+    p.ret(_RET_ERRNO | errno.EACCES)
+    p.label("enosys")
+    p.ret(_RET_ERRNO | errno.ENOSYS)
+    p.label("other_abi")  # int 0x80 or x32 on x86_64: other numbers, so refuse them all
+    p.ret(_RET_ERRNO | errno.EACCES)
+    return p.assemble()
 
 
 class _SockFilter(ctypes.Structure):
@@ -640,35 +1004,76 @@ class _SockFprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
 
 
-def seccomp_supported() -> bool:
-    return platform.machine() in _SECCOMP
+def _numbers_known(machine: str | None = None) -> bool:
+    """Whether brood knows the system call numbers of this machine (x86_64, aarch64)."""
+    return (machine or platform.machine()) in _SECCOMP
 
 
-def _refuse_unix_sockets() -> None:
-    arch, nr_socket, nr_uring, x32 = _SECCOMP[platform.machine()]
-    deny_access = _RET_ERRNO | errno.EACCES
-    # Offsets into struct seccomp_data: nr 0, arch 4, args[0] (low half) 16.
-    prog = [
-        (_LD_W_ABS, 0, 0, 4),
-        (_JEQ_K, 1, 0, arch),
-        (_RET_K, 0, 0, deny_access),  # another ABI (int 0x80): numbers differ, refuse it all
-        (_LD_W_ABS, 0, 0, 0),
-        (_JGE_K, 0, 1, x32) if x32 else (_JEQ_K, 0, 1, 0xFFFFFFFF),
-        (_RET_K, 0, 0, deny_access),
-        (_JEQ_K, 3, 0, nr_socket),
-        (_JEQ_K, 0, 1, nr_uring),
-        (_RET_K, 0, 0, _RET_ERRNO | errno.EPERM),
-        (_RET_K, 0, 0, _RET_ALLOW),
-        (_LD_W_ABS, 0, 0, 16),
-        (_JEQ_K, 0, 1, _AF_UNIX),
-        (_RET_K, 0, 0, deny_access),
-        (_RET_K, 0, 0, _RET_ALLOW),
-    ]
-    filters = (_SockFilter * len(prog))(*[_SockFilter(*ins) for ins in prog])
-    fprog = _SockFprog(len(prog), filters)
+@functools.cache
+def _compiled_filter(network: bool) -> _SockFprog:
+    """The filter as the kernel takes it. Cached: `prepare` builds it in the zygote, so a
+    worker only installs it; building it there cost each worker about a millisecond (and
+    copy-on-write pages) at every fork."""
+    program = seccomp_program(network)
+    filters = (_SockFilter * len(program))(*[_SockFilter(*ins) for ins in program])
+    return _SockFprog(len(program), filters)  # holds `filters` alive (ctypes' _objects)
+
+
+def _install_filter(fprog: _SockFprog) -> None:
     ctypes.set_errno(0)
     if _libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.addressof(fprog), 0, 0) < 0:
-        raise _fail("seccomp filter", ctypes.get_errno())
+        raise _fail("installing the seccomp filter", ctypes.get_errno())
+
+
+def prepare(policy: Policy, support: Support) -> None:
+    """Compute once, in the zygote before it forks, what every worker's `apply` needs: the
+    Landlock read paths and the compiled seccomp filter. Workers then share them
+    copy-on-write instead of each building its own."""
+    if policy.confine:
+        default_read_paths()
+        if support.seccomp:
+            _compiled_filter(policy.network)
+
+
+_PROBE_NOT_REFUSED = 200  # the probe child's exit code when the filter let unshare through
+
+
+def _probe_seccomp() -> tuple[bool, str]:
+    """Install the filter in a short-lived child, as `apply` does (after no_new_privs), and
+    check that it refuses unshare(CLONE_NEWUSER). The program is built here, so the child
+    only makes system calls and leaves with _exit (safe in a threaded caller)."""
+    if not _numbers_known():
+        return False, f"brood has no system call numbers for {platform.machine()!r}"
+    program = _compiled_filter(network=False)
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        return False, f"could not fork to probe ({exc})"
+    if pid == 0:  # pragma: no cover - child
+        code = 0
+        try:
+            _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # failing here shows at install
+            _install_filter(program)
+            code = _PROBE_NOT_REFUSED
+            if _libc.unshare(_CLONE_NEWUSER) < 0 and ctypes.get_errno() == errno.EPERM:
+                code = 0
+        except ConfinementError:
+            code = min(ctypes.get_errno() or 1, 255)
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    if code == 0:
+        return True, ""
+    if code == _PROBE_NOT_REFUSED:
+        return False, "the filter was installed but did not refuse unshare(CLONE_NEWUSER)"
+    if code == errno.EINVAL:
+        return False, "the kernel has no seccomp filters (CONFIG_SECCOMP_FILTER)"
+    if code == errno.EACCES:
+        return False, "installing a filter needs no_new_privs or CAP_SYS_ADMIN"
+    if code < 0:
+        return False, f"the probe child died of signal {-code}"
+    return False, f"installing a filter failed ({_errno_text(code)})"
 
 
 def enter_private_network() -> bool:

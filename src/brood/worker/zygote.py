@@ -7,7 +7,8 @@ the heap (so forked workers share it copy-on-write) and then only forks, reaps a
 Each worker gets its own socketpair; the supervisor's end travels back with `Forked` over
 the control socket (SCM_RIGHTS), so no path exists that another process could connect to.
 A worker confines itself (`confine.apply`) before it starts any thread, in its own scratch
-directory `SCRATCH_ROOT/PID`.
+directory `SCRATCH_ROOT/PID` (where the machine allows, a tmpfs of `Limits.worker_disk`
+that `apply` mounts there in the worker's own mount namespace: `brood.worker.disk`).
 
 The zygote is a child subreaper, and so is every worker: what model code starts stays in
 the worker's tree, even after setsid and a double fork; when the worker dies, those
@@ -172,12 +173,12 @@ class Zygote:
             if self.cgroup is not None:  # before apply: Landlock then closes /sys/fs/cgroup
                 confine.cgroup_enter(self.cgroup, os.getpid(), self.policy, self.support)
             os.mkdir(scratch, 0o700)
-            os.chdir(scratch)
             os.environ["HOME"] = os.environ["TMPDIR"] = scratch
             _only_own_fds(sock.fileno())
             # Before any thread exists: Landlock binds only the calling thread and the
             # threads it starts afterwards.
             confine.apply(msgspec.structs.replace(self.policy, scratch=scratch), self.support)
+            os.chdir(scratch)  # after apply, which may mount the scratch tmpfs on it
         except Exception as exc:
             report_unusable(sock, f"confinement failed: {exc}")
             return
@@ -343,8 +344,7 @@ def main() -> None:
     ctrl = socket.socket(fileno=fd)
     ctrl.setblocking(True)
     zygote = Zygote(ctrl, scratch_root, policy, support)
-    if policy.confine:
-        confine.default_read_paths()  # computed once here, not again in every worker
+    confine.prepare(policy, support)  # computed once here, not again in every worker
     gc.collect()
     gc.freeze()  # forked workers then share this heap instead of copying it on first GC
     zygote.serve()
