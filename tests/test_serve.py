@@ -773,7 +773,7 @@ START_S = 60.0  # bound on the server's start-up; a failure, never a pace
 
 
 @contextmanager
-def brood_serve(store: str) -> Iterator[tuple[subprocess.Popen[str], str, str]]:
+def brood_serve(store: str) -> Iterator[tuple[subprocess.Popen[bytes], str, str]]:
     """`brood serve` as its own process on a free loopback port, given no token: the process,
     its base URL and the token it printed. It is stopped (SIGTERM, as a terminal's Ctrl-C
     would be SIGINT) and reaped at the end, and nothing it started is left."""
@@ -783,16 +783,17 @@ def brood_serve(store: str) -> Iterator[tuple[subprocess.Popen[str], str, str]]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         env=env,
-        text=True,
     )
     assert proc.stderr is not None
     try:
+        # Read from the descriptor itself: a buffered reader could hold the line that
+        # select() no longer sees.
         said = ""
         while not (found := LOGIN.search(said)):
             ready, _, _ = select.select([proc.stderr], [], [], START_S)
-            line = proc.stderr.readline() if ready else ""
-            assert line, f"brood serve printed no login URL: {said!r} (exit {proc.poll()})"
-            said += line
+            chunk = os.read(proc.stderr.fileno(), 65536) if ready else b""
+            assert chunk, f"brood serve printed no login URL: {said!r} (exit {proc.poll()})"
+            said += chunk.decode(errors="replace")
         children = psutil.Process(proc.pid).children(recursive=True)
         yield proc, found[1], found[2]
     finally:

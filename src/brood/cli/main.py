@@ -895,6 +895,9 @@ def serve(
         sock.close()
 
 
+LISTEN_BACKLOG = 2048  # uvicorn's own default
+
+
 def _listen(host: str, port: int) -> socket.socket:
     """A socket bound to host:port (port 0: a free one, named in the start-up lines)."""
     try:
@@ -908,6 +911,9 @@ def _listen(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
+        # Listening before the start-up lines are printed: a client that reads them and
+        # connects at once is queued, not refused, while the server is still starting.
+        sock.listen(LISTEN_BACKLOG)
     except OSError as exc:
         sock.close()
         _fail(
