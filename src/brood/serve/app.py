@@ -137,11 +137,7 @@ async def answer_ask(request: Request) -> Response:
 async def start_flow(request: Request) -> Response:
     body = await read_object(request, allowed=("spec", "inputs"))
     spec = body.get("spec")
-    if isinstance(spec, str) and spec.strip():
-        # A one-line string could be read as a path on this machine; a spec over HTTP is
-        # always text, which a line break makes it.
-        spec = spec + "\n"
-    elif not isinstance(spec, dict):
+    if not (isinstance(spec, str) and spec.strip()) and not isinstance(spec, dict):
         raise ApiError(
             422, f"spec must be an object or YAML/JSON text, got {json_type(spec)}", field="spec"
         )
@@ -149,7 +145,11 @@ async def start_flow(request: Request) -> Response:
     host = _host(request)
 
     def start() -> brood.FlowHandle:
-        return host.supervisor().flow_run(spec, inputs=inputs)
+        from brood.flow.load import load_spec_text
+
+        # A spec over HTTP is text, never a path on this machine, whatever it looks like.
+        loaded = load_spec_text(spec, quote=True) if isinstance(spec, str) else spec
+        return host.supervisor().flow_run(loaded, inputs=inputs)
 
     flow = await run_in_threadpool(start)
     return Json(
