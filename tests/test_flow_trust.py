@@ -405,3 +405,29 @@ def test_a_flow_the_user_starts_keeps_its_own_bounds(store):
         assert flow.wait(timeout=120) == "finished"
         runs = sup.store.runs(flow.id)
     assert len([r for r in runs if r["parent_id"] == flow.id]) == 5
+
+
+def test_an_instance_answering_json_nested_past_what_python_parses_fails_the_instance(store):
+    # An answer is model output too: read as an output, it fails the instance (the flow's
+    # failure policy applies) instead of ending the executor's task and holding the flow.
+    deep = "FINAL('[' * 100000 + ']' * 100000)"
+    spec = {
+        "run": {"failure_policy": "fail_fast"},
+        "states": [
+            {
+                "id": "s",
+                "entry": True,
+                "prompt": task(deep),
+                "outputs": [{"name": "v", "type": "json"}],
+            }
+        ],
+        "transitions": [],
+    }
+    with sup_of(store) as sup:
+        _, got = outcome(
+            sup,
+            f"fid = flow_run({json.dumps(spec)!r})\nR['status'] = flow_wait(fid, timeout=120)\n"
+            "R['reason'] = flow_status(fid)['reason']",
+        )
+    assert got["status"] == "failed", got
+    assert "output 'v' is not valid JSON" in got["reason"] and "nested deeper" in got["reason"]

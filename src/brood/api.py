@@ -353,7 +353,13 @@ class Supervisor:
             # megabyte takes seconds of pure Python, which every other tree would wait for.
             async with self._spec_turn:
                 loaded = await asyncio.to_thread(load_spec_text, msg.spec or "")
-            inputs = json.loads(msg.inputs or "{}")
+            try:
+                inputs = json.loads(msg.inputs or "{}")
+            except (ValueError, RecursionError) as exc:
+                raise InvalidArgument(
+                    f"flow_run: inputs are not JSON that can be read ({type(exc).__name__}: "
+                    "nested too deep, or not JSON); pass a dict of JSON values"
+                ) from None
             adopted = self._core.adopt_flow(run)
             if adopted is not None:  # a resumed run's replay starts its flow again
                 executor = self._core.flows.get(adopted.id)
