@@ -14,7 +14,6 @@ import functools
 import json
 import os
 import re
-import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
@@ -297,9 +296,7 @@ def _read_source(source: str | Path | Mapping[str, Any]) -> tuple[str, Any]:
 def _read_bounded(path: Path, label: str) -> bytes:
     """The bytes of the user's spec file, refused past MAX_SPEC_BYTES without reading on
     (a file whose size says nothing, such as a pipe or /dev/zero, is read up to the bound)."""
-    with open(path, "rb") as f:
-        if stat.S_ISDIR(os.fstat(f.fileno()).st_mode):
-            raise IsADirectoryError(label)
+    with open(path, "rb") as f:  # a directory raises IsADirectoryError
         size = os.fstat(f.fileno()).st_size
         if size > MAX_SPEC_BYTES:
             raise InvalidSpec(over_bound(label, size))
