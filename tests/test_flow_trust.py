@@ -23,6 +23,7 @@ import pytest
 import brood
 from brood.flow.load import MAX_SPEC_DEPTH
 from brood.spec_text import MAX_SPEC_BYTES
+from brood.supervisor.control import key_path
 from tests.trust_util import coder, limits, outcome, probe_code, refused, require, task
 from tests.util import Gate, Signal
 
@@ -105,29 +106,39 @@ def test_a_spec_path_outside_scratch_is_refused_by_the_workers_confinement(
     project = tmp_path / "project"
     project.mkdir()
     (project / "flow.yaml").write_text(f"api_key: {key}\nstates: {key}\n")
+    (project / ".env").write_text(f"OPENAI_API_KEY={key}\n")
     monkeypatch.chdir(project)
     with sup_of(store) as sup:
         require(sup.limits, "files")
+        ctl_key = key_path(sup._control.path)  # the control socket's secret
+        with open(ctl_key) as f:
+            control_secret = f.read().strip()
+        assert len(control_secret) >= 16
         result, got = outcome(
             sup,
             RAW
             + f"tr('absolute', lambda: flow_run({str(outside)!r}))\n"
             + "tr('relative', lambda: flow_run('flow.yaml'))\n"
+            + "tr('env', lambda: flow_run('.env'))\n"
+            + f"tr('ctl_key', lambda: flow_run({ctl_key!r}))\n"
             + f"tr('raw_absolute', lambda: raw_flow({str(outside)!r}))\n"
-            + "tr('raw_relative', lambda: raw_flow('flow.yaml'))",
+            + "tr('raw_relative', lambda: raw_flow('flow.yaml'))\n"
+            + f"tr('raw_ctl_key', lambda: raw_flow({ctl_key!r}))",
         )
         runs = sup.store.runs(result.run_id)
     refused(got["absolute"])
     assert str(outside) in got["absolute"][2]
     refused(got["relative"], "FileNotFoundError")
     assert "flow.yaml" in got["relative"][2] and "scratch" in got["relative"][2]
-    # Sent as a path, it is text to the supervisor: a YAML string, not a spec.
-    for sent in ("raw_absolute", "raw_relative"):
+    refused(got["ctl_key"])
+    # A name that is no file of the worker's, or one sent past the helper, is text to the
+    # supervisor: a YAML string, not a spec.
+    for sent in ("env", "raw_absolute", "raw_relative", "raw_ctl_key"):
         refused(got[sent], "InvalidSpec")
         assert "got a string" in got[sent][2], got[sent]
-    assert key not in json.dumps(got)
+    assert key not in json.dumps(got) and control_secret not in json.dumps(got)
     assert [r["id"] for r in runs] == [result.run_id]  # no flow started
-    assert not journal_holds(tmp_path, key)
+    assert not journal_holds(tmp_path, key) and not journal_holds(tmp_path, control_secret)
 
 
 def test_a_fifo_or_a_device_named_as_a_spec_is_refused_at_once_and_the_supervisor_serves_on(
