@@ -223,6 +223,9 @@ class FakeHost:
     def run_of(self, run_id: str) -> FakeRun:
         return self.runs[run_id]
 
+    def children_left(self, run: FakeRun) -> int | None:
+        return None  # a flow the user started: its own settings bound it
+
 
 def open_children(run: FakeRun) -> list[FakeRun]:
     """The children of `run` that have not ended and are not being ended."""

@@ -24,6 +24,7 @@ from brood.errors import (
     ChildFailed,
     ChildNotReady,
     InvalidArgument,
+    LimitExceeded,
     ReplayDiverged,
     StaleHandle,
     StoreError,
@@ -145,6 +146,7 @@ class Supervisor:
             )
             self._control = ControlServer(self._core)
             self._store.on_failure = self._store_failed
+            self._spec_turn = asyncio.Lock()  # specs from model code, parsed one at a time
             self._core.flow_handler = self._flow_request
             self._core.flow_resumer = self._resume_flow
             self._core.unenforced = unenforced(settings)
@@ -265,14 +267,18 @@ class Supervisor:
         return RunHandle(self, run)
 
     def flow_run(self, spec: Any, *, inputs: dict[str, Any] | None = None) -> FlowHandle:
-        """Validate a flow spec (a path, YAML/JSON text or a dict) and start it; returns at
-        once, with the states it started on `handle.started`. An invalid spec raises
-        InvalidSpec listing every problem, and nothing starts."""
+        """Validate a flow spec (a path, YAML/JSON text, a dict, or a `FlowSpec` that
+        `load_spec_text` made) and start it; returns at once, with the states it started on
+        `handle.started`. An invalid spec raises InvalidSpec listing every problem, and
+        nothing starts (nothing is journaled). A flow started here is trusted: its own
+        settings bound it, not the tree limits of `Limits`."""
         if self._closed:
             raise SupervisorClosed("the supervisor is closed; make a new one")
         from brood.flow.load import load_spec
+        from brood.flow.schema import FlowSpec
 
-        executor = self._loop.call(self._start_flow(load_spec(spec), inputs))
+        loaded = spec if isinstance(spec, FlowSpec) else load_spec(spec)
+        executor = self._loop.call(self._start_flow(loaded, inputs))
         return FlowHandle(self, executor, executor.started)
 
     async def _start_flow(
@@ -336,10 +342,24 @@ class Supervisor:
     async def _flow_request(self, run: Run, msg: FlowReq) -> Any:
         """A run's code starts or steers a flow (the REPL's flow_* helpers)."""
         if msg.op == "run":
-            from brood.flow.load import load_spec
+            from brood.flow.load import load_spec_text
 
-            loaded = load_spec(msg.spec or "")
-            inputs = json.loads(msg.inputs or "{}")
+            if not msg.replaying and not self._core.limits.can_start_child(run.rec.depth):
+                # refused before the spec is read; the flow's start checks every limit
+                raise LimitExceeded("max_depth", run.rec.depth + 2, self._core.limits.max_depth)
+            # Text only: the supervisor never opens a path model code named (the worker
+            # read the file, under its own confinement), and problems are told in the
+            # schema's own words. Parsed off the loop, one spec at a time: YAML of a
+            # megabyte takes seconds of pure Python, which every other tree would wait for.
+            async with self._spec_turn:
+                loaded = await asyncio.to_thread(load_spec_text, msg.spec or "")
+            try:
+                inputs = json.loads(msg.inputs or "{}")
+            except (ValueError, RecursionError) as exc:
+                raise InvalidArgument(
+                    f"flow_run: inputs are not JSON that can be read ({type(exc).__name__}: "
+                    "nested too deep, or not JSON); pass a dict of JSON values"
+                ) from None
             adopted = self._core.adopt_flow(run)
             if adopted is not None:  # a resumed run's replay starts its flow again
                 executor = self._core.flows.get(adopted.id)

@@ -17,9 +17,13 @@ forms that compile to the same `Machine`:
 
 `load_spec` reads a spec (a path, YAML/JSON text or a dict), checks the schema with
 pydantic (unknown keys are errors) and then everything that spans fields (ids, references,
-cycles, guards, templates). It reports every problem at once, each as `path: message`, in
-one `InvalidSpec`, and returns a `FlowSpec` only if there is none. `compile_spec` turns a
-valid `FlowSpec` into the plain-dataclass `Machine` the executor runs.
+cycles, guards, templates). It reports every problem at once (up to 100), each as
+`path: message`, in one `InvalidSpec`, and returns a `FlowSpec` only if there is none.
+`load_spec_text` does the same for text alone, never taken for a path, and by default tells
+each problem in the schema's own words (no value or unknown key from the text): how the
+supervisor reads a spec model code sent. Both refuse a spec over 1 MiB or nested more than
+64 levels deep before anything recurses into it. `compile_spec` turns a valid `FlowSpec`
+into the plain-dataclass `Machine` the executor runs.
 
 Decisions a spec author relies on:
 
@@ -41,8 +45,8 @@ Where each part lives:
 - `brood.flow.schema`: the pydantic models (`FlowSpec`, `State`, `Node`, ...), the name
   rule, and the bounds and defaults of a flow (`FOREACH_MAX`, `MAX_TRANSITIONS`, ...);
 - `brood.flow.template`: prompt templates (`parse_template`, `Placeholder`);
-- `brood.flow.load`: reading a source (paths, JSON, the YAML loader, size bounds) and
-  `load_spec`;
+- `brood.flow.load`: reading a source (paths, JSON, the YAML loader, bounds of size and
+  nesting), `load_spec` and `load_spec_text`;
 - `brood.flow.check`: schema problems told with their paths, the checks that span fields,
   and `check_spec`;
 - `brood.flow.compile`: `compile_spec`, from a valid spec to a `Machine`;
@@ -56,7 +60,7 @@ Where each part lives:
 from brood.flow.check import check_spec
 from brood.flow.compile import compile_spec
 from brood.flow.guards import Condition, evaluate, json_equal, parse_path
-from brood.flow.load import load_spec
+from brood.flow.load import load_spec, load_spec_text
 from brood.flow.machine import (
     AgentSettings,
     FlowParam,
@@ -116,6 +120,7 @@ __all__ = [
     "fenced_blocks",
     "json_equal",
     "load_spec",
+    "load_spec_text",
     "parse_path",
     "parse_template",
     "read_output",

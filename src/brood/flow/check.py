@@ -5,6 +5,12 @@ order of the spec.
 
 A state that fails the schema is checked from what passes of it (`_view_from_raw`), so it
 causes no follow-on problems.
+
+Each problem is told two ways (`Problem`): with the values and names involved, for the
+user's own specs, and in the schema's own words only (its key names, indices and bounds,
+never a value, a name or an unknown key taken from the spec), for a spec that model code
+sent: an error is journaled and shown, and it must not carry the text it was given back
+out (DESIGN.md section 14).
 """
 
 from __future__ import annotations
@@ -38,9 +44,32 @@ from brood.flow.schema import (
 )
 from brood.flow.template import parse_template, placeholders
 
-__all__ = ["check_spec"]
+__all__ = ["Problem", "check_spec"]
 
 TOP: Final = "(top level)"  # the path shown for problems of the spec as a whole
+NAMED: Final = "[…]"  # a name the spec chose (a subagent's, a key of a value), left out
+# Problems listed in one InvalidSpec, and kept while checking: a spec of a megabyte can hold
+# hundreds of thousands of problems, and each would name the ids of the spec.
+MAX_SHOWN: Final = 100
+MAX_KEPT: Final = 1_000
+NAMES_SHOWN: Final = 20  # names listed in a problem (the states a reference could name)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One problem of a spec. `path: message` tells it with the values and names involved;
+    `where: what` in the schema's own words only (`where` is `path` with the names the spec
+    chose left out, when it holds one)."""
+
+    path: str
+    message: str
+    what: str
+    where: str | None = None
+
+    def told(self, quote: bool) -> str:
+        if quote:
+            return f"{self.path}: {self.message}"
+        return f"{self.where or self.path}: {self.what}"
 
 
 # ---- the report ----------------------------------------------------------------------------
@@ -50,26 +79,35 @@ _SECTIONS: Final = ("name", "description", "run", "subagents", "states", "nodes"
 _PLACE = re.compile(r"([A-Za-z_]+)(?:\[(\d+)\])?")
 
 
-def _place(problem: str) -> tuple[int, int]:
+def _place(problem: Problem) -> tuple[int, int]:
     """Where a problem sits in a spec, to list problems in the order of the spec."""
-    m = _PLACE.match(problem)
-    if problem.startswith(TOP) or not m or m.group(1) not in _SECTIONS:
+    m = _PLACE.match(problem.path)
+    if problem.path.startswith(TOP) or not m or m.group(1) not in _SECTIONS:
         return (-1, -1)
     return (_SECTIONS.index(m.group(1)), int(m.group(2) or -1))
 
 
-def _raise(label: str, problems: list[str]) -> None:
-    problems = sorted(dict.fromkeys(problems), key=_place)
-    if problems:
-        count = f"{len(problems)} problem" + ("s" if len(problems) != 1 else "")
-        lines = "".join(f"\n  {p}" for p in problems)
-        raise InvalidSpec(f"invalid flow spec {label}: {count}{lines}")
+def _raise(label: str, problems: list[Problem], *, quote: bool = True) -> None:
+    """InvalidSpec listing `problems` in the order of the spec, at most MAX_SHOWN of them;
+    with `quote` False, each in the schema's own words (problems that then read alike are
+    listed once)."""
+    told = list(dict.fromkeys(p.told(quote) for p in sorted(problems, key=_place)))
+    if not told:
+        return
+    more = len(told) > MAX_SHOWN or len(problems) >= MAX_KEPT
+    if more:
+        count = f"over {MAX_SHOWN} problems"
+        told = [*told[:MAX_SHOWN], f"and more past these {MAX_SHOWN}; fix them and check again"]
+    else:
+        count = f"{len(told)} problem" + ("s" if len(told) != 1 else "")
+    lines = "".join(f"\n  {p}" for p in told)
+    raise InvalidSpec(f"invalid flow spec {label}: {count}{lines}")
 
 
 def check_spec(spec: FlowSpec) -> list[str]:
     """Every problem of a schema-valid spec that spans fields, as `path: message` lines
     (empty when the spec is valid)."""
-    return _Checker(_view_from_spec(spec)).run()
+    return [p.told(True) for p in _Checker(_view_from_spec(spec)).run()]
 
 
 # ---- schema problems -----------------------------------------------------------------------
@@ -87,18 +125,23 @@ def _format_path(loc: Iterable[Any]) -> str:
     return path or TOP
 
 
+def _kind(value: Any) -> str:
+    """`string`, `number`, `null`, `list`, `mapping`: a value's JSON-ish kind, no more."""
+    if value is None:
+        return "null"
+    kinds = {bool: "boolean", int: "integer", float: "number", str: "string", list: "list"}
+    kind = next((k for t, k in kinds.items() if type(value) is t), type(value).__name__)
+    return "mapping" if isinstance(value, dict) else kind
+
+
 def _describe(value: Any) -> str:
     """`string 'x'`, `float nan`, `null`, `list [1, 2]`: a value with its JSON-ish kind."""
     if value is None:
         return "null"
-    kinds = {bool: "boolean", int: "integer", float: "number", str: "string"}
-    kind = next((k for t, k in kinds.items() if type(value) is t), type(value).__name__)
-    if isinstance(value, dict):
-        kind = "mapping"
     shown = json.dumps(value) if isinstance(value, bool) else repr(value)
     if len(shown) > 60:
         shown = shown[:57] + "..."
-    return f"{kind} {shown}"
+    return f"{_kind(value)} {shown}"
 
 
 def _unwrap(annotation: Any) -> Any:
@@ -146,18 +189,36 @@ _KEY_HINTS: Final[dict[tuple[str, str], str]] = {
 }
 
 
-def _unknown_key(loc: tuple[Any, ...]) -> str:
+def _unknown_key(loc: tuple[Any, ...], quote: bool = True) -> str:
     key = str(loc[-1])
     model = _model_at(loc[:-1])
     if model is None:
-        return "unknown key"
+        return "unknown key" if quote else "an unknown key"
     allowed = sorted(f.alias or name for name, f in model.model_fields.items())
+    listed = f"(allowed: {', '.join(allowed)})"
+    if not quote:  # no hint: a near miss would tell what the key is like
+        return f"an unknown key {listed}"
     hint = _KEY_HINTS.get((model.__name__, key))
     if hint is None:
         close = difflib.get_close_matches(key, allowed, n=1)
         hint = f"did you mean {close[0]!r}?" if close else ""
-    listed = f"(allowed: {', '.join(allowed)})"
     return f"unknown key; {hint} {listed}" if hint else f"unknown key {listed}"
+
+
+def _schema_path(loc: Iterable[Any]) -> str:
+    """`loc` as a path in the schema's own words: indices and the key names of the schema;
+    a name the spec chose (a subagent's, a key of a mapping) is NAMED."""
+    loc = tuple(loc)
+    path = ""
+    for i, part in enumerate(loc):
+        model = _model_at(loc[:i])
+        if isinstance(part, int) and model is None:
+            path += f"[{part}]"
+        elif model is not None and part in {f.alias or n for n, f in model.model_fields.items()}:
+            path += f".{part}" if path else str(part)
+        else:
+            path += NAMED
+    return path or TOP
 
 
 def _bound(value: Any) -> Any:
@@ -165,47 +226,63 @@ def _bound(value: Any) -> Any:
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-def _schema_problems(exc: ValidationError) -> list[str]:
-    problems = []
-    for error in exc.errors():
+# pydantic's error types, as what a value must be; the telling with values adds what it got
+_MUST: Final = {
+    "int_type": "must be a whole number",
+    "int_parsing": "must be a whole number",
+    "int_from_float": "must be a whole number",
+    "float_type": "must be a number",
+    "float_parsing": "must be a number",
+    "finite_number": "must be a finite number",
+    "bool_type": "must be true or false",
+    "bool_parsing": "must be true or false",
+    "string_type": "must be a string",
+    "list_type": "must be a list",
+    "dict_type": "must be a mapping",
+    "model_type": "must be a mapping",
+    "model_attributes_type": "must be a mapping",
+}
+
+
+def _schema_problems(exc: ValidationError) -> list[Problem]:
+    problems: list[Problem] = []
+    for error in exc.errors()[:MAX_KEPT]:
         loc = tuple(error["loc"])
         kind = error["type"]
-        value = error.get("input")
         ctx = error.get("ctx") or {}
-        got = _describe(value)
+        where = _schema_path(loc)
+        got = f", got {_describe(error.get('input'))}"
         if kind == "missing":
-            message = "required, but missing"
-        elif kind == "extra_forbidden":
-            message = _unknown_key(loc)
+            what, got = "required, but missing", ""
+        elif kind == "extra_forbidden":  # the key itself is the spec's: told at its mapping
+            where = _schema_path(loc[:-1])
+            problems.append(
+                Problem(_format_path(loc), _unknown_key(loc), _unknown_key(loc, False), where)
+            )
+            continue
         elif kind == "literal_error":
-            message = f"must be {ctx.get('expected')}, got {got}"
-        elif kind in ("int_type", "int_parsing", "int_from_float"):
-            message = f"must be a whole number, got {got}"
-        elif kind in ("float_type", "float_parsing"):
-            message = f"must be a number, got {got}"
-        elif kind == "finite_number":
-            message = f"must be a finite number, got {got}"
-        elif kind in ("bool_type", "bool_parsing"):
-            message = f"must be true or false, got {got}"
-        elif kind == "string_type":
-            message = f"must be a string, got {got}"
-        elif kind == "list_type":
-            message = f"must be a list, got {got}"
-        elif kind in ("dict_type", "model_type", "model_attributes_type"):
-            message = f"must be a mapping, got {got}"
-            if len(loc) >= 2 and loc[-2] in ("inputs", "outputs"):
-                message = f"must be a name or a mapping with name, got {got}"
+            what = f"must be {ctx.get('expected')}"  # the schema's own choices
+        elif kind in _MUST:
+            what = _MUST[kind]
+            if kind in ("dict_type", "model_type", "model_attributes_type") and (
+                len(loc) >= 2 and loc[-2] in ("inputs", "outputs")
+            ):
+                what = "must be a name or a mapping with name"
         elif kind == "greater_than_equal":
-            message = f"must be >= {_bound(ctx.get('ge'))}, got {got}"
+            what = f"must be >= {_bound(ctx.get('ge'))}"
         elif kind == "greater_than":
-            message = f"must be > {_bound(ctx.get('gt'))}, got {got}"
+            what = f"must be > {_bound(ctx.get('gt'))}"
         elif kind == "string_too_short":
-            message = "must not be empty"
-        elif kind == "value_error":
+            what, got = "must not be empty", ""
+        elif kind == "value_error":  # the schema's only check of its own: the name rule
             message = str(error["msg"]).removeprefix("Value error, ")
-        else:
-            message = str(error["msg"])
-        problems.append(f"{_format_path(loc)}: {message}")
+            problems.append(
+                Problem(_format_path(loc), message, f"not a valid name; {_NAME_RULE}", where)
+            )
+            continue
+        else:  # pydantic's own words name the schema's bounds, never the value
+            what, got = str(error["msg"]), ""
+        problems.append(Problem(_format_path(loc), what + got, what, where))
     return problems
 
 
@@ -340,17 +417,24 @@ def _view_from_raw(data: Mapping[str, Any]) -> _View:
 
 
 def _names(names: Iterable[str]) -> str:
-    return ", ".join(names) or "none"
+    """`a, b, c`, or `none`; a long list is cut after NAMES_SHOWN names (and says so)."""
+    listed = list(names)
+    if len(listed) > NAMES_SHOWN:
+        return ", ".join(listed[:NAMES_SHOWN]) + f", ... ({len(listed):,} in all)"
+    return ", ".join(listed) or "none"
 
 
-def _json_problems(value: Any, path: str) -> list[str]:
-    """Problems that keep `value` from being finite JSON, each with its path."""
+def _json_problems(value: Any, path: str) -> list[Problem]:
+    """Problems that keep `value` from being finite JSON, each with its path (in the
+    schema's own words: `path` itself, the keys inside the value being the spec's)."""
     if value is None or isinstance(value, bool | str | int):
         return []
     if isinstance(value, float):
         if math.isfinite(value):
             return []
-        return [f"{path}: {value} is not JSON (only finite numbers are); give a finite number"]
+        return [
+            _inner(path, f"{value} is not JSON (only finite numbers are); give a finite number")
+        ]
     if isinstance(value, list):
         return [p for i, item in enumerate(value) for p in _json_problems(item, f"{path}[{i}]")]
     if isinstance(value, dict):
@@ -358,18 +442,36 @@ def _json_problems(value: Any, path: str) -> list[str]:
         for key, item in value.items():
             if not isinstance(key, str):
                 problems.append(
-                    f"{path}: the key {key!r} is a {type(key).__name__}; JSON keys are strings"
+                    _inner(
+                        path, f"the key {key!r} is a {type(key).__name__}; JSON keys are strings"
+                    )
                 )
                 continue
             step = f".{key}" if _NAME.fullmatch(key) else f"[{json.dumps(key)}]"
             problems.extend(_json_problems(item, path + step))
         return problems
     if isinstance(value, tuple | set | frozenset):
-        return [f"{path}: a {type(value).__name__} is not JSON; use a list"]
+        return [_inner(path, f"a {type(value).__name__} is not JSON; use a list")]
     return [
-        f"{path}: a {type(value).__name__} is not JSON; use null, true/false, a number, "
-        "a string, a list or a mapping"
+        _inner(
+            path,
+            f"a {type(value).__name__} is not JSON; use null, true/false, a number, "
+            "a string, a list or a mapping",
+        )
     ]
+
+
+def _inner(path: str, message: str) -> Problem:
+    """A problem inside a guard's value at `path`: told in the schema's own words at the
+    value itself (`...when.value`)."""
+    where = path[: path.index(".value") + len(".value")]
+    return Problem(
+        path,
+        message,
+        "holds something that is not JSON (only null, true/false, "
+        "finite numbers, strings, lists and mappings with string keys are)",
+        where,
+    )
 
 
 class _Checker:
@@ -379,22 +481,47 @@ class _Checker:
 
     def __init__(self, view: _View) -> None:
         self.view = view
-        self.problems: list[str] = []
+        self.problems: list[Problem] = []
         self.noun = "node" if view.form == "nodes" else "state"
         self.by_id: dict[str, _Item] = {}
         self.params: dict[str, tuple[ValueType, bool, str]] = {}  # name -> (type, optional, path)
+        self._listed: str | None = None  # the ids, as problems list them
 
-    def run(self) -> list[str]:
+    def _add(self, path: str, message: str, what: str | None = None) -> None:
+        """A problem at `path` (a path of the schema's own key names and indices): `message`
+        with the values involved, `what` without them (None: `message` holds none)."""
+        self._keep([Problem(path, message, message if what is None else what)])
+
+    def _keep(self, problems: Iterable[Problem]) -> None:
+        for problem in problems:
+            if len(self.problems) >= MAX_KEPT:
+                return
+            self.problems.append(problem)
+
+    def run(self) -> list[Problem]:
         view = self.view
         self._check_form()
         for name, sub in view.subagents.items():
             path = _format_path(["subagents", name])
+            where = f"subagents{NAMED}"
             if not _NAME.fullmatch(name):
-                self.problems.append(f"{path}: {name!r} is not a valid name; {_NAME_RULE}")
+                self._keep(
+                    [
+                        Problem(
+                            path,
+                            f"{name!r} is not a valid name; {_NAME_RULE}",
+                            f"a subagent's name is not a valid name; {_NAME_RULE}",
+                            where,
+                        )
+                    ]
+                )
             if sub is not None:
-                self.problems.extend(f"{path}.prompt: {p}" for p in parse_template(sub.prompt)[1])
-        if view.items is None:
-            return self.problems
+                self._keep(
+                    Problem(f"{path}.prompt", p, p, f"{where}.prompt")
+                    for p in parse_template(sub.prompt)[1]
+                )
+        if view.items is None or len(view.items) > MAX_STATES:
+            return self.problems  # a flow too large is refused for its size alone
         self._check_ids()
         for item in view.items:
             if item.step is not None:
@@ -414,25 +541,28 @@ class _Checker:
     def _check_form(self) -> None:
         view = self.view
         if view.has_states and view.has_nodes:
-            self.problems.append(
-                f"{TOP}: has both states and nodes; write states (with transitions) for the "
-                "state form or nodes (with depends_on) for the DAG form, not both"
+            self._add(
+                TOP,
+                "has both states and nodes; write states (with transitions) for the state "
+                "form or nodes (with depends_on) for the DAG form, not both",
             )
         elif not view.has_states and not view.has_nodes:
-            self.problems.append(
-                f"{TOP}: a flow needs states (the state form) or nodes (the DAG form)"
-            )
+            self._add(TOP, "a flow needs states (the state form) or nodes (the DAG form)")
         if view.has_nodes and view.has_transitions:
-            self.problems.append(
-                "transitions: the DAG form (nodes) takes no transitions; order nodes with "
-                "depends_on, or write the flow in the state form"
+            self._add(
+                "transitions",
+                "the DAG form (nodes) takes no transitions; order nodes with depends_on, or "
+                "write the flow in the state form",
             )
         if view.items == [] and (view.has_states or view.has_nodes):
-            self.problems.append(f"{view.form}: the flow has no {self.noun}s; add at least one")
+            self._add(view.form, f"the flow has no {self.noun}s; add at least one")
         if view.items is not None and len(view.items) > MAX_STATES:
-            self.problems.append(
-                f"{view.form}: the flow has {len(view.items):,} {self.noun}s, more than the "
-                f"{MAX_STATES:,} a flow may have; split it into flows that start each other"
+            self._add(
+                view.form,
+                f"the flow has {len(view.items):,} {self.noun}s, more than the "
+                f"{MAX_STATES:,} a flow may have; split it into flows that start each other",
+                f"the flow has more {self.noun}s than the {MAX_STATES:,} a flow may have; "
+                "split it into flows that start each other",
             )
 
     def _check_ids(self) -> None:
@@ -442,13 +572,17 @@ class _Checker:
                 continue  # a missing or invalid id is reported by the schema
             first = self.by_id.setdefault(item.id, item)
             if first is not item:
-                self.problems.append(
-                    f"{item.path}.id: duplicate id {item.id!r} (also {first.path}.id); "
-                    f"give every {self.noun} its own id"
+                self._add(
+                    f"{item.path}.id",
+                    f"duplicate id {item.id!r} (also {first.path}.id); give every {self.noun} "
+                    "its own id",
+                    f"duplicate id (also {first.path}.id); give every {self.noun} its own id",
                 )
 
     def _ids(self) -> str:
-        return _names(self.by_id)
+        if self._listed is None:  # by_id is complete once _check_ids has run
+            self._listed = _names(self.by_id)
+        return self._listed
 
     def _outputs(self, state_id: str) -> dict[str, ValueType] | None:
         """Declared outputs of a known state; None if it is unknown or failed the schema."""
@@ -466,15 +600,18 @@ class _Checker:
         seen_outputs: dict[str, int] = {}
         for j, output in enumerate(step.outputs):
             if output.name in seen_outputs:
-                self.problems.append(
-                    f"{path}.outputs[{j}].name: duplicate output {output.name!r} "
-                    f"(also outputs[{seen_outputs[output.name]}])"
+                also = f"(also outputs[{seen_outputs[output.name]}])"
+                self._add(
+                    f"{path}.outputs[{j}].name",
+                    f"duplicate output {output.name!r} {also}",
+                    f"duplicate output {also}",
                 )
             seen_outputs.setdefault(output.name, j)
         if step.lifecycle == "resident" and step.outputs:
-            self.problems.append(
-                f"{path}.outputs: a resident {self.noun} may not declare outputs (it keeps "
-                "running and never settles with an answer); remove outputs or use lifecycle: task"
+            self._add(
+                f"{path}.outputs",
+                f"a resident {self.noun} may not declare outputs (it keeps running and never "
+                "settles with an answer); remove outputs or use lifecycle: task",
             )
         names = [inp.name for _, inp in item.inputs]
         # a key that failed the schema is left out of `step`: judging placeholders or
@@ -489,29 +626,40 @@ class _Checker:
                 if name in names:
                     continue
                 if step.prompt is not None:
-                    self.problems.append(
-                        f"{path}.prompt: {{{name}}} is not an input of {self.noun} "
-                        f"{step.id!r} (inputs: {_names(names)}); declare it under inputs, "
-                        f"or write {{{{{name}}}}} for literal braces"
+                    self._add(
+                        f"{path}.prompt",
+                        f"{{{name}}} is not an input of {self.noun} {step.id!r} (inputs: "
+                        f"{_names(names)}); declare it under inputs, or write {{{{{name}}}}} "
+                        "for literal braces",
+                        f"a placeholder is not an input of the {self.noun}; declare it under "
+                        "inputs, or write {{ and }} for literal braces",
                     )
                 else:
-                    self.problems.append(
-                        f"{path}.subagent: subagent {step.subagent!r} uses {{{name}}}, which "
-                        f"is not an input of {self.noun} {step.id!r} "
-                        f"(inputs: {_names(names)}); declare it under inputs"
+                    self._add(
+                        f"{path}.subagent",
+                        f"subagent {step.subagent!r} uses {{{name}}}, which is not an input of "
+                        f"{self.noun} {step.id!r} (inputs: {_names(names)}); declare it under "
+                        "inputs",
+                        f"the subagent uses a placeholder that is not an input of the "
+                        f"{self.noun}; declare it under inputs",
                     )
         if step.foreach is not None and inputs_known:
             over = step.foreach.over
             found = next((inp for _, inp in item.inputs if inp.name == over), None)
             if found is None:
-                self.problems.append(
-                    f"{path}.foreach.over: {over!r} is not an input of {self.noun} "
-                    f"{step.id!r} (inputs: {_names(names)}); foreach runs over a json input"
+                self._add(
+                    f"{path}.foreach.over",
+                    f"{over!r} is not an input of {self.noun} {step.id!r} (inputs: "
+                    f"{_names(names)}); foreach runs over a json input",
+                    f"not an input of the {self.noun}; foreach runs over a json input",
                 )
             elif self._input_type(found) != "json":
-                self.problems.append(
-                    f"{path}.foreach.over: input {over!r} is text; foreach runs over a JSON "
-                    "list, so the input (and its source output) must be type: json"
+                self._add(
+                    f"{path}.foreach.over",
+                    f"input {over!r} is text; foreach runs over a JSON list, so the input (and "
+                    "its source output) must be type: json",
+                    "the input is text; foreach runs over a JSON list, so the input (and its "
+                    "source output) must be type: json",
                 )
 
     def _check_agent(self, item: _Item, step: State | Node) -> None:
@@ -520,21 +668,29 @@ class _Checker:
         if item.broken:
             pass  # a bad or misspelled key: whether it has a prompt or a subagent is unknown
         elif step.prompt is not None and step.subagent is not None:
-            self.problems.append(
-                f"{path}: has both prompt and subagent; keep one (a subagent brings its own "
-                "prompt; model settings next to subagent override the subagent's)"
+            self._add(
+                path,
+                "has both prompt and subagent; keep one (a subagent brings its own prompt; "
+                "model settings next to subagent override the subagent's)",
             )
         elif step.prompt is None and step.subagent is None:
-            self.problems.append(
-                f"{path}: has neither prompt nor subagent; write a prompt template or name "
-                + (f"a subagent (subagents: {subagents})" if self.view.subagents else "a subagent")
+            self._add(
+                path,
+                "has neither prompt nor subagent; write a prompt template or name "
+                + (f"a subagent (subagents: {subagents})" if self.view.subagents else "a subagent"),
+                "has neither prompt nor subagent; write a prompt template or name a subagent",
             )
         if step.prompt is not None:
-            self.problems.extend(f"{path}.prompt: {p}" for p in parse_template(step.prompt)[1])
+            for p in parse_template(step.prompt)[1]:
+                self._add(f"{path}.prompt", p)  # braces and their places only
         if step.subagent is not None and step.subagent not in self.view.subagents:
-            self.problems.append(
-                f"{path}.subagent: unknown subagent {step.subagent!r} "
-                + (f"(subagents: {subagents})" if self.view.subagents else "(no subagents defined)")
+            self._add(
+                f"{path}.subagent",
+                f"unknown subagent {step.subagent!r} "
+                + (
+                    f"(subagents: {subagents})" if self.view.subagents else "(no subagents defined)"
+                ),
+                "names no subagent of the spec",
             )
 
     def _input_type(self, inp: Input) -> ValueType:
@@ -555,8 +711,11 @@ class _Checker:
         for j, inp in enumerate(step.inputs):
             where = f"{path}.inputs[{j}]"
             if inp.name in seen:
-                self.problems.append(
-                    f"{where}.name: duplicate input {inp.name!r} (also inputs[{seen[inp.name]}])"
+                also = f"(also inputs[{seen[inp.name]}])"
+                self._add(
+                    f"{where}.name",
+                    f"duplicate input {inp.name!r} {also}",
+                    f"duplicate input {also}",
                 )
             seen.setdefault(inp.name, j)
             if inp.from_ is None and deps:
@@ -573,9 +732,11 @@ class _Checker:
         """A DAG node's input without `from`, named like a dependency's output, reads it."""
         owners = [d for d in deps if inp.name in (self._outputs(d) or {})]
         if len(owners) > 1:
-            self.problems.append(
-                f"{where}: {inp.name!r} is an output of several dependencies "
-                f"({_names(owners)}); say which with from: {owners[0]}.{inp.name}"
+            self._add(
+                where,
+                f"{inp.name!r} is an output of several dependencies ({_names(owners)}); say "
+                f"which with from: {owners[0]}.{inp.name}",
+                "its name is an output of several dependencies; say which with from",
             )
         if len(owners) == 1:
             return inp.model_copy(update={"from_": f"{owners[0]}.{inp.name}"})
@@ -588,9 +749,12 @@ class _Checker:
             self.params[inp.name] = (kind, inp.optional, where)
             return
         if known[0] != kind:
-            self.problems.append(
-                f"{where}.type: flow input {inp.name!r} is {kind} here but {known[0]} at "
-                f"{known[2]}; give it one type everywhere"
+            self._add(
+                f"{where}.type",
+                f"flow input {inp.name!r} is {kind} here but {known[0]} at {known[2]}; give it "
+                "one type everywhere",
+                f"the flow input is {kind} here but {known[0]} at {known[2]}; give it one type "
+                "everywhere",
             )
         self.params[inp.name] = (known[0], known[1] and inp.optional, known[2])
 
@@ -600,34 +764,46 @@ class _Checker:
         source_ref = inp.from_ or ""
         source, dot, output = source_ref.partition(".")
         if not dot or not _NAME.fullmatch(source) or not _NAME.fullmatch(output):
-            self.problems.append(
-                f"{where}.from: {source_ref!r} is not STATE.OUTPUT; write the source "
-                f"{self.noun}'s id and one of its outputs, e.g. 'draft.text'"
+            fix = f"write the source {self.noun}'s id and one of its outputs, e.g. 'draft.text'"
+            self._add(
+                f"{where}.from",
+                f"{source_ref!r} is not STATE.OUTPUT; {fix}",
+                f"not STATE.OUTPUT; {fix}",
             )
             return
         if source not in self.by_id:
-            self.problems.append(
-                f"{where}.from: unknown {self.noun} {source!r} ({self.noun}s: {self._ids()})"
+            self._add(
+                f"{where}.from",
+                f"unknown {self.noun} {source!r} ({self.noun}s: {self._ids()})",
+                f"names no {self.noun} of the spec",
             )
             return
         if isinstance(step, Node) and deps_known and source not in deps:
-            self.problems.append(
-                f"{where}.from: {source_ref!r} comes from node {source!r}, which is not in "
-                f"depends_on; add {source!r} to depends_on so that {step.id!r} waits for it"
+            self._add(
+                f"{where}.from",
+                f"{source_ref!r} comes from node {source!r}, which is not in depends_on; add "
+                f"{source!r} to depends_on so that {step.id!r} waits for it",
+                "comes from a node that is not in depends_on; add it to depends_on so that "
+                "the node waits for it",
             )
         outputs = self._outputs(source)
         if outputs is None:
             return
         if output not in outputs:
             declared = f"outputs: {', '.join(outputs)}" if outputs else "it declares no outputs"
-            self.problems.append(
-                f"{where}.from: {self.noun} {source!r} has no output {output!r} ({declared})"
+            self._add(
+                f"{where}.from",
+                f"{self.noun} {source!r} has no output {output!r} ({declared})",
+                f"names an output its {self.noun} does not declare",
             )
             return
         if inp.type is not None and inp.type != outputs[output]:
-            self.problems.append(
-                f"{where}.type: {inp.type} does not match output {source_ref}, which is "
-                f"{outputs[output]}; remove type or make them agree"
+            self._add(
+                f"{where}.type",
+                f"{inp.type} does not match output {source_ref}, which is {outputs[output]}; "
+                "remove type or make them agree",
+                f"{inp.type} does not match the output it reads, which is {outputs[output]}; "
+                "remove type or make them agree",
             )
 
     def _check_dependencies(self, item: _Item, node: Node) -> None:
@@ -640,14 +816,20 @@ class _Checker:
         for k, dep in enumerate(node.depends_on):
             where = f"{path}.depends_on[{k}]"
             if dep in seen:
-                self.problems.append(f"{where}: {dep!r} is listed twice; list it once")
+                self._add(
+                    where, f"{dep!r} is listed twice; list it once", "listed twice; list it once"
+                )
                 continue
             seen.add(dep)
             if dep == node.id:
-                self.problems.append(f"{where}: a node cannot depend on itself")
+                self._add(where, "a node cannot depend on itself")
                 continue
             if dep not in self.by_id:
-                self.problems.append(f"{where}: unknown node {dep!r} (nodes: {self._ids()})")
+                self._add(
+                    where,
+                    f"unknown node {dep!r} (nodes: {self._ids()})",
+                    "names no node of the spec",
+                )
                 continue
             outputs = self._outputs(dep)
             if outputs is None:
@@ -657,10 +839,12 @@ class _Checker:
                 if f"{dep}.{output}" in read:
                     continue
                 if output in taken:
-                    self.problems.append(
-                        f"{where}: output {output!r} of {dep!r} would become an input named "
-                        f"like another input of {node.id!r}; declare inputs with from to "
-                        "name them apart"
+                    self._add(
+                        where,
+                        f"output {output!r} of {dep!r} would become an input named like another "
+                        f"input of {node.id!r}; declare inputs with from to name them apart",
+                        "an output of this dependency would become an input named like another "
+                        "input of the node; declare inputs with from to name them apart",
                     )
                     continue
                 taken.add(output)
@@ -677,10 +861,13 @@ class _Checker:
                     if not outputs
                     else f"every input of {node.id!r} from it is optional"
                 )
-                self.problems.append(
-                    f"{where}: {node.id!r} would not wait for {dep!r}: {why}; a node waits "
-                    f"for a dependency through a required input, so give {dep!r} an output"
-                    + (" or make an input from it required" if outputs else "")
+                self._add(
+                    where,
+                    f"{node.id!r} would not wait for {dep!r}: {why}; a node waits for a "
+                    f"dependency through a required input, so give {dep!r} an output"
+                    + (" or make an input from it required" if outputs else ""),
+                    "the node would not wait for this dependency (it has no required input "
+                    "from it); a node waits for a dependency through a required input",
                 )
 
     # -- transitions
@@ -689,59 +876,76 @@ class _Checker:
         path = edge.path
         for key, ref in (("from", transition.from_), ("to", transition.to)):
             if ref not in self.by_id:
-                self.problems.append(f"{path}.{key}: unknown state {ref!r} (states: {self._ids()})")
+                self._add(
+                    f"{path}.{key}",
+                    f"unknown state {ref!r} (states: {self._ids()})",
+                    "names no state of the spec",
+                )
         guard = transition.when
         if guard is None:
             return
         where = f"{path}.when"
-        self.problems.extend(_json_problems(guard.value, f"{where}.value"))
+        self._keep(_json_problems(guard.value, f"{where}.value"))
         has_value = "value" in guard.model_fields_set
         if guard.op == "exists" and has_value:
-            self.problems.append(f"{where}.value: op exists takes no value; remove value")
+            self._add(f"{where}.value", "op exists takes no value; remove value")
         elif guard.op != "exists" and not has_value:
-            self.problems.append(
-                f"{where}: op {guard.op} needs a value; add value (write value: null to "
-                "compare with null)"
+            self._add(
+                where,
+                f"op {guard.op} needs a value; add value (write value: null to compare with null)",
             )
         elif guard.op in NUMERIC_OPS and (
             isinstance(guard.value, bool) or not isinstance(guard.value, int | float)
         ):
-            self.problems.append(
-                f"{where}.value: op {guard.op} compares numbers, got {_describe(guard.value)}; "
-                "give a number"
+            self._add(
+                f"{where}.value",
+                f"op {guard.op} compares numbers, got {_describe(guard.value)}; give a number",
+                f"op {guard.op} compares numbers, got {_kind(guard.value)}; give a number",
             )
         if guard.path is not None:
             try:
                 parse_path(guard.path)
             except ValueError as exc:
-                self.problems.append(f"{where}.path: {exc}")
+                self._add(
+                    f"{where}.path", str(exc), "not a path into the output; write it as a.b[0].c"
+                )
         outputs = self._outputs(transition.from_)
         if outputs is None:
             return
         if guard.output not in outputs:
             declared = f"outputs: {', '.join(outputs)}" if outputs else "it declares no outputs"
-            self.problems.append(
-                f"{where}.output: state {transition.from_!r} has no output {guard.output!r} "
-                f"({declared}); a guard tests an output of the transition's from state"
+            self._add(
+                f"{where}.output",
+                f"state {transition.from_!r} has no output {guard.output!r} ({declared}); a "
+                "guard tests an output of the transition's from state",
+                "names an output the from state does not declare; a guard tests an output "
+                "of the transition's from state",
             )
             return
         if outputs[guard.output] == "text":
             ref = f"{transition.from_}.{guard.output}"
             if guard.path is not None:
-                self.problems.append(
-                    f"{where}.path: output {ref} is text, which has no parts; declare it "
-                    "type: json or remove path"
+                self._add(
+                    f"{where}.path",
+                    f"output {ref} is text, which has no parts; declare it type: json or "
+                    "remove path",
+                    "the output is text, which has no parts; declare it type: json or remove path",
                 )
             elif guard.op in NUMERIC_OPS:
-                self.problems.append(
-                    f"{where}.op: output {ref} is text, which is never a number, so "
-                    f"{guard.op} could never pass; use eq or contains, or declare it type: json"
+                self._add(
+                    f"{where}.op",
+                    f"output {ref} is text, which is never a number, so {guard.op} could never "
+                    "pass; use eq or contains, or declare it type: json",
+                    f"the output is text, which is never a number, so {guard.op} could never "
+                    "pass; use eq or contains, or declare it type: json",
                 )
             elif guard.op in ("eq", "ne", "contains") and not isinstance(guard.value, str):
-                self.problems.append(
-                    f"{where}.value: output {ref} is text, so op {guard.op} compares it with "
-                    f"a string, got {_describe(guard.value)}; quote the value or declare the "
-                    "output type: json"
+                self._add(
+                    f"{where}.value",
+                    f"output {ref} is text, so op {guard.op} compares it with a string, got "
+                    f"{_describe(guard.value)}; quote the value or declare the output type: json",
+                    f"the output is text, so op {guard.op} compares it with a string, got "
+                    f"{_kind(guard.value)}; quote the value or declare the output type: json",
                 )
 
     # -- the machine as a whole
@@ -753,27 +957,31 @@ class _Checker:
             return
         entries = [item.id for item in items if item.entry and item.id is not None]
         if not entries:
-            self.problems.append(
-                "states: no state has entry: true; mark the state(s) the flow starts in"
-            )
+            self._add("states", "no state has entry: true; mark the state(s) the flow starts in")
             return
         if any(edge.target is None or edge.source is None for edge in self.view.edges):
             return  # a broken transition: reachability would be guesswork
+        leads: dict[str | None, list[str | None]] = {}
+        for edge in self.view.edges:
+            leads.setdefault(edge.source, []).append(edge.target)
         reached = set(entries)
         frontier = list(entries)
         while frontier:
-            current = frontier.pop()
-            for edge in self.view.edges:
-                if edge.source == current and edge.target not in reached:
-                    assert edge.target is not None
-                    reached.add(edge.target)
-                    frontier.append(edge.target)
+            for target in leads.get(frontier.pop(), []):
+                if target not in reached:
+                    assert target is not None
+                    reached.add(target)
+                    frontier.append(target)
         for item in items:
             if item.id is not None and item.id not in reached and self.by_id[item.id] is item:
-                self.problems.append(
-                    f"{item.path}: state {item.id!r} can never run: it is not an entry state "
-                    "and no transition from a reachable state leads to it; add entry: true "
-                    "or a transition to it"
+                fix = (
+                    "it is not an entry state and no transition from a reachable state leads "
+                    "to it; add entry: true or a transition to it"
+                )
+                self._add(
+                    item.path,
+                    f"state {item.id!r} can never run: {fix}",
+                    f"the state can never run: {fix}",
                 )
 
     def _check_input_cycles(self) -> None:
@@ -792,14 +1000,16 @@ class _Checker:
         graph = {node: [edge[0] for edge in edges] for node, edges in needs.items()}
         for cycle in _cycles(list(self.by_id), graph):
             steps = []
-            first_path = ""
+            paths = []
             for a, b in zip(cycle, [*cycle[1:], cycle[0]], strict=True):
                 source, ref, where = next(e for e in needs[a] if e[0] == b)
                 steps.append(f"{a} needs {ref}")
-                first_path = first_path or where
-            self.problems.append(
-                f"{first_path}: required inputs form a cycle ({', '.join(steps)}), so none "
-                "of these states can ever start; make one of these inputs optional: true"
+                paths.append(where)
+            fix = "so none of these states can ever start; make one of these inputs optional: true"
+            self._add(
+                paths[0],
+                f"required inputs form a cycle ({', '.join(steps)}), {fix}",
+                f"required inputs form a cycle ({', '.join(paths)}), {fix}",
             )
 
     def _check_dependency_cycles(self) -> None:
@@ -816,12 +1026,13 @@ class _Checker:
                 ]
                 paths[item.id] = item.path
         for cycle in _cycles(list(self.by_id), graph):
-            steps = ", ".join(
-                f"{a} depends on {b}" for a, b in zip(cycle, [*cycle[1:], cycle[0]], strict=True)
-            )
-            self.problems.append(
-                f"{paths[cycle[0]]}.depends_on: dependencies form a cycle ({steps}); "
-                "a DAG has no cycles, so none of these nodes could start"
+            pairs = list(zip(cycle, [*cycle[1:], cycle[0]], strict=True))
+            steps = ", ".join(f"{a} depends on {b}" for a, b in pairs)
+            fix = "a DAG has no cycles, so none of these nodes could start"
+            self._add(
+                f"{paths[cycle[0]]}.depends_on",
+                f"dependencies form a cycle ({steps}); {fix}",
+                f"dependencies form a cycle ({', '.join(paths[a] for a, _ in pairs)}); {fix}",
             )
 
 
@@ -833,30 +1044,42 @@ def _cycles(order: list[str], graph: dict[str, list[str]]) -> list[list[str]]:
     stack: list[str] = []
     on_stack: set[str] = set()
     components: list[list[str]] = []
-
-    def connect(node: str) -> None:  # Tarjan; flows are small, recursion depth is fine
-        index[node] = low[node] = len(index)
-        stack.append(node)
-        on_stack.add(node)
-        for nxt in graph.get(node, []):
-            if nxt not in index:
-                connect(nxt)
-                low[node] = min(low[node], low[nxt])
-            elif nxt in on_stack:
-                low[node] = min(low[node], index[nxt])
-        if low[node] == index[node]:
-            component = []
-            while True:
-                member = stack.pop()
-                on_stack.discard(member)
-                component.append(member)
-                if member == node:
-                    break
-            components.append(component)
-
-    for node in order:
-        if node not in index:
-            connect(node)
+    for root in order:
+        if root in index:
+            continue
+        # Tarjan's algorithm with a stack of (node, its next edge) instead of recursion: a
+        # chain of 1,024 states would pass Python's recursion limit.
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        work = [(root, 0)]
+        while work:
+            node, i = work[-1]
+            edges = graph.get(node, [])
+            if i < len(edges):
+                work[-1] = (node, i + 1)
+                nxt = edges[i]
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, 0))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                components.append(component)
     cycles = []
     rank = {node: i for i, node in enumerate(order)}
     for component in sorted(components, key=lambda c: min(rank.get(n, 0) for n in c)):

@@ -73,6 +73,10 @@ INPUTS = frozenset(
     }
 )
 ENDS = {"finished": RunState.COMPLETED, "failed": RunState.FAILED, "stopped": RunState.CANCELLED}
+# Limits of a tree a start can be refused for, when a run's code started the flow (its
+# instances are that run's children). The counts they compare never go down, so a start
+# refused for one would be refused again: the instance fails at once, not tried again.
+TREE_LIMITS = frozenset({"max_depth", "max_children", "max_children_per_run"})
 
 
 def _mark(d: dict[str, Any]) -> tuple[Any, ...]:
@@ -115,6 +119,10 @@ class Host(Protocol):
     ) -> Any: ...
 
     def run_of(self, run_id: str) -> Any: ...
+
+    def children_left(self, run: Any) -> int | None:
+        """How many more runs the tree's limits leave to the flow whose run is `run` (None:
+        no bound but the flow's own settings)."""
 
 
 @dataclass
@@ -229,6 +237,12 @@ class FlowExecutor:
         self._budget_timer: asyncio.TimerHandle | None = None
         self.entries_by_key: dict[tuple[str, int], Entry] = {}
         self.spec: dict[str, Any] = {}  # as journaled (a resumed parent's replay compares it)
+        # At most this many instances per foreach entry (None: foreach.max alone): what the
+        # tree's limits left when a run's code started the flow, plus one, so that a list
+        # longer than the limits allow fails its entry naming the limit rather than being
+        # cut short in silence, and a foreach.max of millions makes no millions of
+        # instances. Journaled with the spec: a rebuild from the ledger clamps the same.
+        self.foreach_cap: int | None = None
         self.started: list[str] = []  # the states the flow started with
         # Ending: (final status, reason, milestone) once the flow has begun to end.
         self.ending: tuple[str, str, str | None] | None = None
@@ -280,7 +294,10 @@ class FlowExecutor:
         a resume rebuilds it from), enter its entry states; returns the states started."""
         self.run = await self.host.create_controller(title, parent, run_id)
         self.spec = dict(spec or {})
-        self.ledger("spec", spec=self.spec, params=self.params)
+        left = self.host.children_left(self.run)
+        self.foreach_cap = None if left is None else left + 1
+        capped = {} if self.foreach_cap is None else {"foreach_cap": self.foreach_cap}
+        self.ledger("spec", spec=self.spec, params=self.params, **capped)
         self.ledger("flow_started", entry=list(self.m.entry), params=sorted(self.params))
         self._arm_budget(self.m.run.budget)
         self._spawn(self._watch_run())
@@ -368,7 +385,10 @@ class FlowExecutor:
                 )
                 self._entry_failed(entry, st, where, why)
                 return
-            seq = over[: st.foreach.max]
+            most = st.foreach.max
+            if self.foreach_cap is not None:
+                most = min(most, self.foreach_cap)
+            seq = over[:most]
             items = [(i, values | {st.foreach.over: v}) for i, v in enumerate(seq)]
         entry.expected = len(items)
         for item, vals in items:
@@ -538,7 +558,9 @@ class FlowExecutor:
     ) -> Any:
         """Start the instance's child. A start refused for capacity (LimitExceeded,
         BackendError) or a rate limit is tried again after 1 s, doubling to 60 s, 5 tries
-        in all; the wait is this instance's own task, so the control loop goes on."""
+        in all; the wait is this instance's own task, so the control loop goes on. One
+        refused for a tree limit (TREE_LIMITS) fails the instance at once, and is not
+        retried (nor are its state's retries spent on it): it would be refused again."""
         delay = START_BACKOFF_FIRST_S
         for tries in range(1, START_TRIES + 1):
             try:
@@ -551,6 +573,9 @@ class FlowExecutor:
                     pool=st.pool,
                 )
             except (LimitExceeded, BackendError, RateLimited) as exc:
+                if isinstance(exc, LimitExceeded) and exc.kind in TREE_LIMITS:
+                    self._settled(inst, "failed", f"could not start: {exc}", retry=False)
+                    return None
                 if tries == START_TRIES:
                     why = f"could not start after {tries} tries: {exc}"
                 else:
@@ -902,7 +927,7 @@ class FlowExecutor:
         if head is None or not head.get("spec"):
             raise BroodError(f"flow {run.id}: its ledger holds no spec, so it cannot be rebuilt")
         ex = cls(host, compile_spec(load_spec(head["spec"])), head.get("params"), sleep=sleep)
-        ex.run, ex.spec = run, head["spec"]
+        ex.run, ex.spec, ex.foreach_cap = run, head["spec"], head.get("foreach_cap")
         ex.replaying = True
         journaled: list[dict[str, Any]] = []  # the derived events of the ledger
         for d in ledger:

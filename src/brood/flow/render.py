@@ -181,7 +181,12 @@ def read_output(answer: str, name: str, type: str = "text") -> Any:
 
 
 def _loads(text: str) -> Any:
-    return json.loads(text, parse_constant=_reject_constant)
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:  # an answer is model output: it may nest past what Python parses
+        raise ValueError(
+            "nested deeper than JSON can be read here; keep the output's value shallow"
+        ) from None
 
 
 def _parse_output(text: str, name: str, where: str) -> Any:

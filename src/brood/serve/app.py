@@ -141,10 +141,7 @@ async def start_flow(request: Request) -> Response:
     body = await read_object(request, allowed=("spec", "inputs"))
     spec = body.get("spec")
     if isinstance(spec, str) and spec.strip():
-        check_depth(spec, "the spec", field="spec")  # JSON text is parsed by recursion
-        # A one-line string could be read as a path on this machine; a spec over HTTP is
-        # always text, which a line break makes it.
-        spec = spec + "\n"
+        check_depth(spec, "the spec", field="spec")  # refused before anything parses it
     elif not isinstance(spec, dict):
         raise ApiError(
             422, f"spec must be an object or YAML/JSON text, got {json_type(spec)}", field="spec"
@@ -153,15 +150,14 @@ async def start_flow(request: Request) -> Response:
     host = _host(request)
 
     def start() -> brood.FlowHandle:
+        from brood.flow.load import load_spec_text
+
+        # A spec over HTTP is text, never a path on this machine, whatever it looks like.
         try:
-            return host.supervisor().flow_run(spec, inputs=inputs)
-        except RecursionError:  # YAML nested by indentation, which no bracket count sees
-            raise ApiError(
-                422,
-                "the spec nests too deep to be read (PyYAML reads nesting by recursion)",
-                field="spec",
-                fix="a flow spec nests a few levels; write it flatter",
-            ) from None
+            loaded = load_spec_text(spec, quote=True) if isinstance(spec, str) else spec
+        except brood.InvalidSpec as exc:
+            raise ApiError(422, str(exc), field="spec") from None
+        return host.supervisor().flow_run(loaded, inputs=inputs)
 
     flow = await run_in_threadpool(start)
     return Json(

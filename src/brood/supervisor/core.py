@@ -542,7 +542,7 @@ class Core:
         fresh = [(k, p) for k, p in zip(keys, msg.prompts, strict=True) if k not in adopted]
         root = self._top(parent)
         self.limits.admit_children(
-            tree_total=root.tree_children, run_total=len(parent.children), count=len(fresh)
+            tree_total=root.tree_children, run_total=self.children_of(parent), count=len(fresh)
         )
         if root.guest and fresh:  # the tree's own count is kept by its root's node
             assert self.spreader is not None
@@ -1502,7 +1502,7 @@ class Core:
             "depth": run.rec.depth,
             "max_depth": lim.max_depth,
             "children_left": max(0, lim.max_children - root.tree_children),
-            "children_left_for_this_run": max(0, lim.max_children_per_run - len(run.children)),
+            "children_left_for_this_run": max(0, lim.max_children_per_run - self.children_of(run)),
             "tokens_left": None if lim.token_budget is None else max(0, lim.token_budget - tokens),
             "cost_left": None if lim.cost_budget is None else max(0.0, lim.cost_budget - cost),
             "tokens_used": int(tokens),
@@ -1730,12 +1730,18 @@ class Core:
         if parent is None:
             rec = self._root_record(prompt, FLOW_MODEL, run_id)
         else:
+            await self._admit_for_flow(parent)
             rec = self._child_record(parent, _flow_key(parent), prompt, FLOW_MODEL)
+            # A flow's run holds no worker and is no level of the tree: it is recorded at
+            # its parent's depth, so its instances are at the depth of the parent's own
+            # children, where every check of depth (admission, the worker's Start,
+            # budget_remaining, a resume) reads it from the record.
+            rec.depth = parent.rec.depth
             parent.flows_started += 1
         run = Run(rec, self.model, None, None, None, parent)
         if parent is not None:
             parent.children.append(run)
-        await self._journal_or_forget([run], parent)
+        await self._journal_or_forget([run], parent, 0 if parent is None else 1)
         await self._move(run, RUN)
         run.started.set()
         return run
@@ -1753,10 +1759,16 @@ class Core:
         pool: str | None = None,
     ) -> Run:
         """Start a child of a controller run. Its outcome is awaited on `child.done`.
-        Flow instances are bounded by the flow's own settings, not by the child limits."""
+        The instances of a flow the user started are bounded by the flow's own settings;
+        those of a flow a run's code started are that run's children for every tree limit
+        (LimitExceeded when one would pass)."""
         if self.closing or parent.ending is not None or parent.rec.state is not RUN:
             raise BroodError(f"run {parent.id} is {parent.rec.state.value}; it starts no children")
         self.limits.check_pool(pool)
+        if parent.parent is not None:  # counted by the admission
+            await self._admit_for_flow(parent.parent)
+        else:
+            self._top(parent).tree_children += 1
         rec = self._child_record(parent, key, prompt, model_name or self.model_name)
         rec.pool = pool
         child = Run(
@@ -1768,11 +1780,45 @@ class Core:
             parent,
         )
         parent.children.append(child)
-        self._top(parent).tree_children += 1
         await self._journal_or_forget([child], parent, 1)
         self.start_queue.append(child)
         self._grant()
         return child
+
+    async def _admit_for_flow(self, starter: Run) -> None:
+        """One more run for a flow `starter`'s code started (the flow's own run, or one of
+        its instances), admitted and counted as a child of `starter` (DESIGN.md section
+        14): refused with LimitExceeded unless `starter` may start children (max_depth)
+        and one more child fits max_children (the tree) and max_children_per_run."""
+        if not self.limits.can_start_child(starter.rec.depth):
+            raise LimitExceeded("max_depth", starter.rec.depth + 2, self.limits.max_depth)
+        top = self._top(starter)
+        self.limits.admit_children(
+            tree_total=top.tree_children, run_total=self.children_of(starter), count=1
+        )
+        if top.guest:  # the tree's own count is kept by its root's node
+            assert self.spreader is not None
+            await self.spreader.admit(top, 1)
+        top.tree_children += 1
+
+    def children_of(self, run: Run) -> int:
+        """The runs `run` started, for max_children_per_run: its children (every attempt)
+        and every run of each flow its code started."""
+        return len(run.children) + sum(
+            len(c.children) for c in run.children if c.rec.model == FLOW_MODEL
+        )
+
+    def children_left(self, flow: Run) -> int | None:
+        """How many more runs the tree limits leave to the flow whose run is `flow`: None
+        for a flow the user started (its own settings bound it)."""
+        starter = flow.parent
+        if starter is None:
+            return None
+        if not self.limits.can_start_child(starter.rec.depth):
+            return 0
+        lim = self.limits
+        tree = lim.max_children - self._top(starter).tree_children
+        return max(0, min(tree, lim.max_children_per_run - self.children_of(starter)))
 
     def event(self, run: Run, kind: str, data: dict[str, Any]) -> None:
         """Journal an event of a run (a flow's ledger)."""

@@ -7,9 +7,12 @@ prompt from them, so keep each one short and exact.
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import json
 import math
+import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -25,6 +28,7 @@ from brood.errors import (
     ChildFailed,
     ChildNotReady,
     InvalidArgument,
+    InvalidSpec,
     LimitExceeded,
     ModelError,
     ReplayDiverged,
@@ -49,6 +53,7 @@ from brood.protocol import (
     SendReq,
     SpawnReq,
 )
+from brood.spec_text import MAX_SPEC_BYTES, looks_like_path, over_bound
 from brood.worker.link import TERMINAL_STATES, Link, stalled
 from brood.worker.repl import FinalSignal, ReplayStop, StepClock
 from brood.worker.toolkit import make_toolkit
@@ -942,8 +947,9 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
 
     def flow_run(spec: Any, inputs: dict[str, Any] | None = None) -> str:
         """Start a flow (a state-machine workflow of sub-agents) from a spec: a dict, or
-        YAML/JSON text, or a path to a spec file. Returns its id at once; its milestones
-        (finished, failed, paused, ...) are announced in your next turns."""
+        YAML/JSON text, or a path to a spec file (read here, as your code reads any file).
+        Its states' runs are children of this run for every limit. Returns its id at once;
+        its milestones (finished, failed, paused, ...) are announced in your next turns."""
         if not isinstance(spec, dict | str):
             raise InvalidArgument("flow_run(spec): pass a dict, YAML/JSON text or a file path")
         if inputs is not None and not isinstance(inputs, dict):
@@ -951,7 +957,23 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
                 f"flow_run(spec, inputs): inputs must be a dict {{name: value}}, "
                 f"got {type(inputs).__name__}"
             )
-        text = spec if isinstance(spec, str) else _json("spec", spec)
+        if not rt.can_spawn:  # the supervisor refuses it too; this saves the trip
+            raise LimitExceeded(
+                "max_depth",
+                rt.depth + 2,
+                rt.max_depth,
+                hint=f"this run is at depth {rt.depth} of max_depth={rt.max_depth}; a flow's "
+                "states are this run's children, and it may start none",
+            )
+        if isinstance(spec, dict):
+            text = _json("spec", spec)
+        elif looks_like_path(spec):
+            text = _read_spec_file(spec)
+        else:
+            text = spec
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > MAX_SPEC_BYTES:
+            raise InvalidSpec(over_bound("(text)", size))
         result: dict[str, Any] = _flow("run", spec=text, inputs=_json("inputs", inputs or {}))
         flow_id = str(result["id"])
         # Its run is a child of this one, but no handle collects it: its milestones are
@@ -962,10 +984,10 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
     def _json(what: str, value: Any) -> str:
         try:
             return json.dumps(value, allow_nan=False)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RecursionError) as exc:
             raise InvalidArgument(
                 f"flow_run: {what} must hold only JSON values (dict, list, str, finite "
-                f"numbers, bool, None): {exc}"
+                f"numbers, bool, None), nested less deeply than Python recurses: {exc}"
             ) from None
 
     def flow_status(flow_id: str) -> dict[str, Any]:
@@ -1071,6 +1093,47 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
         )
     }
     return helpers
+
+
+_NOT_A_FILE = (
+    "not a regular file (a spec is read from a .yaml, .yml or .json file; a FIFO, a device "
+    "or a directory is not read)"
+)
+
+
+def _read_spec_file(name: str) -> str:
+    """The text of the spec file `name` (relative to this worker's cwd, its scratch), read
+    by this worker under its own confinement: a file the run may not read raises the
+    OSError naming it. Only a regular file is read (a FIFO would block, a device would not
+    end), and only up to MAX_SPEC_BYTES."""
+    try:
+        if not stat.S_ISREG(os.stat(name).st_mode):
+            raise InvalidSpec(f"flow_run({name!r}): {_NOT_A_FILE}")
+        # O_NONBLOCK: if a FIFO took the file's place since the stat, opening it does not
+        # wait for a writer (and fstat tells).
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            errno.ENOENT,
+            "no such spec file (a relative path is read from the run's scratch "
+            "directory, its working directory)",
+            name,
+        ) from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise InvalidSpec(f"flow_run({name!r}): {_NOT_A_FILE}")
+        if info.st_size > MAX_SPEC_BYTES:
+            raise InvalidSpec(over_bound(repr(name), info.st_size))
+        data = f.read(MAX_SPEC_BYTES + 1)
+    if len(data) > MAX_SPEC_BYTES:  # it grew while it was read
+        raise InvalidSpec(over_bound(repr(name), None))
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidSpec(
+            f"flow_run({name!r}): not UTF-8 text (byte {exc.start}); a spec is a YAML or JSON file"
+        ) from None
 
 
 def _notify(link: Link) -> None:
