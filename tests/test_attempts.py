@@ -4,6 +4,7 @@ are cancelled. Cancelled children are not retried. Real workers, scripted models
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -107,6 +108,23 @@ def test_retries_run_out_and_the_parent_hears_the_last_failure():
         (1, "failed"),
         (2, "failed"),
     ]
+
+
+def test_attempts_count_against_max_children():
+    """Each attempt is one more run of the tree: past max_children no attempt starts, and the
+    parent hears the last one's failure."""
+    root = code(
+        "try:\n    rlm_query('child: always crashes', retries=5)\n"
+        "except ChildFailed as e:\n    FINAL(e.status + ': ' + e.reason)"
+    )
+    limits = dataclasses.replace(FAST, max_children=2)
+    with brood.Supervisor(Attempts(root, [CRASH]), limits=limits) as sup:
+        result = sup.run("root")
+        kids = children_of(sup, result.run_id)
+        refused = sup.store.events(kids[-1]["id"], "retry_refused")
+    assert result.answer == "failed: worker exited with status 3", result
+    assert sorted(r["attempt"] for r in kids) == [0, 1]
+    assert "limit max_children exceeded" in refused[0]["data"]["error"], refused
 
 
 def test_a_cancelled_child_is_not_retried():

@@ -1621,10 +1621,22 @@ class Core:
             old.retrying = False
             self._tell_parent(old)
             return
+        root = self._top(parent)
+        try:  # an attempt is one more run of the tree: it counts against max_children
+            self.limits.admit_children(tree_total=root.tree_children, run_total=0, count=1)
+            if root.guest:  # the tree's own count is kept by its root's node
+                assert self.spreader is not None
+                await self.spreader.admit(root, 1)
+        except Exception as exc:
+            old.retrying = False
+            self._event(old, "retry_refused", {"error": str(exc)})
+            self._tell_parent(old)
+            return
+        root.tree_children += 1
         parent.children.append(new)
         old.next_attempt = new  # from now on its parent's handle stands for this attempt
         try:
-            await self._journal_or_forget([new], parent)
+            await self._journal_or_forget([new], parent, 1)
         except Exception:
             old.next_attempt, old.retrying = None, False
             self._tell_parent(old)
