@@ -458,3 +458,30 @@ def test_products_are_json_within_the_answer_cap(products, why):
     ok = {"a": [1, 2.5, None, True, "é"], "b": {"c": []}}
     assert checked_products(ok, 100) == ok
     assert len(json.dumps(ok)) <= 100
+
+
+def test_forged_turns_stop_at_max_iterations(store):
+    """Model code rebuilds its own conversation exactly (from the agent's message list) and
+    asks for turn after turn: the supervisor answers up to max_iterations + 1 turns in all,
+    then ends the run; the model is called no more than that."""
+    calls: list[int] = []
+
+    def counting(messages, model=None):
+        calls.append(len(messages))
+        return coder(messages)
+
+    code = (
+        "msgs = next(o for o in gc.get_objects() if isinstance(o, list) and o\n"
+        "            and isinstance(o[0], dict) and o[0].get('role') == 'system')\n"
+        "convo = [dict(m) for m in msgs]\n"
+        "for i in range(30):\n"
+        "    convo.append({'role': 'user', 'content': f'more {i}'})\n"
+        "    sent = len(convo) - 2\n"
+        "    reply = ask(P.ModelReq(req_id=rid(), kind='turn', messages=convo, new_from=sent))\n"
+        "    convo.append({'role': 'assistant', 'content': reply})\n"
+    )
+    with brood.Supervisor(counting, limits=limits(max_iterations=2), store=store) as sup:
+        result = forged(sup, code + "FINAL('thirty turns')")
+        violation(result, "model turn 4 is past Limits.max_iterations=2")
+        turns = sup.store.events(result.run_id, "model_call")
+    assert len(calls) == 3 and len(turns) == 3, (calls, turns)
