@@ -27,24 +27,17 @@ from brood.supervisor.frames import (
     Violation,
     checked_products,
 )
-from tests.trust_util import coder, limits, still_serves, task
+from tests.trust_util import CHANNEL, coder, limits, still_serves, task
 from tests.util import Gate, Signal
 
 # Model code that holds its worker's link and runtime: `frame(dict)` writes a raw frame,
 # `ask(msg)` sends a request struct (past the worker's own checks) and waits for its reply.
-FORGE = """import gc, struct, msgspec
-from concurrent.futures import Future
+FORGE = (
+    CHANNEL
+    + """from concurrent.futures import Future
 from brood import protocol as P
-from brood.worker.link import Link
 from brood.worker.helpers import Runtime
-link = next(o for o in gc.get_objects() if isinstance(o, Link))
 rt = next(o for o in gc.get_objects() if isinstance(o, Runtime))
-def raw(data):
-    with link.chan._lock:
-        link.chan._w.write(data)
-def frame(obj):
-    body = msgspec.msgpack.encode(obj)
-    raw(struct.pack('>I', len(body)) + body)
 def ask(msg):
     fut = Future()
     with link._pending_lock:
@@ -54,6 +47,7 @@ def ask(msg):
 def rid():
     return link.next_id()
 """
+)
 
 
 @pytest.fixture

@@ -27,6 +27,7 @@ from brood.supervisor.control import control_request, key_path
 from brood.worker.confine import CGROUP_HEADROOM, probe
 from brood.worker.repl import CAPTURE_LIMIT
 from tests.trust_util import (
+    CHANNEL,
     NO_FINAL,
     as_seen_by,
     coder,
@@ -50,20 +51,6 @@ def store(tmp_path) -> str:
 
 def sup_of(store: str, lim: brood.Limits | None = None, **kw) -> brood.Supervisor:
     return brood.Supervisor(coder, limits=lim or limits(), store=store, **kw)
-
-
-# Model code that finds the worker's own channel to the supervisor and can write raw bytes
-# on it (what a model that read brood's source would do).
-CHANNEL = """import gc, struct, msgspec
-from brood.worker.link import Link
-link = next(o for o in gc.get_objects() if isinstance(o, Link))
-def raw(data):
-    with link.chan._lock:
-        link.chan._w.write(data)
-def frame(obj):
-    body = msgspec.msgpack.encode(obj)
-    raw(struct.pack('>I', len(body)) + body)
-"""
 
 
 # ---- 1-2: secrets ---------------------------------------------------------------------------

@@ -47,6 +47,19 @@ def coder(messages: list[dict[str, Any]]) -> str:
     return repl(first.split("<<<\n", 1)[1].split("\n>>>", 1)[0])
 
 
+# Model code that finds the worker's own channel to the supervisor and can write raw bytes
+# on it (what a model that read brood's source would do): `raw(bytes)`, `frame(dict)`.
+CHANNEL = """import gc, struct, msgspec
+from brood.worker.link import Link
+link = next(o for o in gc.get_objects() if isinstance(o, Link))
+def raw(data):
+    with link.chan._lock:
+        link.chan._w.write(data)
+def frame(obj):
+    body = msgspec.msgpack.encode(obj)
+    raw(struct.pack('>I', len(body)) + body)
+"""
+
 # Model code: `tr(name, fn)` records fn's value or the exception it raised; `R` is FINALed
 # as JSON by `probe_code`.
 PRELUDE = """import json, os, errno

@@ -35,6 +35,7 @@ import msgspec
 
 from brood.errors import ConfinementError
 from brood.worker import disk
+from brood.worker.trial import in_child
 
 __all__ = [
     "CGROUP_HEADROOM",
@@ -1446,31 +1447,8 @@ def _try_cgroup(support: Support) -> str:
     try:
         memory = 1 << 30 if support.cgroup_memory_dir else None
         policy = Policy(scratch="", processes=1, memory=memory)
-        r, w = os.pipe()
-        try:
-            pid = os.fork()
-        except OSError as exc:
-            os.close(r)
-            os.close(w)
-            return f"could not fork to probe ({exc})"
-        if pid == 0:  # pragma: no cover - child
-            code = 0
-            try:
-                os.close(r)
-                cgroup_enter(parent, os.getpid(), policy, support)
-            except BaseException as exc:
-                os.write(w, str(exc).encode()[:4000])
-                code = 1
-            os._exit(code)
-        os.close(w)
-        with os.fdopen(r, "rb") as f:
-            message = f.read().decode(errors="replace")
-        _, status = os.waitpid(pid, 0)
-        if message:
-            return message.removeprefix("confinement: cgroup: ")
-        if os.waitstatus_to_exitcode(status) != 0:
-            return f"the probe child ended with status {os.waitstatus_to_exitcode(status)}"
-        return ""
+        pid, why = in_child(lambda: cgroup_enter(parent, os.getpid(), policy, support))
+        return why.removeprefix("confinement: cgroup: ")
     finally:
         if pid > 0:
             for _ in range(100):  # a reaped task can linger in its cgroup for a moment

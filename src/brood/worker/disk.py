@@ -33,6 +33,7 @@ import os
 import tempfile
 
 from brood.errors import ConfinementError
+from brood.worker.trial import in_child
 
 __all__ = ["TMPFS", "TMPFS_USERNS", "bound_scratch", "probe"]
 
@@ -146,35 +147,19 @@ def probe() -> tuple[str, str]:
         where = tempfile.mkdtemp(prefix="brood-disk-probe-")
     except OSError as exc:
         return "", f"could not make a directory to probe ({exc})"
+
+    def scratch_of_its_own() -> None:
+        bound_scratch(where, 1 << 20, mechanism)
+        with open(os.path.join(where, "probe"), "wb") as f:
+            f.write(b"x")
+
     try:
-        r, w = os.pipe()
-        try:
-            pid = os.fork()
-        except OSError as exc:
-            os.close(r)
-            os.close(w)
-            return "", f"could not fork to probe ({exc})"
-        if pid == 0:  # pragma: no cover - child
-            try:
-                os.close(r)
-                bound_scratch(where, 1 << 20, mechanism)
-                with open(os.path.join(where, "probe"), "wb") as f:
-                    f.write(b"x")
-            except BaseException as exc:
-                os.write(w, str(exc).encode()[:2000])
-            finally:
-                os._exit(0)
-        os.close(w)
-        with os.fdopen(r, "rb") as f:
-            message = f.read().decode(errors="replace")
-        _, status = os.waitpid(pid, 0)
+        _, why = in_child(scratch_of_its_own)
     finally:
         try:
             os.rmdir(where)
         except OSError:
             pass  # the probe child wrote beside its mount: leave it, it is tiny
-    if message:
-        return "", message.removeprefix("confinement: ")
-    if (code := os.waitstatus_to_exitcode(status)) != 0:
-        return "", f"the probe child ended with status {code}"
+    if why:
+        return "", why.removeprefix("confinement: ")
     return mechanism, ""
