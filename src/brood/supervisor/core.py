@@ -1816,6 +1816,8 @@ class Core:
     def children_of(self, run: Run) -> int:
         """The runs `run` started, for max_children_per_run: its children (every attempt)
         and every run of each flow its code started."""
+        if not run.flows_started:  # the common case, on every start of a child: no walk
+            return len(run.children)
         return len(run.children) + sum(
             len(c.children) for c in run.children if c.rec.model == FLOW_MODEL
         )
