@@ -827,6 +827,9 @@ class Core:
         elif isinstance(msg, AskCancelReq):
             self._ask(run, msg.req_id, self.asks.withdraw(run, msg))
         elif isinstance(msg, FlowReq):
+            # A flow's spec and inputs are journaled (on its own run) for its starter.
+            if msg.op == "run" and not self._charge(run, frames.weight([msg.spec, msg.inputs])):
+                return  # the run fails naming its journal bytes
             self._ask(run, msg.req_id, self._flow_request(run, msg))
         elif isinstance(msg, Blocked):
             self._on_blocked(run, msg)
