@@ -17,17 +17,16 @@ import re
 import select
 import subprocess
 import sys
-import threading
 import tty
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 import brood
 from brood.cli.terminal import clean
 from brood.journal import Journal
+from tests.test_serve import until
 from tests.util import fast
 
 BROOD = [sys.executable, "-m", "brood.cli.main"]
@@ -86,15 +85,6 @@ SCRIPT = {
 
 # rich markup in model text is shown as it is: never a hyperlink (OSC 8), nor an error.
 MARKUP = "[link=https://evil.test]linkword[/link] [bold]notbold[/] [/]"
-
-
-def until(condition: Callable[[], Any], timeout: float = 30.0) -> Any:
-    pause = threading.Event()
-    for _ in range(int(timeout / 0.02)):
-        if value := condition():
-            return value
-        pause.wait(0.02)
-    raise AssertionError("the condition never held")
 
 
 def on_a_terminal(args: list[str], term: str) -> bytes:
