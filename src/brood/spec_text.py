@@ -6,15 +6,18 @@ sent as text (`brood.worker.helpers`); the supervisor parses the text of a worke
 opens a path a worker named (`brood.flow.load.load_spec_text`). Only the user's own calls
 (`Supervisor.flow_run(path)`, `brood flow validate PATH`, `brood flow run PATH`) read a
 path on the supervisor's side. Like `brood.protocol`, this module belongs to neither side:
-it imports nothing of brood, so a worker imports it without the flow package.
+it imports only `brood.errors`, so a worker imports it without the flow package.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Final
+from typing import BinaryIO, Final
 
-__all__ = ["MAX_SPEC_BYTES", "SPEC_SUFFIXES", "looks_like_path", "over_bound"]
+from brood.errors import InvalidSpec
+
+__all__ = ["MAX_SPEC_BYTES", "SPEC_SUFFIXES", "looks_like_path", "over_bound", "read_bounded"]
 
 SPEC_SUFFIXES: Final = (".yaml", ".yml", ".json")
 MAX_SPEC_BYTES: Final = 1 << 20  # a spec's text; a real one is a few KB
@@ -42,3 +45,16 @@ def over_bound(label: str, size: int | None) -> str:
         f"invalid flow spec {label}: {held} the {MAX_SPEC_BYTES:,}-byte bound of a spec; a "
         "spec describes states, it does not carry data (pass data as inputs)"
     )
+
+
+def read_bounded(f: BinaryIO, label: str) -> bytes:
+    """The bytes of the open spec file `f`, refused with InvalidSpec past MAX_SPEC_BYTES: by
+    its size where it has one, else once a byte past the bound is read (a pipe, /dev/zero
+    or a file growing meanwhile is never read further)."""
+    size = os.fstat(f.fileno()).st_size
+    if size > MAX_SPEC_BYTES:
+        raise InvalidSpec(over_bound(label, size))
+    data = f.read(MAX_SPEC_BYTES + 1)
+    if len(data) > MAX_SPEC_BYTES:
+        raise InvalidSpec(over_bound(label, None))
+    return data

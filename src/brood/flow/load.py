@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -33,7 +32,7 @@ from brood.flow.check import (
     _view_from_spec,
 )
 from brood.flow.schema import FlowSpec
-from brood.spec_text import MAX_SPEC_BYTES, looks_like_path, over_bound
+from brood.spec_text import MAX_SPEC_BYTES, looks_like_path, over_bound, read_bounded
 
 __all__ = ["MAX_SPEC_BYTES", "MAX_SPEC_DEPTH", "load_spec", "load_spec_text"]
 
@@ -300,13 +299,7 @@ def _read_bounded(path: Path, label: str) -> bytes:
     """The bytes of the user's spec file, refused past MAX_SPEC_BYTES without reading on
     (a file whose size says nothing, such as a pipe or /dev/zero, is read up to the bound)."""
     with open(path, "rb") as f:  # a directory raises IsADirectoryError
-        size = os.fstat(f.fileno()).st_size
-        if size > MAX_SPEC_BYTES:
-            raise InvalidSpec(over_bound(label, size))
-        raw = f.read(MAX_SPEC_BYTES + 1)
-    if len(raw) > MAX_SPEC_BYTES:
-        raise InvalidSpec(over_bound(label, None))
-    return raw
+        return read_bounded(f, label)
 
 
 def _parse_text(text: str, label: str, *, quote: bool) -> Any:

@@ -53,7 +53,7 @@ from brood.protocol import (
     SendReq,
     SpawnReq,
 )
-from brood.spec_text import MAX_SPEC_BYTES, looks_like_path, over_bound
+from brood.spec_text import MAX_SPEC_BYTES, looks_like_path, over_bound, read_bounded
 from brood.worker.link import TERMINAL_STATES, Link, stalled
 from brood.worker.repl import FinalSignal, ReplayStop, StepClock
 from brood.worker.toolkit import make_toolkit
@@ -1123,11 +1123,7 @@ def _read_spec_file(name: str) -> str:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise InvalidSpec(f"flow_run({name!r}): {_NOT_A_FILE}")
-        if info.st_size > MAX_SPEC_BYTES:
-            raise InvalidSpec(over_bound(repr(name), info.st_size))
-        data = f.read(MAX_SPEC_BYTES + 1)
-    if len(data) > MAX_SPEC_BYTES:  # it grew while it was read
-        raise InvalidSpec(over_bound(repr(name), None))
+        data = read_bounded(f, repr(name))
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
