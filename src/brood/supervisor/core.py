@@ -67,7 +67,6 @@ from brood.protocol import (
     Stop,
     clip,
     error_info,
-    step_capture,
     user_message_cap,
 )
 from brood.store.base import Store
@@ -869,7 +868,7 @@ class Core:
             self._on_failed(run, msg)
         elif isinstance(msg, Reply | StepResult):
             if isinstance(msg, StepResult):
-                cap = step_capture(self.limits.output_limit) + frames.NOTE_ROOM
+                cap = frames.output_cap(self.limits.output_limit)
                 msg.stdout, msg.stderr = clip(msg.stdout, cap), clip(msg.stderr, cap)
                 if msg.answer is not None and len(msg.answer) > self.limits.answer_limit:
                     raise Violation(
@@ -890,7 +889,7 @@ class Core:
         self._progress(run)
         if msg.replayed:
             return
-        msg = frames.clipped_step(msg, step_capture(self.limits.output_limit))
+        msg = frames.clipped_step(msg, frames.output_cap(self.limits.output_limit))
         data = {
             "step": msg.step,
             "code": msg.code,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from brood.limits import Limits
-from brood.protocol import SYSTEM_PROMPT_CAP, ModelReq, StepBegan, StepDone, clip
+from brood.protocol import SYSTEM_PROMPT_CAP, ModelReq, StepBegan, StepDone, clip, step_capture
 
 # Requests of one run being answered at once. A worker makes at most its 16 call threads'
 # worth plus its main thread's; more is a flood, each holding its frame in memory.
@@ -204,10 +204,15 @@ def _json_size(value: Any, depth: int) -> int:
     raise Violation(f"FINAL products hold a {type(value).__name__}, which is not JSON")
 
 
+def output_cap(output_limit: int) -> int:
+    """Characters of a step's output (or code) taken from a worker: what it keeps of one
+    step for Limits.output_limit, with room for its notes."""
+    return step_capture(output_limit) + NOTE_ROOM
+
+
 def clipped_step(msg: StepDone, cap: int) -> StepDone:
-    """A step's code and output, at most `cap` characters each (what a worker keeps of one
-    step, with room for its notes); a part cut here gets a note saying so."""
-    cap += NOTE_ROOM
+    """A step's code and output, at most `cap` characters each (`output_cap`); a part cut
+    here gets a note saying so."""
     code, stdout, stderr = (clip(t, cap) for t in (msg.code, msg.stdout, msg.stderr))
     error = None if msg.error is None else clip(msg.error, cap)
     if (code, stdout, stderr, error) == (msg.code, msg.stdout, msg.stderr, msg.error):
