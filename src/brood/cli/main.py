@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from rich.console import Group
@@ -27,13 +27,15 @@ from rich.tree import Tree
 
 import brood
 from brood.api import os_user
+from brood.cli.interrupt import EXIT_CODE as INTERRUPTED
+from brood.cli.interrupt import Interrupt, interruptible
 from brood.cli.terminal import Terminal, clean, echo, literal, plain, print_json
 from brood.journal import TERMINAL_VALUES, Journal, default_store_url
 from brood.models.demo import ROOT_TASK
 from brood.protocol import MAX_CONTEXT_BYTES
 
 if TYPE_CHECKING:
-    from brood.cluster import ClusterHandle
+    from brood.cluster import ClusterFlowHandle, ClusterHandle
 
 app = typer.Typer(
     help="brood: run recursive language models with managed child runs.",
@@ -222,24 +224,46 @@ def _runner(
     )
 
 
-def _watch(handle: brood.RunHandle | ClusterHandle, url: str, live: bool) -> brood.RunResult:
-    """Draw the live tree while the run goes (on a terminal), then its RunResult."""
+def _watch(
+    handle: brood.RunHandle | ClusterHandle, url: str, live: bool, interrupt: Interrupt
+) -> brood.RunResult:
+    """Draw the live tree while the run goes (on a terminal), then its RunResult. At Ctrl-C,
+    the run is cancelled (its whole tree, every exit confirmed) and the command exits 130."""
     if live and sys.stderr.isatty():
         with Journal(url) as journal:
-            _live_tree(journal, handle.id, lambda: handle.done)
-    return handle.wait_result()
+            _live_tree(journal, handle.id, lambda: handle.done, interrupt)
+    result = None if interrupt.hit else interrupt.result_of(handle.wait_result)
+    if result is None or interrupt.hit:
+        _cancel_interrupted(handle, interrupt)
+    assert result is not None
+    return result
 
 
-def _live_tree(journal: Journal, run_id: str, done: Callable[[], bool]) -> None:
-    """Redraw the tree on stderr until `done()`."""
+def _stop_if_interrupted(interrupt: Interrupt) -> None:
+    """Ctrl-C while the supervisor started: no run was started; the supervisor closes."""
+    if interrupt.hit:
+        Terminal(stderr=True).print("interrupted before the run started")
+        raise typer.Exit(INTERRUPTED)
+
+
+def _cancel_interrupted(handle: brood.RunHandle | ClusterHandle, interrupt: Interrupt) -> NoReturn:
+    interrupt.cleaning = True
+    state = handle.cancel()
+    Terminal(stderr=True).print(f"interrupted: {handle.id} {state}")
+    raise typer.Exit(INTERRUPTED)
+
+
+def _live_tree(
+    journal: Journal, run_id: str, done: Callable[[], bool], interrupt: Interrupt
+) -> None:
+    """Redraw the tree on stderr until `done()` or Ctrl-C."""
     console = Terminal(stderr=True)
     with Live(console=console, refresh_per_second=8, transient=False) as live:
         while True:
             finished = done()
             live.update(render_tree(journal.tree(run_id)))
-            if finished:
+            if finished or interrupt.wait(REFRESH_S):
                 return
-            time.sleep(REFRESH_S)
 
 
 # ---- commands: running ---------------------------------------------------------------------
@@ -304,9 +328,12 @@ def run(
             **{k: v for k, v in given.items() if v is not None},
             **_confinement(fs_read, fs_write, network, confine),
         )
-        runner = _runner(_model(model, model_timeout), limits, url, ray)
-        with runner:
-            result = _watch(runner.spawn(prompt, context=text, timeout=timeout), url, live)
+        with interruptible() as interrupt:
+            runner = _runner(_model(model, model_timeout), limits, url, ray)
+            with runner:
+                _stop_if_interrupted(interrupt)
+                handle = runner.spawn(prompt, context=text, timeout=timeout)
+                result = _watch(handle, url, live, interrupt)
     except brood.BroodError as exc:
         _fail(str(exc))
         return
@@ -333,13 +360,17 @@ def resume(
     url = store or default_store_url()
     try:
         limits = brood.Limits(**_confinement(fs_read, fs_write, network, confine))
-        with brood.Supervisor(_model(model, model_timeout), limits=limits, store=url) as sup:
+        with (
+            interruptible() as interrupt,
+            brood.Supervisor(_model(model, model_timeout), limits=limits, store=url) as sup,
+        ):
+            _stop_if_interrupted(interrupt)
             handle = sup.resume(run_id)
             if handle.id in sup.flows():  # a flow's own tree: say where it stands
                 status = sup.flow(handle.id).status()["status"]
                 hint = f"; `brood flow resume {handle.id}` lets it go on" * (status == "paused")
                 Terminal(stderr=True).print(f"flow {handle.id} resumed, {status}{hint}")
-            result = _watch(handle, url, live)
+            result = _watch(handle, url, live, interrupt)
             try:
                 handle.result()
             except brood.ReplayDiverged as exc:
@@ -738,7 +769,11 @@ def flow_run(
     given: dict[str, Any] = {"max_concurrency": max_concurrency} if max_concurrency else {}
     try:
         limits = brood.Limits(**given, **_confinement(fs_read, fs_write, network, confine))
-        with _runner(_model(model, model_timeout), limits, url, ray) as runner:
+        with (
+            interruptible() as interrupt,
+            _runner(_model(model, model_timeout), limits, url, ray) as runner,
+        ):
+            _stop_if_interrupted(interrupt)
             flow = runner.flow_run(spec, inputs=params)
             if not as_json:
                 echo(f"flow {flow.id} started: {', '.join(flow.started)}", err=True)
@@ -748,13 +783,15 @@ def flow_run(
                         journal,
                         flow.id,
                         lambda: flow.status()["status"] in ("finished", "failed", "stopped"),
+                        interrupt,
                     )
-            while (status := flow.wait()) == "paused":
+            while (status := _flow_wait(flow, interrupt)) == "paused":
                 echo(
                     f"paused: {flow.status()['reason']}; `brood flow resume {flow.id}` goes on",
                     err=True,
                 )
-                flow.wait_change()
+                if interrupt.result_of(flow.wait_change) is None and interrupt.hit:
+                    _stop_interrupted_flow(flow, interrupt)
             report = flow.status() | {"outputs": flow.outputs()}
     except brood.BroodError as exc:
         _fail(str(exc))
@@ -769,6 +806,24 @@ def flow_run(
         echo(json.dumps(report["outputs"], indent=2, default=str))
     if status != "finished":
         raise typer.Exit(1)
+
+
+def _flow_wait(flow: brood.FlowHandle | ClusterFlowHandle, interrupt: Interrupt) -> str:
+    status = None if interrupt.hit else interrupt.result_of(flow.wait)
+    if status is None or interrupt.hit:
+        _stop_interrupted_flow(flow, interrupt)
+    return status
+
+
+def _stop_interrupted_flow(
+    flow: brood.FlowHandle | ClusterFlowHandle, interrupt: Interrupt
+) -> NoReturn:
+    """Ctrl-C during `brood flow run`: the flow is stopped (its instances cancelled, every
+    exit confirmed) and the command exits 130."""
+    interrupt.cleaning = True
+    state = flow.stop()["state"]
+    Terminal(stderr=True).print(f"interrupted: flow {flow.id} stopped in {state}")
+    raise typer.Exit(INTERRUPTED)
 
 
 @flow_app.command("status")

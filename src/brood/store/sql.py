@@ -25,7 +25,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -105,6 +105,16 @@ Write = Callable[[Any], Any]  # given a cursor; returns the write's result
 
 class _Lazy(Future[Any]):
     """The future of a lazy write: nobody waits on it, so it may wait for company."""
+
+
+def _settle(fut: Future[Any], result: Any = None, error: BaseException | None = None) -> None:
+    """Give a write's future its outcome, unless its caller stopped waiting (cancelled it:
+    an interrupted caller, a cancelled task); the write itself was committed or failed."""
+    with contextlib.suppress(InvalidStateError):
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
 
 
 class SQLStore:
@@ -239,12 +249,24 @@ class SQLStore:
 
     # ---- writes ----------------------------------------------------------------------------
     def _write_loop(self) -> None:
+        """The writer thread. It never dies of one write: a caller that stopped waiting (its
+        future cancelled) still has its write committed, and an error of the writer itself
+        fails the journal loudly (`failure`, `on_failure`) instead of dropping what follows."""
         stop = False
         while not stop:
             batch, stop = self._gather(self._queue.get())
-            if batch:
+            if not batch:
+                continue
+            try:
                 self._commit(batch)
-        self._writer.close()
+            except Exception as exc:  # a bug of the writer, not of one write
+                log.exception("brood: %s: the journal writer failed", self.where)
+                if self.failure is None:
+                    self._fail(self._write_failed(exc))
+                for _, fut in batch:
+                    _settle(fut, error=self.failure)
+        with contextlib.suppress(*self.errors):
+            self._writer.close()
 
     def _gather(
         self, first: tuple[Write, Future[Any]] | None
@@ -273,7 +295,7 @@ class SQLStore:
             self._fail(lost)
         if self.failure is not None:
             for _, fut in batch:
-                fut.set_exception(self.failure)
+                _settle(fut, error=self.failure)
             return
         start, cpu = time.perf_counter(), time.thread_time()
         try:
@@ -285,17 +307,17 @@ class SQLStore:
                     self._commit([item])
                 return
             if isinstance(exc, self.refusals):
-                batch[0][1].set_exception(self._write_failed(exc))  # this write only
+                _settle(batch[0][1], error=self._write_failed(exc))  # this write only
                 return
             self._fail(self._write_failed(exc))
-            batch[0][1].set_exception(self.failure)
+            _settle(batch[0][1], error=self.failure)
             return
         self._stats["batches"] += 1
         self._stats["writes"] += len(batch)
         self._stats["busy_s"] += time.perf_counter() - start
         self._stats["cpu_s"] += time.thread_time() - cpu
         for (_, fut), result in zip(batch, results, strict=True):
-            fut.set_result(result)
+            _settle(fut, result)
 
     def _write_batch(self, batch: list[tuple[Write, Future[Any]]]) -> list[Any]:
         """One transaction of the batch's writes. A transient failure is tried again, after
@@ -613,9 +635,9 @@ class SQLStore:
                 item = self._queue.get_nowait()
             except queue.Empty:
                 break
-            if item is not None and not item[1].done():
-                item[1].set_exception(
-                    StoreError(f"the journal {self.where} closed before this write")
+            if item is not None:
+                _settle(
+                    item[1], error=StoreError(f"the journal {self.where} closed before this write")
                 )
         with self._readers_lock:  # every reading thread's connection, not just this one's
             readers, self._readers = self._readers, []
