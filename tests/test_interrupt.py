@@ -68,9 +68,9 @@ def _interrupt_one(tmp_path, i: int, rng: random.Random) -> tuple[str, str, int,
     url = f"sqlite:///{tmp_path}/j{i}.db"
     notes = resources.files("brood").joinpath("data/field_notes.md")
     env = {k: v for k, v in os.environ.items() if k != "BROOD_MODEL"} | {"COLUMNS": "200"}
+    args = ["--model", "scripted:demo", "--context", str(notes), "--store", url, "--no-live"]
     proc = subprocess.Popen(
-        [*BROOD, "run", ROOT_TASK, "--model", "scripted:demo", "--context", str(notes)]
-        + ["--store", url, "--no-live"],
+        [*BROOD, "run", ROOT_TASK, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -75,3 +75,30 @@ def test_waiting_on_a_person_never_stalls():
     ) as sup:
         result = sup.run("root")
     assert result.answer == "went", result
+
+
+def test_spawned_slow_call_outlives_the_alarm_of_its_waiter_and_gives_its_reply():
+    slow = threading.Event()  # the slow call's reply comes once the waiter's alarm rang
+    turns = [
+        code(
+            "t = spawn(llm_query, 'plain: slow')\n"
+            "try:\n    rlm_await(t)\n"
+            "except StallTimeout as e:\n    print('alarm:', rlm_status(t))"
+        ),
+        code("FINAL(rlm_await(t))"),
+    ]
+
+    def chat_fn(messages):
+        if messages[0]["role"] != "system":  # the spawned plain call
+            slow.wait()
+            return "the slow reply"
+        if "alarm: running" in str(messages[-1]["content"]):
+            slow.set()  # the step saw the alarm with the work still running
+        return turns.pop(0)
+
+    try:
+        with brood.Supervisor(chat_fn, limits=fast(stall_timeout=0.4)) as sup:
+            result = sup.run("root")
+    finally:
+        slow.set()
+    assert result.state == "completed" and result.answer == "the slow reply", result

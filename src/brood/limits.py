@@ -99,7 +99,9 @@ class Limits:
     child_timeout: wall-clock seconds per child run; expiry ends it `timed_out`.
     stall_timeout: seconds a step's wait on a model call, a child or a task may hear
         nothing from below (no reply, state change or heartbeat) before it raises
-        StallTimeout in the step; the work keeps running. None: no alarm.
+        StallTimeout in the step; the work keeps running. The alarm is the waiter's: work
+        started with `spawn` never raises it itself, however slow (its `rlm_await` does).
+        None: no alarm.
     max_iterations: model turns per run. step_timeout: one REPL step's own compute seconds
         (time spent waiting on children is not counted). step_grace: seconds past
         step_timeout after which the supervisor's own clock of the step ends a step that

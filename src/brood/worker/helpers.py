@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from contextvars import ContextVar, copy_context
 from typing import Any
 
 import cloudpickle
@@ -59,6 +60,23 @@ from brood.worker.repl import FinalSignal, ReplayStop, StepClock
 from brood.worker.toolkit import make_toolkit
 
 BATCH_THREADS = 16  # concurrent plain model calls of one run
+
+# True inside work started by `spawn` (and what that work starts in turn): nobody waits on
+# it as it goes, so the stall alarm is not its to raise; its waiter's rlm_await raises it.
+SPAWNED: ContextVar[bool] = ContextVar("brood_spawned", default=False)
+
+
+class _Pool(ThreadPoolExecutor):
+    """The run's threads for concurrent calls; each job runs in a copy of the submitter's
+    context, so work a spawned task starts is spawned work too."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kw: Any) -> Future[Any]:
+        return super().submit(copy_context().run, fn, *args, **kw)
+
+
+def _as_spawned(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    SPAWNED.set(True)  # in this job's own copy of the context
+    return fn(*args, **kw)
 
 
 class Runtime:
@@ -124,7 +142,7 @@ class Runtime:
                         new_from=new_from,
                         model=model or self.model_name,
                     ),
-                    stall=None if kind == "turn" else self.stall_timeout,  # steps' calls only
+                    stall=None if kind == "turn" else self.stall_alarm,  # steps' calls only
                     what=what,
                 )
             return reply
@@ -167,7 +185,7 @@ class Runtime:
 
     def pool(self) -> ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(BATCH_THREADS, thread_name_prefix="brood-call")
+            self._pool = _Pool(BATCH_THREADS, thread_name_prefix="brood-call")
         return self._pool
 
     # ---- waiting on children -----------------------------------------------------------
@@ -194,6 +212,12 @@ class Runtime:
         value = self.limits.get("stall_timeout")
         return None if value is None else float(value)
 
+    @property
+    def stall_alarm(self) -> float | None:
+        """The stall alarm of a wait made here: Limits.stall_timeout in the step itself,
+        none in spawned work (the alarm belongs to whoever awaits it, never to the work)."""
+        return None if SPAWNED.get() else self.stall_timeout
+
     def wait_for(
         self, ready: Callable[[], bool], timeout: float | None, what: str | None = None
     ) -> bool:
@@ -203,7 +227,7 @@ class Runtime:
         with self.link.cond:
             if ready():
                 return True
-        stall = self.stall_timeout if what else None
+        stall = self.stall_alarm if what else None
         began = time.monotonic()
         deadline = None if timeout is None else began + timeout
         with self.blocked(), self.link.cond:
@@ -894,11 +918,11 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
                 args[0] if args else kw.pop("prompts", None), "spawn(rlm_query_batched)"
             )
             handles = rt.spawn_children(prompts, **kw)
-            fut = rt.pool().submit(rt.collect, handles, None)
+            fut = rt.pool().submit(_as_spawned, rt.collect, handles, None)
             return Task(rt, fut, "rlm_query_batched", handles)
         delegates = [toolkit[n] for n in ("llm_query_chunked", "map_files", "llm_map_reduce")]
         if fn in (llm_query, llm_query_batched, rlm_query_batched, *delegates):
-            return Task(rt, rt.pool().submit(fn, *args, **kw), fn.__name__)
+            return Task(rt, rt.pool().submit(_as_spawned, fn, *args, **kw), fn.__name__)
         raise InvalidArgument(
             "spawn(fn, ...) starts one of llm_query, llm_query_batched, rlm_query, "
             "rlm_query_batched, llm_query_chunked, map_files, llm_map_reduce; got "
