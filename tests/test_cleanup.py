@@ -251,3 +251,26 @@ def test_startup_sweep_kills_processes_of_a_dead_supervisor(tmp_path):
     assert pid_alive(grandchild)  # orphaned: nobody is left to clean it up
     with brood.Supervisor(brood.ScriptedModel([]), limits=FAST):
         assert not pid_alive(grandchild)
+
+
+# Model code that shuts its end of the channel for writing (the supervisor reads its end's
+# close) and goes on living, with no step clock to end it.
+HALF_CLOSE = """import os, socket, stat, time
+channel = [f for f in range(64) if _is_socket(f)]
+socket.socket(fileno=os.dup(channel[0])).shutdown(socket.SHUT_WR)
+time.sleep(600)"""
+IS_SOCKET = """import os, stat
+def _is_socket(f):
+    try:
+        return stat.S_ISSOCK(os.fstat(f).st_mode)
+    except OSError:
+        return False"""
+
+
+def test_a_worker_that_closes_its_channel_and_lives_on_ends_at_once_as_connection_lost():
+    model = brood.ScriptedModel({"root": [repl(IS_SOCKET), repl(HALF_CLOSE)]})
+    limits = fast(step_timeout=None)
+    with brood.Supervisor(model, limits=limits) as sup:
+        result = sup.run("root", timeout=120)
+    assert result.state == "failed", result
+    assert result.error.startswith("worker connection lost"), result

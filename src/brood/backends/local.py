@@ -57,7 +57,9 @@ WARM_WORKERS = 2  # ready workers kept forked; each idles at about 1 MiB of its 
 # With no worker left warm, the refill is asked for at once.
 REFILL_DELAY_S = 0.005
 ORPHAN_POLL_S = 0.05  # how often the workers of a lost zygote are looked at until gone
-CONNECTION_GRACE_S = 1.0  # a worker whose connection closed has this long to be reaped
+# A worker whose connection closed has this long to be seen exited (it closes its end in
+# the kernel a moment before it is a zombie); one still alive then has lost its connection.
+CONNECTION_GRACE_S = 0.05
 ZYGOTE_START_TIMEOUT_S = 60.0  # a cold import on a loaded machine can take seconds
 
 
@@ -314,11 +316,14 @@ class LocalBackend:
             conn.deliver(_violation(exc))
         finally:
             conn.closed.set()
-            conn.writer.close()
             if conn.handler is not None and not conn.exited.done():
-                # A worker that exits closes its end first: give its exit a moment to be
-                # reported. One still alive without its connection can do nothing more.
+                # A worker that exits closes its end first: its exit is reported, with how
+                # it died. One still alive without its connection (it closed it, or shut it
+                # for writing) can do nothing more: its run ends at once. Our end stays open
+                # until then, so that the worker does not exit of it and hide what it did.
                 asyncio.get_running_loop().call_later(CONNECTION_GRACE_S, self._lost, conn)
+            else:
+                conn.writer.close()
 
     def _lost(self, conn: WorkerConn) -> None:
         # A worker that died (a zombie not reaped yet: a slow core dump, a busy zygote) is
@@ -331,6 +336,7 @@ class LocalBackend:
                     error="",
                 )
             )
+        conn.writer.close()
 
     async def acquire(self) -> WorkerConn:
         if self._closed:
