@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
+import time
+from typing import Any
 
 import pytest
 
 import brood
+from brood.journal import Journal
 from brood.supervisor import core
 from tests.util import FAST, Gate, Signal, fast, pid_alive
 
@@ -175,29 +181,55 @@ def test_at_max_depth_rlm_query_is_a_plain_call_and_the_model_is_told():
         assert env.children() == []
 
 
-def test_unconfirmed_exit_raises_child_cleanup_error_and_refuses_reuse(tmp_path, monkeypatch):
+def test_a_stuck_worker_is_quarantined_loudly_and_other_trees_are_still_served(
+    tmp_path, monkeypatch
+):
     monkeypatch.setattr(core, "KILL_CONFIRM_S", 0.3)
+    monkeypatch.setattr(core, "QUARANTINE_RETRY_S", 0.1)
+    url = f"sqlite:///{tmp_path}/j.db"
     started = Signal(tmp_path, "started")
     never = Gate(tmp_path, "never")
     model = brood.ScriptedModel(
         {
-            "root": [started.notify_then(never.blocking_reply("x"))],
+            "stuck": [started.notify_then(never.blocking_reply("x"))],
+            "healthy": [repl("FINAL('served')")],
         }
     )
-    sup = brood.Supervisor(model, limits=FAST)
-    h = sup.spawn("root")
+    sup = brood.Supervisor(model, limits=FAST, store=url)
+    h = sup.spawn("stuck")
     started.wait()
     zygote = sup._backend._zygote
     os.kill(zygote.pid, signal.SIGSTOP)  # nothing can be reaped, so no exit is confirmed
     try:
-        assert h.cancel() == "cancelled"
-        with pytest.raises(brood.SupervisorClosed, match="cleanup failure"):
-            sup.spawn("another")
+        assert h.cancel() == "cancelled"  # the run ends; its cleanup failed
+        ps = cli("ps", "--store", url, "--json")
+        assert [r["quarantined"] for r in ps if r["run_id"] == h.id] == [1]
+        (q,) = cli("doctor", "--store", url, "--json")["quarantined"]
+        assert q["run_id"] == h.id and q["present"], q
+        assert "could not be confirmed" in q["error"]
     finally:
         os.kill(zygote.pid, signal.SIGCONT)
+    assert sup.run("healthy").answer == "served"  # the supervisor goes on serving
+    with Journal(url) as journal:
+        deadline = time.monotonic() + 60
+        while journal.quarantined():  # its group is killed again until its exit is confirmed
+            assert time.monotonic() < deadline, journal.quarantined()
+            sup.store.flush()
+        assert [e["kind"] for e in journal.events(h.id) if e["kind"] in KINDS] == KINDS
     with pytest.raises(brood.ChildCleanupError) as info:
-        sup.close()
+        sup.close()  # the failure is still said at close
     assert info.value.pids
+
+
+KINDS = ["quarantined", "released"]
+
+
+def cli(*args: str) -> Any:
+    out = subprocess.run(
+        [sys.executable, "-m", "brood.cli.main", *args], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
 
 
 def test_child_cleanup_error_keeps_the_answer(tmp_path, monkeypatch):

@@ -97,8 +97,11 @@ class Supervisor:
     without one, BROOD_MODEL is used. The model stays here: workers ask the supervisor's
     model gateway for every call. `store` is a journal URL (default: a temporary SQLite
     file removed at close). Leaving the `with` block, or `close()`, cancels what is still
-    running and confirms every worker's exit; if it cannot, `ChildCleanupError` is raised
-    and the supervisor refuses reuse.
+    running and confirms every worker's exit. A worker whose exit cannot be confirmed fails
+    its run's cleanup loudly (logged, journaled as `quarantined`, listed by `brood doctor`
+    and `brood ps`); its group is killed again until it is gone, and the supervisor goes on
+    serving other trees; `close()` then raises `ChildCleanupError` for the first such
+    failure.
 
     Model code is confined (see `Limits`): workers get only PATH, LANG, LC_ALL, LC_CTYPE,
     TZ and TERM of this process's environment, plus `worker_env` (a dict of names to
@@ -481,7 +484,8 @@ class Supervisor:
     def close(self) -> None:
         """Cancel every run still going, confirm every worker's exit, close the journal.
 
-        Raises ChildCleanupError (answer preserved on it) if some exit could not be confirmed.
+        Raises ChildCleanupError (answer preserved on it) if some run's worker exit could not
+        be confirmed (the first such cleanup failure, whether or not the group went later).
         """
         if self._closed:
             return
@@ -490,8 +494,8 @@ class Supervisor:
             self._loop.call(self._close())
         finally:
             self._shutdown()
-        if self._core.broken is not None:
-            raise self._core.broken
+        if self._core.cleanup_failures:
+            raise self._core.cleanup_failures[0]
         if self._store.failure is not None:
             raise self._store.failure
 

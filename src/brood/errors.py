@@ -118,7 +118,8 @@ class ChildCleanupError(BroodError):
     """Exit of some worker processes could not be confirmed.
 
     `pids` lists the processes that may still be alive, `answer` keeps the final answer of
-    the run being cleaned up (if it had one). The supervisor refuses new work afterwards.
+    the run being cleaned up (if it had one). The worker group is quarantined (killed again
+    until it is gone) and the supervisor goes on serving other trees.
     """
 
     def __init__(self, message: str, *, pids: list[int], answer: str | None = None) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from brood.backends.local import own_memory
+from brood.backends.owners import proc_stat
 from brood.errors import BroodError, InvalidArgument
 from brood.lease import lease_holder_gone
 from brood.lifecycle import TERMINAL
@@ -145,7 +146,30 @@ class Journal:
             row["workers"] = len(live)
             here = all(map(self._on_this_host, {r["supervisor"] for r in live}))
             row["memory_bytes"] = sum(own_memory(r["pid"]) for r in live) if here else None
+            row["quarantined"] = sum(
+                q["present"] is None or bool(q["present"]) for q in self.quarantined(root["id"])
+            )
             out.append(row)
+        return out
+
+    def quarantined(self, root_id: str | None = None) -> list[dict[str, Any]]:
+        """Worker groups whose exit a supervisor could not confirm, and has not confirmed
+        since (a `quarantined` event with no `released` after it), of one tree or of all:
+        run_id, root_id, group, pids, at, error, and `present`: those of its processes still
+        there now, unreaped ones included (None when its supervisor ran on another host)."""
+        released = {e["run_id"] for e in self.store.events(kind="released", root_id=root_id)}
+        out = []
+        for e in self.store.events(kind="quarantined", root_id=root_id):
+            if e["run_id"] in released:
+                continue
+            group = int(e["data"].get("group", 0))
+            here = self._on_this_host(self.store.get_run(e["run_id"])["supervisor"])
+            present = [p for p in e["data"].get("pids", []) if _in_group(p, group)]
+            out.append(
+                {"run_id": e["run_id"], "root_id": e["root_id"], "at": e["at"]}
+                | {k: e["data"].get(k) for k in ("group", "pids", "error")}
+                | {"present": present if here else None}
+            )
         return out
 
     def _on_this_host(self, token: str | None) -> bool:
@@ -364,3 +388,9 @@ def _still_open(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         else:
             opened.pop(e["data"]["ask"], None)
     return opened
+
+
+def _in_group(pid: int, group: int) -> bool:
+    """Whether process `pid` is there now (a zombie not reaped too) in process group `group`."""
+    fields = proc_stat(pid)
+    return len(fields) > 2 and fields[2] == str(group)

@@ -336,7 +336,8 @@ class LocalBackend:
                     error="",
                 )
             )
-        conn.writer.close()
+        if conn.writer is not None:
+            conn.writer.close()
 
     async def acquire(self) -> WorkerConn:
         if self._closed:

@@ -442,7 +442,7 @@ def ps(
     with _journal(store) as journal:
         roots = journal.roots(limit)
     if as_json:
-        keys = ("runs", "open", "asks_open", "workers", "memory_bytes")
+        keys = ("runs", "open", "asks_open", "workers", "memory_bytes", "quarantined")
         print_json([_flat(r) | {k: r[k] for k in keys} for r in roots])
         return
     table = Table("RUN", "STATE", "RUNS", "CALLS", "TOKENS", "TIME", "WORKERS", "PROMPT", box=None)
@@ -453,7 +453,8 @@ def ps(
             _state_text(r),
             f"{r['runs']}"
             + (f" ({r['open']} open)" if r["open"] else "")
-            + (f" ({r['asks_open']} asks open)" if r["asks_open"] else ""),
+            + (f" ({r['asks_open']} asks open)" if r["asks_open"] else "")
+            + (f" ({r['quarantined']} quarantined)" if r["quarantined"] else ""),
             str(int(u.get("model_calls", 0))),
             str(int(u.get("input_tokens", 0)) + int(u.get("output_tokens", 0))),
             _secs(r["duration"]),
@@ -980,8 +981,9 @@ def _listen(host: str, port: int) -> socket.socket:
 
 # ---- doctor ---------------------------------------------------------------------------------
 @app.command()
-def doctor(as_json: JsonOpt = False) -> None:
-    """Show which worker confinement this machine enforces, and what the default policy lacks."""
+def doctor(store: StoreOpt = None, as_json: JsonOpt = False) -> None:
+    """Show which worker confinement this machine enforces, what the default policy lacks,
+    and the quarantined worker groups of the journal (exit never confirmed)."""
     import msgspec
 
     from brood.backends.confinement import unenforced, worker_settings
@@ -992,8 +994,12 @@ def doctor(as_json: JsonOpt = False) -> None:
     settings = worker_settings(brood.Limits())
     lines = unenforced(settings)
     bound = scratch_bound(settings.policy, support)
+    quarantined = _quarantined(store)
     if as_json:
-        print_json({"support": msgspec.to_builtins(support), "scratch_disk": bound, "gaps": lines})
+        print_json(
+            {"support": msgspec.to_builtins(support), "scratch_disk": bound, "gaps": lines}
+            | {"quarantined": quarantined}
+        )
         return
     abi = support.landlock_abi
 
@@ -1048,6 +1054,26 @@ def doctor(as_json: JsonOpt = False) -> None:
             console.print(f"  - {line}", markup=False, highlight=False)
     else:
         console.print("gaps for the default policy: none")
+    if quarantined:
+        console.print("[bold]quarantined worker groups (exit never confirmed):[/bold]")
+        for q in quarantined:
+            present = q["present"]
+            now = "on another host" if present is None else f"processes now: {present or 'none'}"
+            console.print(
+                plain(f"  - run {q['run_id']} (tree {q['root_id']}): group {q['group']}, {now}")
+            )
+    else:
+        console.print("quarantined worker groups: none")
+
+
+def _quarantined(store: str | None) -> list[dict[str, Any]]:
+    """The journal's quarantined worker groups; [] when there is no journal to read."""
+    url = store or default_store_url()
+    try:
+        with Journal(url) as journal:
+            return journal.quarantined()
+    except brood.BroodError:
+        return []
 
 
 def _ray_address(arg: str) -> bool:

@@ -13,6 +13,7 @@ import bisect
 import contextlib
 import hashlib
 import itertools
+import logging
 import secrets
 import signal
 import time
@@ -80,6 +81,8 @@ DELIVER_ACK_S = 5.0  # how long a follow-up waits for the worker to confirm it i
 HEARTBEAT_S = 0.1  # at most one heartbeat from below per this many seconds to one worker
 ID_DRAWS = 8  # fresh ids tried for a run whose id the journal already holds
 KILL_CONFIRM_S = 5.0  # after SIGKILL, a group still present this long is reported, not awaited
+log = logging.getLogger("brood")
+QUARANTINE_RETRY_S = 5.0  # how often a quarantined worker group is sent SIGKILL again
 DRAIN_ON_EXIT_S = 1.0  # read what a dead worker sent last before calling its exit a crash
 CPU_SLACK_S = 0.05  # rusage of a worker killed at its CPU limit can read just under it
 FLOW_MODEL = "flow"  # the model column of a flow's own run (it has no worker)
@@ -334,7 +337,10 @@ class Core:
         self.start_queue: deque[Run] = deque()
         self.resume_queue: deque[tuple[Run, asyncio.Future[None]]] = deque()
         self.closing = False
-        self.broken: ChildCleanupError | None = None
+        # Cleanup failures, in order (close() raises the first), and the worker groups whose
+        # exit is still unconfirmed, by run id: quarantined, killed again until they are gone.
+        self.cleanup_failures: list[ChildCleanupError] = []
+        self.quarantined: dict[str, list[int]] = {}
         self.store_error: StoreError | None = None  # the journal failed: no new work
         self._deliveries = itertools.count(1 << 30)  # Deliver ids, apart from Exec ids
         self.diverged: dict[str, str] = {}  # root id -> why its resume stopped
@@ -415,11 +421,6 @@ class Core:
     def check_open(self) -> None:
         if self.store_error is not None:
             raise StoreError(f"this supervisor refuses new work: {self.store_error}")
-        if self.broken is not None:
-            raise SupervisorClosed(
-                f"this supervisor refused new work after a cleanup failure ({self.broken}); "
-                "make a new Supervisor"
-            )
         if self.closing:
             raise SupervisorClosed("the supervisor is closed; make a new one")
 
@@ -1574,14 +1575,7 @@ class Core:
             await self.asks.end_of(run, f"its run ended ({state.value}: {reason})")
         self._release(run)
         if not confirmed and run.conn is not None:
-            pids = self.backend.group_pids(run.conn)
-            err = ChildCleanupError(
-                f"exit of run {run.id}'s worker group {run.conn.pid} could not be confirmed; "
-                f"processes {pids} may still be alive; this supervisor refuses new work",
-                pids=pids,
-                answer=rec.answer,
-            )
-            self.broken = self.broken or err
+            self._quarantine(run, run.conn)
         await self._move(run, state, reason)
         # Its pool place is given up once its end is journaled, so a pool's sections never
         # overlap in the journal's times.
@@ -1594,6 +1588,34 @@ class Core:
         run.done.set()
         self.observers.emit("on_end", run.info())
         return state
+
+    def _quarantine(self, run: Run, conn: WorkerConn) -> None:
+        """`run`'s worker group outlived the whole escalation: its cleanup failed. That is
+        said loudly (the log, the journal's `quarantined` event, which `brood ps` and `brood
+        doctor` show, and close()), the group is killed again until its exit is confirmed
+        (then `released`), and the supervisor goes on serving the other trees."""
+        pids = self.backend.group_pids(conn)
+        err = ChildCleanupError(
+            f"exit of run {run.id}'s worker group {conn.pid} could not be confirmed; "
+            f"processes {pids} may still be alive; the group is quarantined (killed again "
+            f"every {QUARANTINE_RETRY_S:g} s until it is gone; `brood doctor` lists it) and "
+            "the supervisor goes on serving other trees",
+            pids=pids,
+            answer=run.rec.answer,
+        )
+        log.error("brood: %s", err)
+        self.cleanup_failures.append(err)
+        self.quarantined[run.id] = pids
+        self._event(run, "quarantined", {"group": conn.pid, "pids": pids, "error": str(err)})
+        self._task(self._kill_quarantined(run, conn))
+
+    async def _kill_quarantined(self, run: Run, conn: WorkerConn) -> None:
+        while not await _wait_event(conn.gone, QUARANTINE_RETRY_S):
+            self.backend.signal_group(conn, signal.SIGKILL)
+        del self.quarantined[run.id]
+        self._event(run, "released", {"group": conn.pid})
+        if not self.closing:
+            self.backend.discard_scratch(conn)
 
     def _retries(self, run: Run, state: RunState) -> bool:
         """Whether ending `run` in `state` starts its next attempt."""
