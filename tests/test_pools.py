@@ -9,6 +9,7 @@ import itertools
 import pytest
 
 import brood
+from brood.journal import Journal
 from brood.lifecycle import RunState
 from tests.util import Gate, fast
 
@@ -226,3 +227,50 @@ def test_after_a_crash_pool_waits_are_queued_again_in_order(tmp_path):
     by_start = sorted(children, key=lambda r: r["started_at"])
     assert [r["prompt"][:7] for r in by_start] == ["child A", "child B", "child C"]
     assert_never_overlap(children)
+
+
+def test_fifty_children_spawned_one_by_one_start_first_come_first_served(tmp_path):
+    url = f"sqlite:///{tmp_path}/j.db"
+
+    def chat_fn(messages):
+        prompt = messages[1]["content"]
+        if prompt.startswith("item"):
+            return final(prompt.split("\n")[0])
+        return code(
+            "import time\n"
+            "hs = []\n"
+            "for i in range(50):\n"  # spawned while earlier ones start and end
+            "    hs.append(rlm_spawn(f'item {i}', pool='deploy'))\n"
+            "    time.sleep(0.01)\n"
+            "FINAL(str(len(rlm_wait_all(hs))))"
+        )
+
+    limits = fast(pools={"deploy": 1}, max_concurrency=2, max_children=60)
+    with brood.Supervisor(chat_fn, limits=limits, store=url) as sup:
+        result = sup.run("root")
+        runs = sup.store.runs(result.run_id)
+    assert result.answer == "50", result
+    children = [r for r in runs if r["parent_id"] == result.run_id]
+    by_start = sorted(children, key=lambda r: r["started_at"])
+    assert [r["prompt"] for r in by_start] == [f"item {i}" for i in range(50)]
+
+
+def test_a_pool_waiter_journals_the_reason_it_waits(tmp_path):
+    url = f"sqlite:///{tmp_path}/j.db"
+    gate = Gate(tmp_path, "holder")
+
+    def chat_fn(messages):
+        if messages[1]["content"].startswith("hold"):
+            return gate.blocking_reply(final("held"))(messages)
+        return final("after")
+
+    with brood.Supervisor(chat_fn, limits=fast(pools={"deploy": 1}), store=url) as sup:
+        holder = sup.spawn("hold", pool="deploy")
+        waiter = sup.spawn("wait", pool="deploy")
+        sup.store.flush()
+        with Journal(url) as journal:
+            row = journal.run(waiter.id)
+        gate.open()
+        assert waiter.wait(timeout=60) == "after"
+    assert row["state"] == "queued"
+    assert row["reason"] == f"waiting for pool 'deploy' (1 of 1 held by {holder.id})"

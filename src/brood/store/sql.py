@@ -463,6 +463,10 @@ class SQLStore:
             r["id"]: {"context": _bytes(r["context"]), "model_name": r["model_name"]} for r in rows
         }
 
+    def note_reason(self, run_id: str, reason: str) -> Future[Any]:
+        """Journal why a run waits, without a move (a queued run waiting for a pool)."""
+        return self._submit("UPDATE runs SET reason=? WHERE id=?", (reason, run_id))
+
     def transition(self, rec: RunRecord, frm: str, to: str) -> Future[Any]:
         return self._submit_many(
             [

@@ -235,6 +235,15 @@ class Pool:
     def wait(self, run: Run) -> None:
         bisect.insort(self.waiters, run, key=_pool_order)
 
+    def first_waiter(self, run: Run) -> Run | None:
+        """The oldest run that can still start and waits ahead of `run`, if any: first
+        come, first served, so a newcomer never takes a place an older waiter is owed."""
+        mine = _pool_order(run)
+        return next(
+            (w for w in self.waiters if w is not run and w.launchable and _pool_order(w) < mine),
+            None,
+        )
+
     def describe(self) -> str:
         held = ", ".join(r.id for r in self.holders) or "nobody"
         return f"{len(self.holders)} of {self.capacity} held by {held}"
@@ -684,7 +693,12 @@ class Core:
             return False
         # Holders are read again here, after any refusal: one that ended meanwhile is gone.
         pool.holders = [r for r in pool.holders if not r.rec.state.terminal]
-        if len(pool.holders) < pool.capacity:
+        first = pool.first_waiter(run)
+        if len(pool.holders) < pool.capacity and first is not None:
+            # A place is free but an older run waits for it: that one starts first.
+            pool.waiters.remove(first)
+            self.start_queue.appendleft(first)
+        elif len(pool.holders) < pool.capacity:
             pool.holders.append(run)
             run.holds_pool = True
             if run in pool.waiters:
@@ -694,6 +708,7 @@ class Core:
         if run not in pool.waiters:
             pool.wait(run)
             run.rec.reason = f"waiting for pool {pool.name!r} ({pool.describe()})"
+            self.store.note_reason(run.id, run.rec.reason)
             self._event(
                 run,
                 "pool",
