@@ -1322,6 +1322,22 @@ def cgroup_enter(parent: str, pid: int, policy: Policy, support: Support | None 
         _pids_capped = True
 
 
+_M_ARENA_MAX = -8  # mallopt's parameter (malloc.h)
+MALLOC_ARENAS = 2
+"""Arenas glibc's malloc keeps in a worker that starts its call threads at once: the main
+thread's and one its threads share."""
+
+
+def share_thread_arenas() -> None:
+    """Let the worker's threads share one malloc arena (glibc's M_ARENA_MAX): each arena
+    reserves 64 MiB of address space, which RLIMIT_AS (`Policy.memory`) counts, so 16
+    threads started at once would take up to 1 GiB of model code's. Call before they
+    start; a no-op where libc has no mallopt."""
+    mallopt = getattr(_libc, "mallopt", None)
+    if mallopt is not None:
+        mallopt(_M_ARENA_MAX, MALLOC_ARENAS)
+
+
 def pids_capped() -> bool:
     """Whether this process entered a worker cgroup whose pids.max caps what model code may
     start (`cgroup_enter`). Then pids.max = `Policy.processes` + CGROUP_HEADROOM, and the
