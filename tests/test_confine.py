@@ -678,6 +678,40 @@ def test_fork_bomb_in_model_code_ends_and_leaves_nothing() -> None:
     assert not left
 
 
+HOLD_ALL_CODE = """import os, signal
+n, err = 0, None
+try:
+    while n < 1000:
+        if os.fork() == 0:
+            while True:
+                signal.pause()
+        n += 1
+except OSError as exc:
+    err = exc.errno
+replies = llm_query_batched(["ping"] * 16)
+FINAL(f"forks={n} errno={err} replies={sorted(set(replies))}")"""
+
+
+def test_model_code_holds_exactly_worker_processes_and_brood_threads_still_start() -> None:
+    # Model code forks until refused, holding every child alive: it gets exactly
+    # worker_processes (brood's own tasks are all running before it starts, and are the
+    # whole headroom). At the cap, brood's 16 call threads still serve a batch.
+    require_cgroup()
+
+    def chat_fn(messages: list[dict[str, Any]]) -> str:
+        if messages[-1]["content"] == "ping":
+            return "pong"
+        return f"```repl\n{HOLD_ALL_CODE}\n```"
+
+    limits = brood.Limits(worker_processes=16, shutdown_grace=0.3, term_grace=0.3)
+    before = set(_descendants(os.getpid()))
+    with brood.Supervisor(chat_fn, limits=limits) as sup:
+        result = sup.run("hold all you can")
+    assert result.state == "completed", result
+    assert result.answer == f"forks=16 errno={errno.EAGAIN} replies=['pong']", result.answer
+    assert _wait_dead([p for p in _descendants(os.getpid()) if p not in before]) == []
+
+
 # ---- the seccomp filter's decisions, for each machine ------------------------------------------
 # Checked with a small interpreter of the instructions the filter uses, so aarch64's program
 # is checked on any machine. The numbers are written out here, apart from brood's table.

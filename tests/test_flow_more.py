@@ -474,7 +474,7 @@ def test_fail_fast_foreach_one_item_fails_and_the_running_items_are_cancelled(tm
     assert milestones(events) == ["failed"]
 
 
-def test_continue_foreach_one_item_fails_so_the_state_fires_nothing_and_the_flow_fails():
+def test_continue_foreach_one_item_fails_so_its_data_dependent_fails_at_binding():
     spec = {
         "states": [
             foreach_state("Item {item}", failure_policy="continue"),
@@ -483,6 +483,7 @@ def test_continue_foreach_one_item_fails_so_the_state_fires_nothing_and_the_flow
                 "prompt": "After {text}",
                 "inputs": [{"name": "text", "from": "each.text"}],
                 "outputs": ["text"],
+                "failure_policy": "continue",  # its own policy applies to its binding failure
             },
         ],
         "transitions": [{"from": "each", "to": "after"}],
@@ -500,12 +501,17 @@ def test_continue_foreach_one_item_fails_so_the_state_fires_nothing_and_the_flow
         outputs = flow.outputs()
         events = ledger(sup, flow.id)
         runs = {r["prompt"]: r["state"] for r in children(sup, flow.id)}
+    # `after` reads each.text: it is entered, fails at binding, and never runs.
     assert runs == {"Item a": "completed", "Item bad": "failed", "Item c": "completed"}
-    assert status["states"]["after"]["entries"] == 0
-    assert not kinds(events, "transition_fired")
+    assert status["states"]["after"]["entries"] == 1
+    (fired,) = kinds(events, "transition_fired")
+    assert (fired["source"], fired["target"], fired["on"]) == ("each", "after", "failed")
     assert "each" not in outputs  # a failed entry never settles
-    (failed,) = kinds(events, "state_failed")
-    assert failed["state"] == "each" and failed["item"] == 1
+    each, after = kinds(events, "state_failed")
+    assert each["state"] == "each" and each["item"] == 1
+    assert after["state"] == "after" and after["reason"].startswith(
+        "binding failure: input 'text' of state 'after' reads each.text, but state 'each' failed"
+    )
     assert milestones(events) == ["failed"]
 
 
@@ -573,6 +579,144 @@ def test_a_failed_foreach_entry_starts_none_of_its_queued_items():
         (2, "its entry failed"),
         (3, "its entry failed"),
     ]
+
+
+# ---- (7b) failure_policy continue: dependents, and answers that cannot bind -------------------
+
+
+def test_continue_runs_control_only_dependents_and_fails_data_dependents_at_binding():
+    # `a` fails. `cleanup` depends on it but reads none of its outputs: it runs. `use`
+    # reads a.verdict: it fails at binding and does not run, and under `continue` its own
+    # control-only dependent `report` runs too (reading use's output only optionally).
+    spec = {
+        "run": {"failure_policy": "continue"},
+        "states": [
+            {"id": "a", "entry": True, "prompt": "Check", "outputs": ["verdict"], "retries": 1},
+            {"id": "cleanup", "prompt": "Cleanup", "outputs": ["text"]},
+            {
+                "id": "use",
+                "prompt": "Use {verdict}",
+                "inputs": [{"name": "verdict", "from": "a.verdict"}],
+                "outputs": ["text"],
+            },
+            {
+                "id": "report",
+                "prompt": "Report {text}",
+                "inputs": [{"name": "text", "from": "use.text", "optional": True}],
+                "outputs": ["text"],
+            },
+        ],
+        "transitions": [
+            {"from": "a", "to": "cleanup"},
+            {"from": "a", "to": "use"},
+            {"from": "use", "to": "report"},
+            {"from": "a", "to": "report", "when": {"output": "verdict", "op": "exists"}},
+        ],
+    }
+    model = brood.ScriptedModel(
+        {
+            "Check": [CRASH, CRASH],
+            "Cleanup": [final("cleaned")],
+            "Use": [final("used")],
+            "Report": [answer_with(lambda p: p)],
+        }
+    )
+    with brood.Supervisor(model, limits=LIMITS) as sup:
+        flow = sup.flow_run(spec)
+        assert flow.wait(timeout=60) == "failed", flow.status()
+        status = flow.status()
+        outputs = flow.outputs()
+        events = ledger(sup, flow.id)
+        runs = [(r["prompt"], r["state"]) for r in children(sup, flow.id)]
+    assert runs == [
+        ("Check", "failed"),
+        ("Check", "failed"),  # a child failure is retried (retries: 1)
+        ("Cleanup", "completed"),
+        ("Report null", "completed"),
+    ]
+    assert outputs == {"cleanup": {"text": "cleaned"}, "report": {"text": "Report null"}}
+    fired = [(e["source"], e["target"], e.get("on")) for e in kinds(events, "transition_fired")]
+    # The guarded transition reads a's output, which it has none of: it does not fire.
+    on_failed = [("a", "cleanup"), ("a", "use"), ("use", "report")]
+    assert fired == [(source, target, "failed") for source, target in on_failed]
+    a, use = kinds(events, "state_failed")
+    assert a["state"] == "a" and a["reason"].startswith("failed: ")
+    assert use["state"] == "use" and use["reason"] == (
+        f"binding failure: input 'verdict' of state 'use' reads a.verdict, but state 'a' "
+        f"failed ({a['reason']}); 'use' does not run"
+    )
+    assert status["states"]["use"]["per_entry"] == [
+        {"entry": 1, "status": "failed", "instances": 0, "counts": {}}
+    ]
+    assert status["reason"].startswith("states failed (failure_policy continue): a: failed: ")
+    assert "; use: binding failure: input 'verdict'" in status["reason"]
+    assert milestones(events) == ["failed"]
+
+
+def test_the_dag_form_under_continue_fails_a_join_at_binding_when_a_dependency_fails():
+    # The DAG form binds every output of a dependency, so its dependents are data
+    # dependents: the join fails at binding (no stall), the independent node finishes.
+    spec = {
+        "run": {"failure_policy": "continue"},
+        "nodes": [
+            {"id": "left", "prompt": "Left", "outputs": ["l"]},
+            {"id": "right", "prompt": "Right", "outputs": ["r"]},
+            {"id": "alone", "prompt": "Alone", "outputs": ["text"]},
+            {"id": "join", "prompt": "Join {l} and {r}", "depends_on": ["left", "right"]},
+        ],
+    }
+    model = brood.ScriptedModel(
+        {"Left": [final("L")], "Right": [CRASH], "Alone": [final("A")], "Join": [final("J")]}
+    )
+    with brood.Supervisor(model, limits=LIMITS) as sup:
+        flow = sup.flow_run(spec)
+        assert flow.wait(timeout=60) == "failed", flow.status()
+        events = ledger(sup, flow.id)
+        runs = {r["prompt"]: r["state"] for r in children(sup, flow.id)}
+    assert runs == {"Left": "completed", "Right": "failed", "Alone": "completed"}
+    failed = {e["state"]: e["reason"] for e in kinds(events, "state_failed")}
+    assert set(failed) == {"right", "join"}
+    assert failed["join"].startswith(
+        "binding failure: input 'r' of state 'join' reads right.r, but state 'right' failed"
+    )
+
+
+@pytest.mark.parametrize("policy", ["fail_fast", "continue", "escalate"])
+def test_an_answer_that_cannot_bind_is_a_binding_failure_never_retried(policy):
+    # `review` declares a json output its answer does not give: the instance fails at once
+    # (one child, not three) and the failure policy applies, naming the state and output.
+    spec = {
+        "run": {"failure_policy": policy},
+        "states": [
+            {
+                "id": "review",
+                "entry": True,
+                "prompt": "Review",
+                "outputs": [{"name": "verdict", "type": "json"}],
+                "retries": 2,
+            }
+        ],
+        "transitions": [],
+    }
+    model = brood.ScriptedModel({"Review": [final("looks fine to me")] * 3})
+    with brood.Supervisor(model, limits=LIMITS) as sup:
+        flow = sup.flow_run(spec)
+        assert flow.wait(timeout=60) == ("paused" if policy == "escalate" else "failed")
+        reason = flow.status()["reason"]
+        runs = [(r["prompt"], r["state"]) for r in children(sup, flow.id)]
+        if policy == "escalate":
+            flow.stop()
+        events = ledger(sup, flow.id)
+    assert runs == [("Review", "completed")]  # the child answered; its answer cannot bind
+    assert not kinds(events, "retry")
+    (settled,) = kinds(events, "settled")
+    assert settled["outcome"] == "failed" and settled["retry"] is False
+    (failed,) = kinds(events, "state_failed")
+    assert failed["state"] == "review"
+    assert failed["reason"].startswith(
+        "binding failure (not retried): state 'review': output 'verdict' is not valid JSON"
+    )
+    assert failed["reason"] in reason
 
 
 # ---- (8) stop racing the control loop ----------------------------------------------------------

@@ -128,6 +128,13 @@ class Limits:
         models, not a security boundary.
     worker_memory (bytes of address space), worker_cpu_seconds, worker_processes,
     worker_file_size (bytes), worker_open_files: per-worker resource limits (None: none).
+    worker_processes: the processes (and threads: the kernel counts tasks) model code may
+        hold at once, exactly. Where a pids cgroup is usable, its pids.max is this plus
+        brood's own tasks in the worker, counted exactly (the main thread, the link reader
+        and 16 call threads, all started before model code runs, so none of them can find
+        its place taken later); past it `fork` and `Thread.start` fail (EAGAIN). Without
+        a cgroup it is RLIMIT_NPROC, which counts every process of the user (and does not
+        bind root); `brood doctor` says which holds.
 
     worker_disk: bytes of the files a worker's scratch directory may hold (None: only
         the disk's own size); past it a write fails with ENOSPC, or the run fails naming

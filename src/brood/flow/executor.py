@@ -234,6 +234,10 @@ class FlowExecutor:
         self.on_milestone: Any = None  # called with one line per milestone (a parent's notice)
         self.failed_entries: list[Entry] = []  # escalated, retried on resume
         self.continued: dict[str, str] = {}  # states failed under `continue`, with why
+        # States whose latest entry failed under `continue` (until one of theirs settles):
+        # an entry that reads a required output of one fails at binding instead of running.
+        self.failed_sources: dict[str, str] = {}
+        self.cascade: deque[str] = deque()  # failed states whose transitions are firing
         self._budget_timer: asyncio.TimerHandle | None = None
         self.entries_by_key: dict[tuple[str, int], Entry] = {}
         self.spec: dict[str, Any] = {}  # as journaled (a resumed parent's replay compares it)
@@ -338,13 +342,14 @@ class FlowExecutor:
         self.try_waiting()
 
     def inputs_of(self, st: MachineState) -> dict[str, Any] | None:
-        """The state's input values, or None while a required one has not settled."""
+        """The state's input values, or None while a required one has not settled. An
+        input from a state that failed under `continue` has no value (see `unbindable`)."""
         values: dict[str, Any] = {}
         for inp in st.inputs:
             if inp.source is None:  # a flow input
                 values[inp.name] = self.params.get(inp.name)
                 continue
-            produced = self.outputs.get(inp.source, {})
+            produced = {} if inp.source in self.failed_sources else self.outputs.get(inp.source, {})
             if inp.output in produced:
                 values[inp.name] = produced[inp.output]
             elif inp.optional:
@@ -353,14 +358,38 @@ class FlowExecutor:
                 return None
         return values
 
+    def unbindable(self, st: MachineState) -> str | None:
+        """Why the state cannot bind its inputs: a required one reads an output of a state
+        that failed under `continue` (a data dependent of it). None when it can, or may."""
+        for inp in st.inputs:
+            if inp.source in self.failed_sources and not inp.optional:
+                return (
+                    f"binding failure: input {inp.name!r} of state {st.id!r} reads "
+                    f"{inp.source}.{inp.output}, but state {inp.source!r} failed "
+                    f"({self.failed_sources[inp.source]}); {st.id!r} does not run"
+                )
+        return None
+
     def try_waiting(self) -> None:
-        """Start every waiting entry whose required inputs have settled."""
+        """Start every waiting entry whose required inputs have settled; fail at binding
+        every one that reads a required output of a state failed under `continue`."""
         if self.status_value != "running":
             return
         for entry in list(self.waiting):
             if entry not in self.waiting:
                 continue  # started meanwhile (an empty foreach settled and started it)
             st = self.m.states[entry.state]
+            why = self.unbindable(st)
+            if why is not None:
+                self.waiting.remove(entry)
+                self.entries_by_key[(entry.state, entry.number)] = entry
+                # Like a foreach input that is no list: a resume reads its inputs again.
+                entry.expected, entry.unexpanded = 0, True
+                where = {"state": entry.state, "entry": entry.number, "item": None, "attempt": 0}
+                self._entry_failed(entry, st, where, why)
+                if self.status_value != "running":
+                    return
+                continue
             values = self.inputs_of(st)
             if values is None:
                 continue
@@ -433,7 +462,11 @@ class FlowExecutor:
                 try:
                     outputs = self._outputs(st, rec.answer)
                 except OutputError as exc:
-                    self._settled(inst, "failed", str(exc))
+                    # A binding failure: the same answer would fail the same way on every
+                    # retry, so the state's retries are not spent on it (they are for
+                    # children that fail); the failure policy applies at once.
+                    why = f"binding failure (not retried): state {inst.state!r}: {exc}"
+                    self._settled(inst, "failed", why, retry=False)
                     return
                 self._settled(inst, "completed", outputs=outputs)
             elif rec.state is RunState.CANCELLED and self.status_value != "running":
@@ -615,13 +648,15 @@ class FlowExecutor:
             outputs = {o.name: [i.outputs.get(o.name) for i in done] for o in st.outputs}
         entry.settled = True
         self.outputs[entry.state] = outputs
+        self.failed_sources.pop(entry.state, None)  # its latest entry settled after all
         for t in self.m.transitions_from(entry.state):
             if t.guard is not None and not evaluate(t.guard, outputs):
                 continue
             self.fire(entry.state, t.target)
         self.try_waiting()
 
-    def fire(self, source: str, target: str) -> None:
+    def fire(self, source: str, target: str, *, failed: bool = False) -> None:
+        """`source` settled (or, `failed`, failed under `continue`): enter `target`."""
         if self.fired >= self.m.run.max_transitions:
             self.held.append(target)
             if self.status_value == "running":
@@ -631,7 +666,8 @@ class FlowExecutor:
                 )
             return
         self.fired += 1
-        self.ledger("transition_fired", source=source, target=target, fired=self.fired)
+        on = {"on": "failed"} if failed else {}
+        self.ledger("transition_fired", source=source, target=target, fired=self.fired, **on)
         self.enter(target, cause=source)
 
     def _controller_ended(self) -> bool:
@@ -704,8 +740,26 @@ class FlowExecutor:
                 return
             # continue: the rest goes on, and the flow ends failed once it has settled
             self.continued.setdefault(entry.state, why)
+            self._fire_failed(entry.state, why)
         self.pump()
         self.check_quiescence()
+
+    def _fire_failed(self, state: str, why: str) -> None:
+        """A state failed under `continue`: its dependents still run where they need
+        nothing of it. Every unguarded transition from it fires (a guard reads its output,
+        which it has none of, so a guarded one does not); an entered state that reads none
+        of its outputs runs (a control-only dependent), one that reads a required output
+        fails at binding (`unbindable`) and its own failure policy applies."""
+        self.failed_sources[state] = why
+        self.cascade.append(state)
+        if len(self.cascade) > 1:
+            return  # an outer call is firing: it fires this one's too (no deep recursion)
+        while self.cascade:
+            for t in self.m.transitions_from(self.cascade[0]):
+                if t.guard is None:
+                    self.fire(self.cascade[0], t.target, failed=True)
+            self.cascade.popleft()
+        self.try_waiting()
 
     def _cancel_queued(self, entry: Entry) -> None:
         """The instances of a failed entry still waiting for a slot never start: recorded
@@ -724,7 +778,7 @@ class FlowExecutor:
     def check_quiescence(self) -> None:
         if self.status_value != "running" or self.done.is_set():
             return
-        if self.queue or self.active > self.residents:
+        if self.queue or self.active > self.residents or self.cascade:
             return  # work still going; residents alone do not hold the flow open
         if self.waiting:
             entry = self.waiting[0]

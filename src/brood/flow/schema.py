@@ -120,8 +120,14 @@ class _Step(_AgentFields):
     subagent: str | None = None
     inputs: list[Input] = []
     outputs: list[Output] = []
+    # A child that fails is started again, up to `retries` times. An answer that cannot
+    # give a declared output (a binding failure) is never retried: it would fail the same.
     retries: int = Field(default=0, ge=0)
     budget: float | None = Field(default=None, gt=0)
+    # When an entry fails for good: fail_fast ends the flow, escalate pauses it (resume
+    # runs the entry again), continue goes on: unguarded transitions from the failed state
+    # fire, so a dependent that reads none of its outputs runs and one that reads a
+    # required output fails at binding; the flow ends failed, naming the failed states.
     failure_policy: FailurePolicy | None = None
     foreach: Foreach | None = None
     lifecycle: Lifecycle = "task"

@@ -30,7 +30,7 @@ LIMIT_ERRORS = (
     ("OSError: [Errno 27]", "worker_file_size", "bytes per file"),  # EFBIG
     ("OSError: [Errno 24]", "worker_open_files", "open files"),  # EMFILE
     ("OSError: [Errno 28]", "worker_disk", "bytes in its scratch directory"),  # ENOSPC
-    ("BlockingIOError: [Errno 11]", "worker_processes", "processes (and threads, +32)"),
+    ("BlockingIOError: [Errno 11]", "worker_processes", "processes and threads of its own"),
 )
 
 

@@ -38,6 +38,7 @@ from brood.worker import disk
 from brood.worker.trial import in_child
 
 __all__ = [
+    "BATCH_THREADS",
     "CGROUP_HEADROOM",
     "SCRATCH_WATCHED",
     "Policy",
@@ -52,6 +53,7 @@ __all__ = [
     "default_read_paths",
     "enter_private_network",
     "gaps",
+    "pids_capped",
     "prepare",
     "probe",
     "scratch_bound",
@@ -170,10 +172,11 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
 
     `processes` bounds what model code may start. Where a cgroup is usable
     (`Support.cgroup`), the worker's cgroup gets pids.max = processes + CGROUP_HEADROOM:
-    pids.max counts tasks, so threads as well as processes, and the headroom covers brood's
-    own tasks in the worker (its main thread, the link reader and up to 16 batch-call
-    threads); model code can then run `processes` processes or threads of its own, and
-    everything it starts, in any session or process group, counts. RLIMIT_NPROC is set too;
+    pids.max counts tasks, so threads as well as processes, and the headroom is exactly
+    brood's own tasks in the worker (its main thread, the link reader and the BATCH_THREADS
+    call threads, all started before model code runs: `pids_capped`); model code then runs
+    exactly `processes` processes or threads of its own at once, and everything it starts,
+    in any session or process group, counts. RLIMIT_NPROC is set too;
     it counts every process of the user and does not apply to root. `memory` is RLIMIT_AS
     per process and, where the cgroup's memory controller is usable, also the memory limit
     of the worker's whole cgroup.
@@ -1091,9 +1094,16 @@ def enter_private_network() -> bool:
 # before `apply` (Landlock then keeps it from writing to /sys/fs/cgroup), and the zygote
 # kills and removes a worker's cgroup once its exit is confirmed.
 
-CGROUP_HEADROOM = 32
-"""Tasks added to `Policy.processes` in pids.max: brood's own threads in a worker (the main
-thread, the link reader, up to 16 batch-call threads) with room to spare."""
+BATCH_THREADS = 16
+"""Threads a worker runs its concurrent model calls on (llm_query_batched, spawn)."""
+
+CGROUP_HEADROOM = 2 + BATCH_THREADS
+"""Tasks added to `Policy.processes` in pids.max: brood's own tasks in a worker, exactly (its
+main thread, the link reader and the BATCH_THREADS call threads). A worker in a pids cgroup
+starts all of them before model code runs (`pids_capped`), so model code gets exactly
+`Policy.processes` tasks of its own, and none of brood's can fail to start later."""
+
+_pids_capped = False  # this process is in a worker cgroup whose pids.max caps model code
 
 _CGROUP_KILL_ROUNDS = 200
 _PIDFD_BATCH = 256
@@ -1278,6 +1288,7 @@ def cgroup_enter(parent: str, pid: int, policy: Policy, support: Support | None 
     CGROUP_HEADROOM; the memory limit = `policy.memory` where the memory controller is
     usable) and move process `pid` into it. Called by the worker itself, single-threaded,
     before `apply`. Raises `ConfinementError` naming the step that failed."""
+    global _pids_capped
     support = probe() if support is None else support
     leaf = os.path.join(parent, str(pid))
     mem_parent = _memory_leaf_parent(parent, support)
@@ -1307,6 +1318,32 @@ def cgroup_enter(parent: str, pid: int, policy: Policy, support: Support | None 
         _write(os.path.join(leaf, "cgroup.procs"), str(pid))
     except OSError as exc:
         raise ConfinementError(f"confinement: cgroup: {_why(step, exc, support)}") from exc
+    if pid == os.getpid() and policy.processes is not None:
+        _pids_capped = True
+
+
+_M_ARENA_MAX = -8  # mallopt's parameter (malloc.h)
+MALLOC_ARENAS = 2
+"""Arenas glibc's malloc keeps in a worker that starts its call threads at once: the main
+thread's and one its threads share."""
+
+
+def share_thread_arenas() -> None:
+    """Let the worker's threads share one malloc arena (glibc's M_ARENA_MAX): each arena
+    reserves 64 MiB of address space, which RLIMIT_AS (`Policy.memory`) counts, so 16
+    threads started at once would take up to 1 GiB of model code's. Call before they
+    start; a no-op where libc has no mallopt."""
+    mallopt = getattr(_libc, "mallopt", None)
+    if mallopt is not None:
+        mallopt(_M_ARENA_MAX, MALLOC_ARENAS)
+
+
+def pids_capped() -> bool:
+    """Whether this process entered a worker cgroup whose pids.max caps what model code may
+    start (`cgroup_enter`). Then pids.max = `Policy.processes` + CGROUP_HEADROOM, and the
+    worker must start all of brood's own threads before model code runs: a thread started
+    later would take one of model code's places, or find none left."""
+    return _pids_capped
 
 
 def cgroup_oom_kills(parent: str, pid: int, support: Support | None = None) -> int:

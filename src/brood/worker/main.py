@@ -10,6 +10,7 @@ import cloudpickle
 
 from brood.protocol import MAX_WORKER_FRAME, Failed, Final, Start, SyncChannel, user_message_cap
 from brood.worker.agent import Agent
+from brood.worker.confine import pids_capped, share_thread_arenas
 from brood.worker.helpers import ERRORS, Runtime, make_helpers
 from brood.worker.link import Link
 from brood.worker.prompt import cached_system_prompt, describe_budget, describe_context
@@ -74,6 +75,11 @@ def run(start: Start, link: Link) -> None:
         clock=clock,
         max_depth=int(limits.get("max_depth", 1)),
     )
+    if pids_capped():
+        # Every thread of brood's own before model code runs: its cgroup's pids.max leaves
+        # model code exactly Limits.worker_processes places (confine.CGROUP_HEADROOM).
+        share_thread_arenas()  # so that they take no GiB of worker_memory's address space
+        rt.start_threads()
     rt.model_name = start.model_name
     rt.replay = start.replay
     rt.limits = dict(limits)
