@@ -6,19 +6,17 @@ prompt from them, so keep each one short and exact.
 
 from __future__ import annotations
 
-import _thread
 import contextlib
 import errno
 import itertools
 import json
 import math
 import os
-import queue
 import stat
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar, copy_context
 from typing import Any
@@ -62,58 +60,6 @@ from brood.worker.link import TERMINAL_STATES, Link, stalled
 from brood.worker.repl import FinalSignal, ReplayStop, StepClock
 from brood.worker.toolkit import make_toolkit
 
-
-class StartedThreads(Executor):
-    """The worker's call threads, started together before model code runs and kept: in a
-    pids cgroup (`confine.pids_capped`) brood's own tasks must all exist by then, so that
-    model code gets exactly `Limits.worker_processes` places and none of brood's threads
-    finds them taken later. Should a start fail (an address-space limit too small for
-    every stack), the rest start when work finds no idle thread, as a lazy pool's would."""
-
-    def __init__(self, threads: int) -> None:
-        self._work: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], Any, Any]] = (
-            queue.SimpleQueue()
-        )
-        self._lock = threading.Lock()
-        self._most = threads
-        self._started = 0
-        self._load = 0  # work submitted and not yet done
-        with self._lock:
-            try:
-                while self._started < threads:
-                    self._start()
-            except RuntimeError:
-                pass  # started on demand instead (submit)
-
-    def _start(self) -> None:
-        _thread.start_new_thread(self._serve, ())  # RuntimeError when none can start
-        self._started += 1
-
-    def _serve(self) -> None:
-        while True:
-            fut, fn, args, kw = self._work.get()
-            try:
-                if fut.set_running_or_notify_cancel():
-                    fut.set_result(fn(*args, **kw))
-            except BaseException as exc:  # the caller sees it, as with ThreadPoolExecutor
-                fut.set_exception(exc)
-            finally:
-                with self._lock:
-                    self._load -= 1
-
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kw: Any) -> Future[Any]:
-        fut: Future[Any] = Future()
-        with self._lock:
-            if self._load >= self._started and self._started < self._most:
-                try:  # only after a start failed in __init__
-                    self._start()
-                except RuntimeError:
-                    if not self._started:
-                        raise  # no thread to run it: the caller learns why
-            self._load += 1
-        self._work.put((fut, fn, args, kw))
-        return fut
-
 # True inside work started by `spawn` (and what that work starts in turn): nobody waits on
 # it as it goes, so the stall alarm is not its to raise; its waiter's rlm_await raises it.
 SPAWNED: ContextVar[bool] = ContextVar("brood_spawned", default=False)
@@ -125,6 +71,21 @@ class _Pool(ThreadPoolExecutor):
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kw: Any) -> Future[Any]:
         return super().submit(copy_context().run, fn, *args, **kw)
+
+    def start_all(self) -> None:
+        """Start every thread now, not as work comes: in a pids cgroup
+        (`confine.pids_capped`) brood's own tasks must all exist before model code runs, so
+        that it gets exactly `Limits.worker_processes` places and none of brood's threads
+        finds them taken later. One job per thread, each held until all have started (a
+        pool never ends its threads); should a start fail (an address-space limit too small
+        for every stack), the rest start as work comes."""
+        together = threading.Barrier(self._max_workers + 1)
+        try:
+            for _ in range(self._max_workers):
+                self.submit(together.wait)
+            together.wait()
+        except (RuntimeError, threading.BrokenBarrierError):
+            together.abort()
 
 
 def _as_spawned(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
@@ -165,7 +126,7 @@ class Runtime:
         self.seen: set[str] = set()  # children whose outcome the code has already observed
         self.notes: list[str] = []  # one-time notes for the model, shown with step output
         self.depth_noted = False
-        self._pool: Executor | None = None
+        self._pool: _Pool | None = None
         self._blocked = 0
         self._block_lock = threading.Lock()
         self._task_ids = itertools.count(1)
@@ -236,17 +197,16 @@ class Runtime:
             )
         return None
 
-    def pool(self) -> Executor:
-        """The threads concurrent calls run on: started when first needed, or all at once
-        before model code runs (`start_threads`)."""
+    def pool(self) -> _Pool:
+        """The threads concurrent calls run on, started as work comes (or all at once
+        before model code runs: `start_threads`)."""
         if self._pool is None:
             self._pool = _Pool(BATCH_THREADS, thread_name_prefix="brood-call")
         return self._pool
 
     def start_threads(self) -> None:
-        """Start every call thread now (see `StartedThreads`); call before model code runs."""
-        if self._pool is None:
-            self._pool = StartedThreads(BATCH_THREADS)
+        """Start every call thread now (`_Pool.start_all`); call before model code runs."""
+        self.pool().start_all()
 
     # ---- waiting on children -----------------------------------------------------------
     @contextmanager
