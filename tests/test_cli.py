@@ -78,7 +78,7 @@ def test_bad_input_gets_a_clear_error_and_exit_code_2(tmp_path):
     out = brood("run", "x", "--store", store)
     assert out.returncode == 2 and "no model" in out.stderr
     out = brood("run", "x", "--model", "openai:m", "--max-depth", "0", "--store", store)
-    assert out.returncode == 2 and "max_depth must be >= 1" in out.stderr
+    assert out.returncode == 2 and "--max-depth must be >= 1" in out.stderr
 
 
 def test_a_binary_context_or_a_timeout_that_is_no_duration_is_refused(tmp_path):
