@@ -229,8 +229,8 @@ def _report(result: brood.RunResult, as_json: bool, url: str) -> None:
 
 # How a run that completed other than by the model's FINAL came to its answer.
 ENDINGS = {
-    "answer after max_iterations": "the model gave no FINAL in its last model turn "
-    "(--max-iterations), so its answer is that turn's reply",
+    "answer after max_iterations": "no FINAL within its model turns (--max-iterations); "
+    "the answer is its reply when told to answer at once",
 }
 PLAIN_ENDS = frozenset({"answer", "flow finished"})  # a completed run's usual reasons
 
@@ -256,7 +256,9 @@ def _runner(
     if ray is None:
         return brood.Supervisor(model, limits=limits, store=url)
     if model is None and not os.environ.get("BROOD_MODEL"):
-        raise brood.InvalidArgument("no model: pass --model SPEC, or set BROOD_MODEL")
+        raise brood.InvalidArgument(
+            "no model: pass --model SPEC (e.g. openai:MODEL@URL), or set BROOD_MODEL"
+        )
     address = None if ray == RAY_HERE else ray
     return brood.Cluster(
         model or os.environ["BROOD_MODEL"], store=url, ray_address=address, limits=limits
@@ -422,10 +424,13 @@ def _journaled_model(url: str, run_id: str) -> str | None:
     journal never holds a spec that carries a secret, nor a chat_fn."""
     with _journal(url) as journal:
         record = journal.model_spec(run_id)
+        root = journal.run(journal.run(run_id)["root_id"])
     if record is not None and record.get("spec"):
         return str(record["spec"])
     if os.environ.get("BROOD_MODEL"):
         return None  # Supervisor takes it
+    if root["state"] in TERMINAL_VALUES:  # said before any word about its model
+        _fail(f"run {root['id']} is {root['state']}; a tree that has ended has nothing to resume")
     if record is None:
         why, fix = "it was journaled by a brood that kept no model spec", "pass it"
     elif record.get("secret"):
