@@ -17,7 +17,7 @@ from tests.util import FAST
 
 BROOD = [sys.executable, "-m", "brood.cli.main"]
 FENCE = "```"
-API_WORDS = ("Supervisor(", "Limits.", "Limits(", "ray_address", "None")
+API_WORDS = ("Supervisor(", "Limits.", "Limits(", "ray_address", "None", "chat_fn")
 
 
 def cli(*args: str) -> tuple[int, str]:
