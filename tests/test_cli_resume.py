@@ -193,6 +193,7 @@ def test_the_journaled_model_spec_keeps_no_secret():
         "openai:m@http://host/v1?api_key=hunter2",
         "openai:m@http://host/v1?timeout=5&key=hunter2",
         "openai:m@http://host/v1?token=hunter2",
+        "openai:m@http://[hunter2/v1",
     ):
         record = spec_record(secret)
         assert record["spec"] is None and record["secret"] is True, secret

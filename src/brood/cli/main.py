@@ -219,8 +219,11 @@ def _report(result: brood.RunResult, as_json: bool, url: str) -> None:
         print_json(result._asdict())
     elif result.state == "completed":
         echo(result.answer)
-        with Journal(url) as journal:
-            reason = journal.run(result.run_id)["reason"]
+        try:
+            with Journal(url) as journal:
+                reason = journal.run(result.run_id)["reason"]
+        except brood.BroodError:  # a journal of this process only (sqlite:///:memory:)
+            reason = None
         if why := _why(result.state, reason):
             echo(f"note: run {result.run_id} completed ({_explained(why)})", err=True)
     if result.state != "completed":

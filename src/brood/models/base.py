@@ -115,8 +115,8 @@ def _secret_in(spec: str) -> str | None:
     _, _, url = target.partition("@")
     try:
         parts = urlsplit(url)
-    except ValueError:
-        return None  # no URL brood could read: resolve_model refuses it
+    except ValueError:  # kept out: what cannot be read cannot be shown to hold no key
+        return "a URL that cannot be read"
     if parts.username is not None or parts.password is not None:
         return "a user or password in its URL"
     return None
