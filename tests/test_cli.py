@@ -78,7 +78,7 @@ def test_bad_input_gets_a_clear_error_and_exit_code_2(tmp_path):
     out = brood("run", "x", "--store", store)
     assert out.returncode == 2 and "no model" in out.stderr
     out = brood("run", "x", "--model", "openai:m", "--max-depth", "0", "--store", store)
-    assert out.returncode == 2 and "max_depth must be >= 1" in out.stderr
+    assert out.returncode == 2 and "--max-depth must be >= 1" in out.stderr
 
 
 def test_a_binary_context_or_a_timeout_that_is_no_duration_is_refused(tmp_path):
@@ -154,3 +154,32 @@ def test_a_bare_ray_flag_means_a_ray_started_here():
     for address in ("10.0.0.5:6379", "auto", "ray://head:10001", "localhost:6379"):
         assert with_bare_ray(["run", "t", "--ray", address]) == ["run", "t", "--ray", address]
     assert with_bare_ray(["run", "t"]) == ["run", "t"]
+
+
+def test_a_run_that_ended_at_max_iterations_says_so_and_logs_show_what_it_did(tmp_path):
+    store = f"sqlite:///{tmp_path}/j.db"
+    script = {"think": ["```repl\nprint('thinking')\n```", "forty-two"]}
+    with FakeOpenAI(script) as server:
+        model = f"openai:tiny@{server.base_url}"
+        out = brood("run", "think", "--model", model, "--max-iterations", "1", "--store", store)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "forty-two"
+    run_id = out.stderr.split("note: run ")[1].split()[0]
+    assert f"note: run {run_id} completed (answer after max_iterations: no FINAL within " in (
+        out.stderr
+    )
+    assert "(--max-iterations)" in out.stderr
+    show = brood("show", run_id, "--store", store).stdout
+    assert "reason: answer after max_iterations" in show
+    assert "(answer after max_iterations)" in brood("tree", run_id, "--store", store).stdout
+    logs = brood("logs", run_id, "--store", store).stdout
+    assert "thinking" in logs and "forty-two" in logs
+    assert "step_begun" not in logs and "model_spec" not in logs
+    assert logs.splitlines()[-1].startswith("ended: completed (answer after max_iterations")
+    kinds = [
+        json.loads(line)["kind"]
+        for line in brood("logs", run_id, "--json", "--store", store).stdout.splitlines()
+    ]
+    assert kinds == ["model_call", "step", "model_call"]
+    everything = brood("logs", run_id, "--all", "--store", store).stdout
+    assert "step_begun" in everything and "model_spec" in everything

@@ -65,7 +65,8 @@ def test_brood_resume_finishes_a_killed_tree_without_repeating_recorded_calls(tm
         root = __import__("json").loads(ps.stdout)[0]
         assert root["stale"] is True and root["state"] == "running"
         out = subprocess.run(
-            [*BROOD, "resume", root["run_id"], "--model", model, "--store", store],
+            # no --model: the spec the tree was started with, as journaled
+            [*BROOD, "resume", root["run_id"], "--store", store],
             capture_output=True,
             text=True,
             env=env_without_model(),
@@ -106,3 +107,96 @@ def test_brood_resume_refuses_what_cannot_be_resumed(tmp_path):
             assert expected in out.stderr
     # Refusals leave the runs as they were (a resume attempt journals only its supervisor).
     assert len(before) > 0
+
+
+def test_brood_resume_asks_again_for_a_spec_whose_secret_the_journal_never_held(tmp_path):
+    from typer.testing import CliRunner
+
+    import brood
+    from brood.cli.main import app
+    from tests.util import FAST
+
+    store = f"sqlite:///{tmp_path}/j.db"
+    asked, release = threading.Event(), threading.Event()
+
+    def held(body):
+        asked.set()
+        release.wait(TIMEOUT_S)
+        return "```repl\nFINAL('done')\n```"
+
+    with FakeOpenAI(held) as server:
+        url = server.base_url.replace("http://", "http://alice:hunter2@")
+        with brood.Supervisor(f"openai:m@{url}", store=store, limits=FAST) as sup:
+            handle = sup.spawn("a task")
+            try:
+                assert asked.wait(TIMEOUT_S)
+                sup.store.flush()
+                out = CliRunner().invoke(
+                    app, ["resume", handle.id, "--store", store], env={"BROOD_MODEL": None}
+                )
+            finally:
+                release.set()
+            assert handle.wait(timeout=TIMEOUT_S) == "done"
+    said = " ".join(out.output.split())
+    assert out.exit_code == 2, said
+    assert "its spec carried a user or password in its URL" in said
+    assert f"it must be given again: brood resume {handle.id} --model SPEC" in said
+    assert "hunter2" not in said
+    for path in tmp_path.glob("j.db*"):
+        assert b"hunter2" not in path.read_bytes(), path
+
+
+def test_brood_resume_of_a_tree_started_with_a_chat_fn_says_to_pass_a_model(tmp_path):
+    from typer.testing import CliRunner
+
+    import brood
+    from brood.cli.main import app
+    from tests.util import FAST
+
+    store = f"sqlite:///{tmp_path}/j.db"
+    asked, release = threading.Event(), threading.Event()
+
+    def chat(messages):
+        asked.set()
+        release.wait(TIMEOUT_S)
+        return "```repl\nFINAL('done')\n```"
+
+    with brood.Supervisor(chat, store=store, limits=FAST) as sup:
+        handle = sup.spawn("a task")
+        try:
+            assert asked.wait(TIMEOUT_S)
+            sup.store.flush()
+            out = CliRunner().invoke(
+                app, ["resume", handle.id, "--store", store], env={"BROOD_MODEL": None}
+            )
+        finally:
+            release.set()
+        assert handle.wait(timeout=TIMEOUT_S) == "done"
+    said = " ".join(out.output.split())
+    assert out.exit_code == 2, said
+    assert "it was a chat_fn callable (chat), which has no spec the journal could hold" in said
+    assert f"pass one: brood resume {handle.id} --model SPEC (or set BROOD_MODEL)" in said
+
+
+def test_the_journaled_model_spec_keeps_no_secret():
+    from brood.models.base import spec_record
+
+    url = "http://127.0.0.1:8000/v1"
+    assert spec_record(f"openai:m@{url}") == {"spec": f"openai:m@{url}"}
+    assert spec_record(f"openai:m@{url}?timeout=5&tries=2")["spec"] == (
+        f"openai:m@{url}?timeout=5&tries=2"
+    )
+    assert spec_record("local:smollm2") == {"spec": "local:smollm2"}
+    for secret in (
+        "openai:m@http://alice:hunter2@host/v1",
+        "openai:m@http://hunter2@host/v1",
+        "openai:m@http://host/v1?api_key=hunter2",
+        "openai:m@http://host/v1?timeout=5&key=hunter2",
+        "openai:m@http://host/v1?token=hunter2",
+        "openai:m@http://[hunter2/v1",
+    ):
+        record = spec_record(secret)
+        assert record["spec"] is None and record["secret"] is True, secret
+        assert "hunter2" not in str(record), record
+    record = spec_record(lambda messages: "")
+    assert record["spec"] is None and record["secret"] is False

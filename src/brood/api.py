@@ -32,7 +32,7 @@ from brood.errors import (
 )
 from brood.lifecycle import RunState
 from brood.limits import Limits, is_duration
-from brood.models.base import Model, resolve_model
+from brood.models.base import MODEL_SPEC, Model, resolve_model, spec_record
 from brood.protocol import FlowReq, Notice
 from brood.store.base import Store, open_store
 from brood.supervisor.control import ControlServer
@@ -130,6 +130,7 @@ class Supervisor:
                 "no model: pass Supervisor(model=chat_fn or 'openai:MODEL@URL'), or set BROOD_MODEL"
             )
         resolved = resolve_model(model)
+        self._model_record = spec_record(model)  # journaled with each tree, for a resume
         settings = worker_settings(self.limits, worker_env, keep_scratch)
         self._store: Store = open_store(store)
         self._observers = Observers(on_start, on_end)
@@ -266,8 +267,13 @@ class Supervisor:
                     "it can be resumed once that supervisor is gone or its lease has lapsed "
                     "(brood cancel stops it)"
                 )
-        run = self._loop.call(self._core.resume_tree(root_id))
+        run = self._loop.call(self._resume_tree(root_id))
         return RunHandle(self, run)
+
+    async def _resume_tree(self, root_id: str) -> Run:
+        run = await self._core.resume_tree(root_id)
+        self._core.event(run, MODEL_SPEC, self._model_record)  # the model it goes on with
+        return run
 
     def flow_run(self, spec: Any, *, inputs: dict[str, Any] | None = None) -> FlowHandle:
         """Validate a flow spec (a path, YAML/JSON text, a dict, or a `FlowSpec` that
@@ -304,6 +310,8 @@ class Supervisor:
             executor.on_milestone = self._notifier(parent)
         spec = loaded.model_dump(**SPEC_DUMP)
         await executor.start(_flow_title(executor), parent, spec=spec, run_id=run_id)
+        if parent is None:
+            self._core.event(executor.run, MODEL_SPEC, self._model_record)
         self._core.flows[executor.run.id] = executor
         return executor
 
@@ -406,7 +414,7 @@ class Supervisor:
         run_id: str | None = None,
     ) -> Run:
         resolved = None if model is None else resolve_model(model)
-        return await self._core.create_root(
+        run = await self._core.create_root(
             prompt,
             context_blob=_context_blob(context),
             model=resolved,
@@ -416,6 +424,9 @@ class Supervisor:
             pool=pool,
             run_id=run_id,
         )
+        record = self._model_record if model is None else spec_record(model)
+        self._core.event(run, MODEL_SPEC, record)
+        return run
 
     # ---- asks to a person --------------------------------------------------------------
     def asks(self) -> list[dict[str, Any]]:

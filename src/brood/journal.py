@@ -17,6 +17,7 @@ from brood.backends.owners import proc_stat
 from brood.errors import BroodError, InvalidArgument
 from brood.lease import lease_holder_gone
 from brood.lifecycle import TERMINAL
+from brood.models.base import MODEL_SPEC
 from brood.protocol import CtlAnswer, CtlCancel, CtlFlow, CtlSend
 from brood.store.base import Store, open_store
 from brood.supervisor.control import control_request
@@ -184,6 +185,14 @@ class Journal:
         self.store.get_run(run_id)  # an unknown id is an error, not an empty log
         return self.store.events(run_id, after=after)
 
+    def model_spec(self, run_id: str) -> dict[str, Any] | None:
+        """What the journal holds of the model the tree of `run_id` was last started or
+        resumed with: `{"spec": SPEC}`, `{"spec": None, "withheld": WHY}` (a secret, a
+        chat_fn), or None (a tree journaled before brood kept it)."""
+        root_id = self.store.get_run(run_id)["root_id"]
+        found = self.store.events(root_id, MODEL_SPEC)
+        return dict(found[-1]["data"]) if found else None
+
     def export(self, run_id: str) -> Iterator[dict[str, Any]]:
         """One record per model call of the tree under `run_id`, with the full request
         messages, the response and usage: the shape RL and fine-tuning pipelines read. A
@@ -305,7 +314,16 @@ class Journal:
                 f"no ask {ask_id!r} in the journal {self.store.url}; `brood asks` lists the "
                 "open ones"
             )
-        path = self._control(run_id)
+        run = self.store.get_run(run_id)
+        if run["state"] in TERMINAL_VALUES:
+            raise InvalidArgument(
+                f"ask {ask_id} cannot be answered: run {run_id}, which asked it, has ended "
+                f"({run['state']}), and its asks ended with it; `brood asks` lists the open ones"
+            )
+        try:
+            path = self._control(run_id)
+        except BroodError as exc:  # a stale run: said of the ask, not only of its run
+            raise BroodError(f"ask {ask_id} cannot be answered now: {exc}") from None
         result: dict[str, Any] = control_request(
             path, CtlAnswer(1, ask_id, value, by), CONTROL_TIMEOUT_S
         )

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn
 
 import typer
 from rich.console import Group
@@ -30,6 +30,7 @@ from brood.api import os_user
 from brood.cli.interrupt import EXIT_CODE as INTERRUPTED
 from brood.cli.interrupt import Interrupt, interruptible
 from brood.cli.terminal import Terminal, clean, echo, literal, plain, print_json
+from brood.cli.words import for_cli
 from brood.journal import TERMINAL_VALUES, Journal, default_store_url
 from brood.models.demo import ROOT_TASK
 from brood.protocol import MAX_CONTEXT_BYTES
@@ -37,10 +38,16 @@ from brood.protocol import MAX_CONTEXT_BYTES
 if TYPE_CHECKING:
     from brood.cluster import ClusterFlowHandle, ClusterHandle
 
+# Every command takes -h as well as --help. Help texts are Markdown: typer joins the lines
+# of a paragraph and rich wraps it to the terminal, so a docstring's own line breaks never
+# break a sentence on screen (and `[ray]` is text, not a rich style).
+CONTEXT = {"help_option_names": ["-h", "--help"]}
+HELP_MARKUP: Literal["markdown"] = "markdown"
 app = typer.Typer(
     help="brood: run recursive language models with managed child runs.",
     no_args_is_help=True,
-    add_completion=False,
+    context_settings=CONTEXT,
+    rich_markup_mode=HELP_MARKUP,
 )
 REFRESH_S = 0.25  # how often live views and --follow re-read the journal
 STATE_STYLE = {
@@ -54,7 +61,8 @@ STATE_STYLE = {
 }
 
 StoreOpt = Annotated[
-    str | None, typer.Option("--store", help="journal URL (default: BROOD_STORE or .brood)")
+    str | None,
+    typer.Option("--store", metavar="URL", help="journal URL (default: BROOD_STORE or .brood)"),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON only")]
 RAY_HERE = "local"  # --ray with no address: a Ray started here, for this command
@@ -66,14 +74,16 @@ RayOpt = Annotated[
         "one started here); several nodes need a Postgres --store (the [ray] extra)",
     ),
 ]
-RunArg = Annotated[str, typer.Argument(help="a run id, e.g. r-8f3a2c")]
+RunArg = Annotated[str, typer.Argument(metavar="RUN", help="a run id, e.g. r-8f3a2c")]
 FsReadOpt = Annotated[
     list[Path] | None,
-    typer.Option("--fs-read", help="a path model code may also read (repeatable)"),
+    typer.Option("--fs-read", metavar="PATH", help="a path model code may also read (repeatable)"),
 ]
 FsWriteOpt = Annotated[
     list[Path] | None,
-    typer.Option("--fs-write", help="a path model code may also read and write (repeatable)"),
+    typer.Option(
+        "--fs-write", metavar="PATH", help="a path model code may also read and write (repeatable)"
+    ),
 ]
 NetworkOpt = Annotated[
     bool, typer.Option("--network", help="let model code open network connections")
@@ -128,17 +138,22 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+def _refused(exc: BaseException, code: int = 2) -> None:
+    """Fail with an error raised below the command line, in the words of its flags."""
+    _fail(for_cli(str(exc)), code)
+
+
 @contextmanager
 def _journal(store: str | None) -> Iterator[Journal]:
     try:
         journal = Journal(store or default_store_url())
     except brood.BroodError as exc:
-        _fail(str(exc))
+        _refused(exc)
         raise  # unreachable: _fail exits
     try:
         yield journal
     except brood.BroodError as exc:
-        _fail(str(exc))
+        _refused(exc)
     finally:
         journal.close()
 
@@ -176,7 +191,8 @@ def render_tree(node: dict[str, Any]) -> Tree:
     """A rich tree of runs: state, depth, duration, model calls, tokens, last output."""
 
     def label(r: dict[str, Any]) -> str:
-        why = f" ({literal(r['reason'])})" if r["reason"] and r["state"] != "completed" else ""
+        reason = _why(r["state"], r["reason"])
+        why = f" ({literal(reason)})" if reason else ""
         own, sub = r["usage"], r["subtree_usage"]
         usage = _usage_text(own)
         if r["children"]:
@@ -198,15 +214,43 @@ def render_tree(node: dict[str, Any]) -> Tree:
     return tree
 
 
-def _report(result: brood.RunResult, as_json: bool) -> None:
-    """Print how a run ended: its answer (or the RunResult as JSON); exit 1 unless it
-    completed."""
+def _report(result: brood.RunResult, as_json: bool, url: str) -> None:
+    """Print how a run ended: its answer (or the RunResult as JSON), and on stderr why it
+    ended when it completed other than by FINAL; exit 1 unless it completed."""
     if as_json:
         print_json(result._asdict())
     elif result.state == "completed":
         echo(result.answer)
+        try:
+            with Journal(url) as journal:
+                reason = journal.run(result.run_id)["reason"]
+        except brood.BroodError:  # a journal of this process only (sqlite:///:memory:)
+            reason = None
+        if why := _why(result.state, reason):
+            echo(f"note: run {result.run_id} completed ({_explained(why)})", err=True)
     if result.state != "completed":
-        _fail(f"run {result.run_id} {result.state}: {result.error}", code=1)
+        _fail(for_cli(f"run {result.run_id} {result.state}: {result.error}"), code=1)
+
+
+# How a run that completed other than by the model's FINAL came to its answer.
+ENDINGS = {
+    "answer after max_iterations": "no FINAL within its model turns (--max-iterations); "
+    "the answer is its reply when told to answer at once",
+}
+PLAIN_ENDS = frozenset({"answer", "flow finished"})  # a completed run's usual reasons
+
+
+def _why(state: str, reason: str | None) -> str | None:
+    """The reason a run ended, when it is worth saying: always unless it completed the
+    usual way."""
+    if not reason or (state == "completed" and reason in PLAIN_ENDS):
+        return None
+    return reason
+
+
+def _explained(reason: str) -> str:
+    """A reason with what it means, where it needs saying."""
+    return f"{reason}: {ENDINGS[reason]}" if reason in ENDINGS else reason
 
 
 def _runner(
@@ -217,7 +261,9 @@ def _runner(
     if ray is None:
         return brood.Supervisor(model, limits=limits, store=url)
     if model is None and not os.environ.get("BROOD_MODEL"):
-        raise brood.InvalidArgument("no model: pass --model SPEC, or set BROOD_MODEL")
+        raise brood.InvalidArgument(
+            "no model: pass --model SPEC (e.g. openai:MODEL@URL), or set BROOD_MODEL"
+        )
     address = None if ray == RAY_HERE else ray
     return brood.Cluster(
         model or os.environ["BROOD_MODEL"], store=url, ray_address=address, limits=limits
@@ -266,10 +312,28 @@ def _live_tree(
                 return
 
 
+def _print_version(asked: bool) -> None:
+    if asked:
+        echo(f"brood {brood.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_print_version, is_eager=True, help="print brood's version"
+        ),
+    ] = False,
+) -> None:
+    """brood: run recursive language models with managed child runs."""
+
+
 # ---- commands: running ---------------------------------------------------------------------
 @app.command()
 def run(
-    prompt: Annotated[str, typer.Argument(help="the task")],
+    prompt: Annotated[str, typer.Argument(metavar="PROMPT", help="the task")],
     context: Annotated[
         Path | None, typer.Option(help="a file whose text becomes `context`")
     ] = None,
@@ -335,16 +399,20 @@ def run(
                 handle = runner.spawn(prompt, context=text, timeout=timeout)
                 result = _watch(handle, url, live, interrupt)
     except brood.BroodError as exc:
-        _fail(str(exc))
+        _refused(exc)
         return
-    _report(result, as_json)
+    _report(result, as_json, url)
 
 
 @app.command()
 def resume(
     run_id: RunArg,
     model: Annotated[
-        str | None, typer.Option(help="model spec for the live part (or BROOD_MODEL)")
+        str | None,
+        typer.Option(
+            help="model spec for the live part (default: the spec the tree was started "
+            "with, as journaled; else BROOD_MODEL)"
+        ),
     ] = None,
     store: StoreOpt = None,
     fs_read: FsReadOpt = None,
@@ -360,9 +428,10 @@ def resume(
     url = store or default_store_url()
     try:
         limits = brood.Limits(**_confinement(fs_read, fs_write, network, confine))
+        spec = _model(model or _journaled_model(url, run_id), model_timeout)
         with (
             interruptible() as interrupt,
-            brood.Supervisor(_model(model, model_timeout), limits=limits, store=url) as sup,
+            brood.Supervisor(spec, limits=limits, store=url) as sup,
         ):
             _stop_if_interrupted(interrupt)
             handle = sup.resume(run_id)
@@ -374,13 +443,40 @@ def resume(
             try:
                 handle.result()
             except brood.ReplayDiverged as exc:
-                _fail(str(exc), code=1)
+                _refused(exc, code=1)
             except brood.ChildFailed:
                 pass
     except brood.BroodError as exc:
-        _fail(str(exc))
+        _refused(exc)
         return
-    _report(result, as_json)
+    _report(result, as_json, url)
+
+
+def _journaled_model(url: str, run_id: str) -> str | None:
+    """The model spec the tree of `run_id` was started (or last resumed) with, as its
+    journal holds it; else BROOD_MODEL. Fails, saying why, when neither is there: the
+    journal never holds a spec that carries a secret, nor a chat_fn."""
+    with _journal(url) as journal:
+        record = journal.model_spec(run_id)
+        root = journal.run(journal.run(run_id)["root_id"])
+    if record is not None and record.get("spec"):
+        return str(record["spec"])
+    if os.environ.get("BROOD_MODEL"):
+        return None  # Supervisor takes it
+    if root["state"] in TERMINAL_VALUES:  # said before any word about its model
+        _fail(f"run {root['id']} is {root['state']}; a tree that has ended has nothing to resume")
+    if record is None:
+        why, fix = "it was journaled by a brood that kept no model spec", "pass it"
+    elif record.get("secret"):
+        why = f"{record['withheld']}, and a journal never holds a secret"
+        fix = "it must be given again"
+    else:
+        why, fix = f"{record['withheld']} the journal could hold", "pass one"
+    _fail(
+        f"the journal does not say which model the tree of run {run_id} was started with: "
+        f"{why}; {fix}: brood resume {run_id} --model SPEC (or set BROOD_MODEL)"
+    )
+    return None  # unreachable: _fail exits
 
 
 @app.command()
@@ -411,7 +507,7 @@ def demo(
         with brood.Supervisor(model or "scripted:demo", limits=limits, store=url) as sup:
             result = sup.run(ROOT_TASK, context=notes)
     except brood.BroodError as exc:
-        _fail(str(exc))
+        _refused(exc)
         raise  # unreachable: _fail exits
     with Journal(url) as journal:
         console.print(render_tree(journal.tree(result.run_id)))
@@ -537,8 +633,8 @@ def show(run_id: RunArg, store: StoreOpt = None, as_json: JsonOpt = False) -> No
         console.print(plain(f"answer: {run['answer']}"))
     if run.get("products") is not None:
         console.print(plain(f"products: {json.dumps(run['products'])}"))
-    if run["reason"] and run["state"] != "completed":
-        console.print(plain(f"reason: {run['reason']}"))
+    if why := _why(run["state"], run["reason"]):
+        console.print(plain(f"reason: {_explained(why)}"))
     if run["error"]:
         console.print(plain(f"error: {run['error'].strip().splitlines()[-1]}"))
     console.print(
@@ -560,9 +656,47 @@ def _indent(text: str, prefix: str) -> str:
     return "\n".join(prefix + line for line in clean(text).splitlines())
 
 
+# What `brood logs` shows by default: what the run did (model turns, steps, messages,
+# asks) and what happened to it (retries, pools, resumes, lost workers, unenforced
+# confinement). The rest is the journal's own bookkeeping (`step_begun`, the system prompt
+# by reference, remembered values, scratch paths, placements, the model spec), which
+# `--all` shows too.
+LOG_KINDS = frozenset(
+    {
+        "model_call",
+        "step",
+        "message",
+        "ask",
+        "attempt",
+        "pool",
+        "confinement",
+        "resume",
+        "resumed",
+        "zygote_lost",
+        "retry_refused",
+        "adopt_failed",
+        "flow",
+    }
+)
+FLOW_BOOKKEEPING = frozenset({"spec"})  # a flow's ledger entry holding its whole spec
+
+
+def _shown(ev: dict[str, Any]) -> bool:
+    if ev["kind"] == "flow":
+        return ev["data"].get("kind") not in FLOW_BOOKKEEPING
+    return ev["kind"] in LOG_KINDS
+
+
+def _fields(data: dict[str, Any], skip: tuple[str, ...] = ()) -> str:
+    """An event's data as `key=value` pairs, for rich markup."""
+    pairs = (f"{k}={json.dumps(v, default=str)}" for k, v in data.items() if k not in skip)
+    return literal(" ".join(pairs))
+
+
 def _event_lines(ev: dict[str, Any]) -> Group:
     d, kind = ev["data"], ev["kind"]
     stamp = time.strftime("%H:%M:%S", time.localtime(ev["at"]))
+    head = f"[dim]{stamp}[/dim] [bold]{kind}[/bold]"
     if kind == "model_call":
         head = (
             f"[dim]{stamp}[/dim] [bold]model[/bold] {d['kind']} {literal(d.get('model') or '')} "
@@ -580,41 +714,64 @@ def _event_lines(ev: dict[str, Any]) -> Group:
             parts.append(plain(_indent(out.rstrip(), "    ")))
         return Group(*parts)
     if kind == "message":
-        return Group(f"[dim]{stamp}[/dim] [bold]message[/bold] {literal(d['message'])}")
+        return Group(f"{head} {literal(d['message'])}")
     if kind == "prompt":
         return Group(
-            f"[dim]{stamp}[/dim] [bold]prompt[/bold] system prompt {d['ref']} "
+            f"{head} system prompt {d['ref']} "
             f"({len(d['content'])} chars; `brood export` puts it in each request)"
         )
-    return Group(f"[dim]{stamp}[/dim] [bold]{kind}[/bold] {literal(json.dumps(d, default=str))}")
+    if kind == "ask":
+        what = d.get("question") or (d.get("result") or {}).get("summary") or d.get("reason")
+        return Group(f"{head} {literal(d['ask'])} {d['op']}: {_short(str(what), 200)}")
+    if kind == "flow":
+        return Group(f"{head} {literal(d.get('kind', ''))} {_fields(d, ('kind',))}")
+    if kind == "pool" and d.get("waiting"):
+        holders = literal(", ".join(d.get("holders", [])))
+        return Group(f"{head} waiting for pool {literal(repr(d['pool']))} (held by {holders})")
+    if kind == "confinement":
+        gaps = "; ".join(d.get("unenforced", []))
+        return Group(f"{head} not enforced on this machine: {literal(gaps)}")
+    return Group(f"{head} {_fields(d)}")
 
 
 @app.command()
 def logs(
     run_id: RunArg,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="wait for more")] = False,
+    show_all: Annotated[
+        bool,
+        typer.Option(
+            "--all", help="also the journal's bookkeeping events (step_begun, prompt, ...)"
+        ),
+    ] = False,
     store: StoreOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """The trajectory of RUN: model turns and REPL steps in order (JSON lines with --json)."""
+    """The trajectory of RUN: model turns, REPL steps, messages and asks in order, and how
+    it ended (JSON lines with --json)."""
     console = Terminal()
     with _journal(store) as journal:
         after = 0
         while True:
             # Whether the run has ended is read before its events, so the last read after
             # the end still prints what landed meanwhile.
-            ended = follow and (
-                (run := journal.run(run_id))["state"] in TERMINAL_VALUES or run["stale"]
-            )
+            run = journal.run(run_id)
+            ended = run["state"] in TERMINAL_VALUES or run["stale"]
             for ev in journal.events(run_id, after=after):
                 after = ev["seq"]
+                if not (show_all or _shown(ev)):
+                    continue
                 if as_json:
                     print_json(ev)
                 else:
                     console.print(_event_lines(ev))
             if not follow or ended:
-                return
+                break
             time.sleep(REFRESH_S)
+    if not as_json and run["state"] in TERMINAL_VALUES:
+        why = _why(run["state"], run["reason"])
+        ending = f"{run['state']} ({_explained(why)})" if why else run["state"]
+        console.print(plain(f"ended: {ending}"))
 
 
 @app.command()
@@ -697,9 +854,14 @@ def answer(
 
 
 # ---- flows ----------------------------------------------------------------------------------
-flow_app = typer.Typer(help="Flows: state-machine workflows of sub-agents.", no_args_is_help=True)
+flow_app = typer.Typer(
+    help="Flows: state-machine workflows of sub-agents.",
+    no_args_is_help=True,
+    context_settings=CONTEXT,
+    rich_markup_mode=HELP_MARKUP,
+)
 app.add_typer(flow_app, name="flow")
-SpecArg = Annotated[Path, typer.Argument(help="a flow spec file (YAML or JSON)")]
+SpecArg = Annotated[Path, typer.Argument(metavar="SPEC", help="a flow spec file (YAML or JSON)")]
 
 
 def _inputs(pairs: list[str], json_pairs: list[str]) -> dict[str, Any]:
@@ -726,7 +888,7 @@ def flow_validate(spec: SpecArg, as_json: JsonOpt = False) -> None:
         if as_json:
             print_json({"valid": False, "problems": [p.strip() for p in str(exc).splitlines()[1:]]})
             raise typer.Exit(2) from None
-        _fail(str(exc))
+        _refused(exc)
         return
     summary = {
         "valid": True,
@@ -795,7 +957,7 @@ def flow_run(
                     _stop_interrupted_flow(flow, interrupt)
             report = flow.status() | {"outputs": flow.outputs()}
     except brood.BroodError as exc:
-        _fail(str(exc))
+        _refused(exc)
         return
     if as_json:
         print_json(report)
@@ -927,7 +1089,7 @@ def serve(
             max_queued=MAX_QUEUED if max_queued is None else max_queued,
         )
     except brood.BroodError as exc:
-        _fail(str(exc))
+        _refused(exc)
         return
     sock = _listen(host, port)
     bound = sock.getsockname()[1]
@@ -1097,7 +1259,7 @@ def with_bare_ray(args: list[str]) -> list[str]:
 
 def main() -> None:  # pragma: no cover - console entry
     """The `brood` command."""
-    app(args=with_bare_ray(sys.argv[1:]))
+    app(args=with_bare_ray(sys.argv[1:]), prog_name="brood")
 
 
 if __name__ == "__main__":  # pragma: no cover

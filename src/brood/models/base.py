@@ -78,6 +78,50 @@ def _callable_name(fn: Callable[..., Any]) -> str:
     return str(getattr(inner, "__name__", None) or type(inner).__name__)
 
 
+# The event of a tree's root that says which model it was started (or resumed) with:
+# `brood resume` goes on with that spec unless told another.
+MODEL_SPEC = "model_spec"
+# The options a spec's own query may carry (`?timeout=S&tries=N`); any other name there
+# may be a credential (`?key=...`), and so is a user or password in its URL.
+SPEC_OPTIONS = frozenset({"timeout", "tries"})
+
+
+def spec_record(model: object) -> dict[str, Any]:
+    """What a journal keeps of the model a tree was started with, so that a resume can
+    default to it: `{"spec": SPEC}`, or `{"spec": None, "secret": bool, "withheld": WHY}`
+    when there is no spec to keep (a chat_fn, a Model object) or the spec carries a secret,
+    which is never written to the journal (a user or password in its URL, a query
+    parameter other than timeout and tries)."""
+    if isinstance(model, str):
+        secret = _secret_in(model)
+        if secret is None:
+            return {"spec": model}
+        return {"spec": None, "secret": True, "withheld": f"its spec carried {secret}"}
+    if isinstance(model, Model):
+        what = f"a {type(model).__name__} object"
+    else:
+        what = f"a chat_fn callable ({_callable_name(model)})" if callable(model) else "no spec"
+    return {"spec": None, "secret": False, "withheld": f"it was {what}, which has no spec"}
+
+
+def _secret_in(spec: str) -> str | None:
+    """Where a spec carries a credential, or None."""
+    from urllib.parse import parse_qsl, urlsplit
+
+    target, _, query = spec.partition("?")
+    for key, _value in parse_qsl(query, keep_blank_values=True):
+        if key not in SPEC_OPTIONS:
+            return f"the query parameter {key!r}, which may be a key"
+    _, _, url = target.partition("@")
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # kept out: what cannot be read cannot be shown to hold no key
+        return "a URL that cannot be read"
+    if parts.username is not None or parts.password is not None:
+        return "a user or password in its URL"
+    return None
+
+
 def resolve_model(model: object) -> Model:
     """A `Model` for a callable, a spec string or a Model object.
 
