@@ -31,6 +31,7 @@ from brood.errors import (
     InvalidSpec,
     LimitExceeded,
     ModelError,
+    RateLimited,
     ReplayDiverged,
     StaleHandle,
     StallTimeout,
@@ -949,7 +950,8 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
         """Start a flow (a state-machine workflow of sub-agents) from a spec: a dict, or
         YAML/JSON text, or a path to a spec file (read here, as your code reads any file).
         Its states' runs are children of this run for every limit. Returns its id at once;
-        its milestones (finished, failed, paused, ...) are announced in your next turns."""
+        its milestones (finished, failed, paused, ...) are announced in your next turns.
+        A spec with problems raises InvalidSpec listing every one."""
         if not isinstance(spec, dict | str):
             raise InvalidArgument("flow_run(spec): pass a dict, YAML/JSON text or a file path")
         if inputs is not None and not isinstance(inputs, dict):
@@ -1137,7 +1139,9 @@ def _notify(link: Link) -> None:
         link.cond.notify_all()
 
 
-# Errors the model's code may want to catch, placed in the namespace by name.
+# Errors the model's code may want to catch, placed in the namespace by name: every one the
+# system prompt or a helper's docstring names (tests/test_prompt.py walks them), so an
+# `except ModelError:` never fails with NameError exactly when a call fails.
 ERRORS: dict[str, type[BaseException]] = {
     e.__name__: e
     for e in (
@@ -1146,7 +1150,10 @@ ERRORS: dict[str, type[BaseException]] = {
         ChildFailed,
         ChildNotReady,
         InvalidArgument,
+        InvalidSpec,
         LimitExceeded,
+        ModelError,
+        RateLimited,
         StaleHandle,
         StallTimeout,
     )
