@@ -33,7 +33,7 @@ NO_REPLY_STATUS = 400
 class Reply:
     """One scripted answer.
 
-    `status` other than 200 sends an OpenAI-style error body carrying `error`. `delay` is
+    `status` other than 200 sends an OpenAI-style error body carrying `error` (or `raw`). `delay` is
     how long the server waits before answering; closing the server cuts it short (the
     request is then dropped unanswered), so a slow reply never holds up a test's teardown.
     """
@@ -46,7 +46,8 @@ class Reply:
     delay: float = 0.0
     finish_reason: str = "stop"
     headers: tuple[tuple[str, str], ...] = ()  # extra response headers, e.g. Retry-After
-    raw: bytes | None = None  # a 200 whose body is these bytes, not a chat completion
+    raw: bytes | None = None  # a body of these bytes (with `status`), not a chat completion
+    content_type: str = "application/json"  # of a `raw` body (an HTML error page: text/html)
 
 
 @dataclass
@@ -214,11 +215,11 @@ class _Handler(BaseHTTPRequestHandler):
         if not fake._wait(reply.delay):
             return  # closed while waiting: drop the request unanswered
         ex.status = reply.status
+        if reply.raw is not None:
+            self._send(reply.status, reply.raw, reply.headers, reply.content_type)
+            return
         if reply.status != 200:
             self._send(reply.status, _error_body(reply.error), reply.headers)
-            return
-        if reply.raw is not None:
-            self._send(200, reply.raw)
             return
         usage = {
             "prompt_tokens": reply.prompt_tokens,
@@ -250,13 +251,14 @@ class _Handler(BaseHTTPRequestHandler):
         status: int,
         payload: dict[str, Any] | bytes,
         headers: tuple[tuple[str, str], ...] = (),
+        content_type: str = "application/json",
     ) -> None:
         data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
         try:
             self.send_response(status)
             for name, value in headers:
                 self.send_header(name, value)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)

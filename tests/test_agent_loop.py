@@ -84,7 +84,10 @@ def test_a_request_of_the_wrong_type_is_refused_in_the_repl_and_the_run_goes_on(
     answer = result.answer
     assert "timeout: Expected `float | null`, got `str`" in answer
     assert "model: Expected `str | null`, got `int`" in answer
-    assert "timeout: Expected `float | null`, got `array`" in answer
+    assert (
+        "flow_wait: timeout must be seconds, a number >= 0 (or None: until it ends), got list"
+        in answer
+    )
     assert "inputs must be a dict {name: value}, got list" in answer
     assert "flow_run: spec must hold only JSON values" in answer
     assert "flow_run: inputs must hold only JSON values" in answer

@@ -31,6 +31,7 @@ from brood.flow import (
     read_output,
     render_prompt,
 )
+from brood.flow.load import load_spec_text
 
 FLOW_SRC = Path(brood.__file__).parent / "flow"
 
@@ -456,6 +457,16 @@ CASES = [
     (set_in("run", value={"budget": -1}), "run.budget", ["must be > 0"]),
     (set_in("run", value={"budget": math.inf}), "run.budget", ["must be a finite number"]),
     (set_in("run", value={"max_parallel": 0}), "run.max_parallel", ["must be >= 1"]),
+    (
+        set_in("run", value={"max_parallel": 65}),
+        "run.max_parallel",
+        ["must be <= 64 (state instances", "got integer 65; use a whole number from 1 to 64"],
+    ),
+    (
+        set_in("run", value={"max_transitions": 10_001}),
+        "run.max_transitions",
+        ["must be <= 10000", "got integer 10001; use a whole number from 1 to 10000"],
+    ),
     (set_in("run", value={"max_transitions": 0}), "run.max_transitions", ["must be >= 1"]),
     (
         set_in("run", value={"failure_policy": "retry"}),
@@ -1143,6 +1154,25 @@ def test_the_flow_package_imports_nothing_above_it() -> None:
                 else:
                     ok = top in ("pydantic", "yaml") or top in sys.stdlib_module_names
                 assert ok, f"{path.name} imports {name}"
+
+
+def test_an_upper_bound_is_told_in_brood_words_with_the_values_to_use() -> None:
+    """pydantic's own text ("Input should be less than or equal to 64") is not shown: the
+    field, its bound, why, and the values it takes are, in both tellings of a problem."""
+    spec = {"run": {"max_parallel": 65}, "states": [{"id": "a", "entry": True, "prompt": "p"}]}
+    told = {}
+    with pytest.raises(InvalidSpec) as info:
+        load_spec(spec)
+    told["quoted"] = str(info.value)
+    with pytest.raises(InvalidSpec) as info:
+        load_spec_text(json.dumps(spec))
+    told["schema words"] = str(info.value)
+    for how, message in told.items():
+        assert "Input should" not in message, how
+        line = message.splitlines()[1].strip()
+        assert line.startswith("run.max_parallel: must be <= 64 ("), (how, line)
+        assert line.endswith("; use a whole number from 1 to 64"), (how, line)
+    assert "got integer 65" in told["quoted"] and "65" not in told["schema words"]
 
 
 def test_the_factory_defaults_and_bounds_of_the_run_settings() -> None:

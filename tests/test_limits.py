@@ -135,6 +135,21 @@ def test_blocked_builtins_take_names_or_the_pi_rlm_preset() -> None:
         Limits(blocked_builtins=["not a name"])
 
 
+def test_a_blocked_builtin_that_is_no_builtin_is_refused_naming_the_close_one() -> None:
+    """A typo would block nothing at all, silently."""
+    with pytest.raises(InvalidArgument) as info:
+        Limits(blocked_builtins=["open", "evl"])
+    message = str(info.value)
+    assert message.startswith("Limits.blocked_builtins: 'evl' is not a Python builtin")
+    assert "did you mean 'eval'?" in message
+    with pytest.raises(InvalidArgument, match="'llm_query' is not a Python builtin"):
+        Limits(blocked_builtins=("llm_query",))
+    assert Limits(blocked_builtins=["__import__", "print"]).blocked_builtins == (
+        "__import__",
+        "print",
+    )
+
+
 @pytest.mark.parametrize("name", sorted(POSITIVE))
 @pytest.mark.parametrize("value", [0, -1])
 def test_a_timeout_must_be_positive_or_none(name: str, value: int) -> None:

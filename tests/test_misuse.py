@@ -51,6 +51,20 @@ MISUSES = [
     ("llm_query_chunked(12, 'Sum.')", "InvalidArgument", "text must be str, got int"),
     ("map_files('notes.txt', 'Sum.')", "InvalidArgument", "for one file pass [path]"),
     ("flow_status('r-nope')", "InvalidArgument", "is not a flow this run started"),
+    # waits: `t` is the task an earlier line started
+    ("rlm_wait(t, timeout='3')", "InvalidArgument", "got '3'; pass the number itself: timeout=3"),
+    ("rlm_await(t, timeout=-1)", "InvalidArgument", "rlm_await: timeout must be seconds"),
+    ("rlm_wait_all([t], timeout=float('nan'))", "InvalidArgument", "a number >= 0"),
+    ("rlm_wait_any([t], timeout='soon')", "InvalidArgument", "rlm_wait_any: timeout must be"),
+    ("rlm_await_all([t], timeout=float('inf'))", "InvalidArgument", "timeout=None waits"),
+    ("rlm_wait_all([t], t)", "InvalidArgument", "pass them as one list"),
+    ("t.wait(timeout='1')", "InvalidArgument", "Task.wait: timeout must be seconds"),
+    ("flow_wait('r-nope', timeout='3')", "InvalidArgument", "flow_wait: timeout must be"),
+    ("rlm_wait_all(t)", "InvalidArgument", "got one Task; pass it in a list: rlm_wait_all([h])"),
+    ("rlm_wait_any(t)", "InvalidArgument", "takes a list of handles, got one Task"),
+    ("rlm_await_all(t)", "InvalidArgument", "rlm_await_all([h])"),
+    ("rlm_wait_all([t, 'r-1'])", "InvalidArgument", "hs[1] is a str, not a handle"),
+    ("rlm_wait([t])", "InvalidArgument", "for several handles use rlm_wait_all(hs)"),
 ]
 
 

@@ -272,6 +272,11 @@ class FakeCompletions:
             raise self.error
         return self.response
 
+    @property
+    def with_raw_response(self) -> Any:
+        """The form OpenAIModel calls: a reply whose parse() gives the completion."""
+        return SimpleNamespace(create=lambda **kw: SimpleNamespace(parse=lambda: self.create(**kw)))
+
 
 def with_fake_client(model: OpenAIModel, completions: FakeCompletions) -> OpenAIModel:
     model._client = SimpleNamespace(chat=SimpleNamespace(completions=completions))

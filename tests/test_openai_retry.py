@@ -132,5 +132,78 @@ def test_a_reply_that_is_not_a_chat_completion_is_retried_then_named(tmp_path):
     assert recovered.answer == "ok"
     assert waits(log) == [0.5, 0.5]  # each retried once, like a 5xx
     assert failed.state == "failed"
-    assert f"model 'm' at {url}: JSONDecodeError after 2 tries" in failed.error
-    assert "the reply is not a chat completion" in failed.error
+    assert (
+        f"model 'm' at {url}: the reply is not a chat completion (2 tries): HTTP 200, "
+        "application/json, 26 bytes: '<html>gateway error</html>'"
+    ) in failed.error
+    assert "JSONDecodeError" not in failed.error
+
+
+PAGE = b"<html><body>\x1b]0;owned\x07\x1b[2J502 Bad Gateway\r" + b"." * 300 + b"</body></html>"
+
+
+@pytest.mark.parametrize(
+    ("reply", "told"),
+    [
+        (
+            Reply(raw=b"<html>gateway error</html>", content_type="text/html"),
+            "the reply is not a chat completion (3 tries): HTTP 200, text/html, 26 bytes: "
+            "'<html>gateway error</html>'",
+        ),
+        (
+            Reply(raw=b'{"detail": "no such route"}'),
+            "the reply is not a chat completion (3 tries): HTTP 200, application/json, 27 "
+            """bytes: '{"detail": "no such route"}'""",
+        ),
+        (
+            Reply(raw=b"[1, 2]"),
+            "the reply is not a chat completion (3 tries): HTTP 200, application/json, 6 "
+            "bytes: '[1, 2]'",
+        ),
+        (
+            Reply(raw=b"", content_type="text/plain"),
+            "the reply is not a chat completion (3 tries): HTTP 200, text/plain, an empty body",
+        ),
+        (
+            Reply(status=502, raw=PAGE, content_type="text/html; charset=utf-8"),
+            f"an error reply (3 tries): HTTP 502, text/html; charset=utf-8, {len(PAGE)} bytes, "
+            "the first 200: '<html><body>\\x1b]0;owned\\x07\\x1b[2J502 Bad Gateway\\r...",
+        ),
+    ],
+    ids=["html", "other-json", "json-list", "empty", "error-page"],
+)
+def test_a_reply_that_is_not_a_chat_completion_says_what_came_back(tmp_path, reply, told):
+    """Status, content type and the first 200 bytes of the body, escaped so a terminal
+    shows them rather than obeying them; never a Python class name such as JSONDecodeError
+    or AttributeError."""
+    log = tmp_path / "sleeps"
+    with FakeOpenAI({"task": [reply] * 3}) as server:
+        url = server.base_url
+        model = brood.OpenAIModel("m", base_url=url, max_retries=2, sleep=recording_sleep(log))
+        with pytest.raises(brood.ModelError) as caught:
+            model.complete([{"role": "user", "content": "task"}])
+        assert len(server.requests) == 3
+    message = str(caught.value)
+    assert message.startswith(f"model 'm' at {url}: {told}"), message
+    assert not any(word in message for word in ("Error", "JSONDecode", "Attribute"))
+    assert message.isprintable(), "no control character reaches a terminal"
+    if reply.raw == PAGE:  # 200 bytes of the body, then no more
+        shown = message.split(": '", 1)[1].removesuffix("'")
+        assert shown.encode().decode("unicode_escape").encode("latin-1") == PAGE[:200]
+    assert waits(log) == [0.5, 1.0]  # retried like a 5xx
+
+
+def test_in_a_tree_an_error_page_fails_the_run_saying_what_came_back(tmp_path):
+    page = Reply(status=503, raw=b"<h1>Service Unavailable</h1>", content_type="text/html")
+    with FakeOpenAI({"task": [page] * 2}) as server:
+        url = server.base_url
+        model = brood.OpenAIModel(
+            "m", base_url=url, max_retries=1, sleep=recording_sleep(tmp_path / "sleeps")
+        )
+        with brood.Supervisor(model, limits=FAST) as sup:
+            failed = sup.run("task")
+    assert failed.state == "failed"
+    assert failed.error == (
+        f"model error: model 'm' at {url}: an error reply (2 tries): HTTP 503, text/html, 28 "
+        "bytes: '<h1>Service Unavailable</h1>'"
+    )

@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import builtins
 import inspect
 import io
+import re
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
+import brood
+import brood.errors
+from brood.limits import PI_RLM_BLOCKED_BUILTINS
 from brood.protocol import Start, SyncChannel
 from brood.worker import helpers as helpers_module
-from brood.worker.helpers import HELPER_NAMES, Runtime, make_helpers
+from brood.worker.helpers import HELPER_NAMES, AskHandle, ChildHandle, Runtime, Task, make_helpers
 from brood.worker.link import Link
 from brood.worker.main import first_message
 from brood.worker.prompt import INTRO, OUTRO, describe_context, system_prompt
-from brood.worker.repl import StepClock
+from brood.worker.repl import Repl, StepClock
+from tests.util import fast
 
 
 def helpers(*, can_spawn: bool = True) -> dict[str, Callable[..., Any]]:
@@ -94,13 +100,99 @@ def test_the_prompt_explains_fences_final_and_context(prompt: str) -> None:
         assert phrase in prompt
 
 
-def test_the_errors_the_prompt_offers_for_except_clauses_exist_in_the_repl() -> None:
-    errors_in_repl = getattr(helpers_module, "ERRORS", None)
-    if errors_in_repl is None:
-        pytest.skip("this version places no error classes in the REPL namespace")
-    for name in ("ChildFailed", "ChildNotReady", "LimitExceeded", "BroodError"):
-        if name in OUTRO:
-            assert name in errors_in_repl
+# A word that reads as an exception's name, whether or not one by that name exists.
+_EXCEPTIONISH = re.compile(
+    r"\b[A-Z][A-Za-z]*(?:Error|Exception|Timeout|Exceeded|Limited|Failed|Cancelled|NotReady"
+    r"|Diverged|Argument|Spec|Closed|Missing|Interrupt)\b"
+)
+_CAMEL = re.compile(r"\b[A-Z][a-z0-9]+(?:[A-Z][A-Za-z0-9]*)+\b")
+
+
+def _is_exception(value: object) -> bool:
+    return isinstance(value, type) and issubclass(value, BaseException)
+
+
+def _named_exceptions(text: str) -> set[str]:
+    """Every exception `text` names: a CamelCase word that is a brood error or a builtin
+    exception, and every word that reads as one (so a name nothing defines is caught)."""
+    known = {n for n in vars(brood.errors) if _is_exception(getattr(brood.errors, n))}
+    known |= {n for n in vars(builtins) if _is_exception(getattr(builtins, n))}
+    return {w for w in _CAMEL.findall(text) if w in known} | set(_EXCEPTIONISH.findall(text))
+
+
+def _documentation_the_model_reads() -> str:
+    """The system prompt (both variants) and every docstring of the helpers and of the
+    handles they return, the methods a model calls on them included."""
+    docs = [system_prompt(helpers(), can_spawn=True), system_prompt(helpers(), can_spawn=False)]
+    docs += [inspect.getdoc(fn) or "" for fn in helpers().values()]
+    for cls in (ChildHandle, Task, AskHandle):
+        docs.append(inspect.getdoc(cls) or "")
+        for name, member in vars(cls).items():
+            if not name.startswith("_"):
+                target = member.fget if isinstance(member, property) else member
+                docs.append(inspect.getdoc(target) or "")
+    return "\n".join(docs)
+
+
+def test_every_exception_the_model_is_told_of_is_in_the_repl_by_that_name() -> None:
+    text = _documentation_the_model_reads()
+    named = _named_exceptions(text)
+    # the walk finds what the prompt plainly names
+    assert {"ChildFailed", "ModelError", "RateLimited", "TimeoutError"} <= named
+    repl = Repl(
+        {**helpers(), **helpers_module.ERRORS},
+        None,
+        blocked=PI_RLM_BLOCKED_BUILTINS,  # a blocked builtin is not an exception, still
+    )
+    missing = []
+    for name in sorted(named):
+        found = repl.namespace.get(name, repl.namespace["__builtins__"].get(name))
+        if not _is_exception(found):
+            missing.append(name)
+    assert not missing, f"named for the model but not catchable by name in the REPL: {missing}"
+    out = repl.run("print(issubclass(RateLimited, ModelError), ModelError.__module__)", None)
+    assert out.error is None and out.stdout == "True brood.errors\n"
+
+
+FENCE = "```"
+
+
+def test_model_code_catches_a_failed_call_by_the_names_the_prompt_gives(gate_clock) -> None:
+    """A real run: the root's code catches a rate-limited call as RateLimited and a broken
+    call as ModelError, by name, and goes on to answer."""
+    root = (
+        f"{FENCE}repl\n"
+        "caught = []\n"
+        "try:\n"
+        "    llm_query('limited call')\n"
+        "except RateLimited as e:\n"
+        "    caught.append(f'RateLimited retry_after={e.retry_after}')\n"
+        "try:\n"
+        "    llm_query('broken call')\n"
+        "except ModelError as e:\n"
+        "    caught.append('ModelError ' + str(e))\n"
+        "FINAL(' | '.join(caught))\n"
+        f"{FENCE}"
+    )
+
+    def chat(messages: list[dict[str, Any]], model: str | None = None) -> str:
+        task = str(messages[-1]["content"])
+        if task == "limited call":
+            raise brood.RateLimited("quota exhausted", retry_after=4.0)
+        if task == "broken call":
+            raise RuntimeError("the server fell over")
+        if any(m["role"] == "assistant" for m in messages):
+            return f"{FENCE}repl\nFINAL('the first step failed')\n{FENCE}"
+        return root
+
+    with brood.Supervisor(chat, limits=fast()) as sup:
+        result = sup.run("catch the failures")
+    assert result.state == "completed", result
+    assert result.answer != "the first step failed", "an except clause named no defined error"
+    limited, broken = str(result.answer).split(" | ")
+    assert limited == "RateLimited retry_after=4.0"
+    assert broken.startswith("ModelError ") and "the server fell over" in broken
+    assert gate_clock, "the rate-limited call waited at the gateway's gate first"
 
 
 def test_a_run_at_the_deepest_level_is_told_rlm_query_is_a_plain_call() -> None:

@@ -267,15 +267,12 @@ class Journal:
             )
         return str(row["control"])
 
-    def cancel(self, run_id: str) -> str:
+    def cancel(self, run_id: str, *, reason: str = "cancelled by user (brood cancel)") -> str:
         """Cancel a run (and its subtree) of a tree another process runs; returns the final
-        state once every exit is confirmed."""
+        state once every exit is confirmed. `reason` is journaled as the run's reason (a
+        server whose client went away says so)."""
         path = self._control(run_id)
-        return str(
-            control_request(
-                path, CtlCancel(1, run_id, "cancelled by user (brood cancel)"), CONTROL_TIMEOUT_S
-            )
-        )
+        return str(control_request(path, CtlCancel(1, run_id, reason), CONTROL_TIMEOUT_S))
 
     # ---- asks to a person ----------------------------------------------------------------
     def asks(self) -> list[dict[str, Any]]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import builtins
+import difflib
 import math
 import os
 import re
@@ -237,22 +239,24 @@ class Limits:
                 )
             paths = tuple(os.path.abspath(os.fspath(p)) for p in value)
             object.__setattr__(self, name, paths)
-        builtins = self.blocked_builtins
-        if isinstance(builtins, str):
-            if builtins not in BUILTIN_PRESETS:
+        names = self.blocked_builtins
+        if isinstance(names, str):
+            if names not in BUILTIN_PRESETS:
                 raise InvalidArgument(
-                    f"Limits.blocked_builtins preset {builtins!r} is unknown; use "
+                    f"Limits.blocked_builtins preset {names!r} is unknown; use "
                     f"{', '.join(map(repr, BUILTIN_PRESETS))} or a list of builtin names"
                 )
-            builtins = BUILTIN_PRESETS[builtins]
-        if not isinstance(builtins, list | tuple) or not all(
-            isinstance(b, str) and b.isidentifier() for b in builtins
+            names = BUILTIN_PRESETS[names]
+        if not isinstance(names, list | tuple) or not all(
+            isinstance(b, str) and b.isidentifier() for b in names
         ):
             raise InvalidArgument(
                 f"Limits.blocked_builtins must be a list of builtin names or 'pi-rlm', "
-                f"got {builtins!r}"
+                f"got {names!r}"
             )
-        object.__setattr__(self, "blocked_builtins", tuple(builtins))
+        for name in names:
+            _check_builtin(name)
+        object.__setattr__(self, "blocked_builtins", tuple(names))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -290,6 +294,19 @@ class Limits:
                 hint=f"this run has {run_total} children already; "
                 "raise Limits(max_children_per_run=...) or start fewer children",
             )
+
+
+def _check_builtin(name: str) -> None:
+    """A name Limits.blocked_builtins may turn off: one of Python's builtins. A typo would
+    otherwise block nothing, silently."""
+    if name in vars(builtins):
+        return
+    close = difflib.get_close_matches(name, [n for n in vars(builtins) if n[0] != "_"], n=1)
+    hint = f"did you mean {close[0]!r}?" if close else "name one that dir(builtins) lists"
+    raise InvalidArgument(
+        f"Limits.blocked_builtins: {name!r} is not a Python builtin, so blocking it would "
+        f"block nothing; {hint} (or use the preset 'pi-rlm')"
+    )
 
 
 def _checked_models(models: object) -> tuple[str, ...] | None:

@@ -226,6 +226,51 @@ def _bound(value: Any) -> Any:
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
+# pydantic's bound errors: the comparison a value failed, and the key of its bound in ctx
+_BOUNDS: Final = {
+    "greater_than_equal": (">=", "ge"),
+    "greater_than": (">", "gt"),
+    "less_than_equal": ("<=", "le"),
+    "less_than": ("<", "lt"),
+}
+# Why a field has an upper bound, told beside it (a bound with no reason reads arbitrary).
+_BOUND_WHY: Final[dict[tuple[str, str], str]] = {
+    ("RunSettings", "max_parallel"): "state instances of one flow running at once",
+    ("RunSettings", "max_transitions"): "transitions one flow fires in all, so a loop ends",
+}
+
+
+def _field_at(loc: tuple[Any, ...]) -> tuple[str, Any] | None:
+    """(model name, pydantic FieldInfo) of the schema field at `loc`, if it is one."""
+    model = _model_at(loc[:-1]) if loc else None
+    if model is None:
+        return None
+    fields = {f.alias or name: f for name, f in model.model_fields.items()}
+    found = fields.get(loc[-1])
+    return None if found is None else (model.__name__, found)
+
+
+def _bound_why(loc: tuple[Any, ...]) -> str:
+    at = _field_at(loc)
+    why = None if at is None else _BOUND_WHY.get((at[0], str(loc[-1])))
+    return f" ({why})" if why else ""
+
+
+def _bound_fix(loc: tuple[Any, ...]) -> str:
+    """`; use a whole number from 1 to 64`: the values a field bounded on both sides takes
+    (a bound on one side says it all already)."""
+    at = _field_at(loc)
+    if at is None:
+        return ""
+    info = at[1]
+    low = next((m.ge for m in info.metadata if getattr(m, "ge", None) is not None), None)
+    high = next((m.le for m in info.metadata if getattr(m, "le", None) is not None), None)
+    if low is None or high is None:
+        return ""
+    kind = "a whole number" if _unwrap(info.annotation) is int else "a number"
+    return f"; use {kind} from {_bound(low)} to {_bound(high)}"
+
+
 # pydantic's error types, as what a value must be; the telling with values adds what it got
 _MUST: Final = {
     "int_type": "must be a whole number",
@@ -268,10 +313,12 @@ def _schema_problems(exc: ValidationError) -> list[Problem]:
                 len(loc) >= 2 and loc[-2] in ("inputs", "outputs")
             ):
                 what = "must be a name or a mapping with name"
-        elif kind == "greater_than_equal":
-            what = f"must be >= {_bound(ctx.get('ge'))}"
-        elif kind == "greater_than":
-            what = f"must be > {_bound(ctx.get('gt'))}"
+        elif kind in _BOUNDS:
+            op, key = _BOUNDS[kind]
+            what = f"must be {op} {_bound(ctx.get(key))}{_bound_why(loc)}"
+            fix = _bound_fix(loc)
+            problems.append(Problem(_format_path(loc), what + got + fix, what + fix, where))
+            continue
         elif kind == "string_too_short":
             what, got = "must not be empty", ""
         elif kind == "value_error":  # the schema's only check of its own: the name rule

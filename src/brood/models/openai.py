@@ -18,6 +18,12 @@ DEFAULT_TRIES = 3  # the first try and two retries
 BACKOFF_FIRST_S = 0.5  # first wait before a retry, doubled each time
 BACKOFF_MAX_S = 30.0  # no single wait is longer, whatever the server asks
 RETRY_STATUSES = frozenset({408, 409, 429}) | frozenset(range(500, 600))
+BODY_SHOWN = 200  # bytes of a reply's body an error quotes when the reply is not readable
+
+
+class NotACompletion(ValueError):
+    """A reply that is not a chat completion (HTML, plain text, JSON of another shape); the
+    message says what came back. Retried like a 5xx: a proxy's error page is often brief."""
 
 
 class OpenAIModel(Model):
@@ -97,8 +103,15 @@ class OpenAIModel(Model):
             where = self.base_url or os.environ.get("OPENAI_BASE_URL") or "the default OpenAI URL"
             tries = f" after {attempt + 1} tries" if attempt else ""
             cause = f" ({exc.__cause__})" if exc.__cause__ else ""
-            what = "the reply is not a chat completion: " if isinstance(exc, ValueError) else ""
-            message = f"model {name!r} at {where}: {type(exc).__name__}{tries}: {what}{exc}{cause}"
+            count = f" ({attempt + 1} tries)" if attempt else ""
+            if isinstance(exc, NotACompletion):
+                failure = f"the reply is not a chat completion{count}: {exc}"
+            elif isinstance(exc, openai.APIStatusError) and not _reads_as_json(exc.response):
+                # an error page of a proxy or a server, not an API error: say what it was
+                failure = f"an error reply{count}: {what_came_back(exc.response)}"
+            else:
+                failure = f"{type(exc).__name__}{tries}: {exc}{cause}"
+            message = f"model {name!r} at {where}: {failure}"
             if limited:
                 asked = _retry_after(exc.response.headers)  # type: ignore[attr-defined]
                 raise RateLimited(message, retry_after=asked) from exc
@@ -111,9 +124,10 @@ class OpenAIModel(Model):
         name = model or self.name
         for attempt in range(self.max_retries + 1):
             try:
-                resp = self._get_client().chat.completions.create(
+                raw = self._get_client().chat.completions.with_raw_response.create(
                     model=name, messages=messages, **self.create_kwargs
                 )
+                resp = _parsed(raw)
                 break
             except (openai.OpenAIError, ValueError) as exc:  # ValueError: an unreadable reply
                 self.sleep(self._failure(exc, attempt, name))
@@ -129,9 +143,10 @@ class OpenAIModel(Model):
         name = model or self.name
         for attempt in range(self.max_retries + 1):
             try:
-                resp = await self._async_client.chat.completions.create(
+                raw = await self._async_client.chat.completions.with_raw_response.create(
                     model=name, messages=messages, **self.create_kwargs
                 )
+                resp = _parsed(raw)
                 break
             except (openai.OpenAIError, ValueError) as exc:  # ValueError: an unreadable reply
                 wait = self._failure(exc, attempt, name)
@@ -157,6 +172,43 @@ class OpenAIModel(Model):
             input_tokens=getattr(usage, "prompt_tokens", 0) or 0,
             output_tokens=getattr(usage, "completion_tokens", 0) or 0,
         )
+
+
+def _parsed(raw: Any) -> Any:
+    """The chat completion of a raw reply (the openai client's `with_raw_response`), or
+    NotACompletion saying what came back: the client turns an HTML page into a str, JSON of
+    another shape into an object without choices, and a body that is no JSON at all into a
+    JSONDecodeError that has lost the reply."""
+    try:
+        resp = raw.parse()
+    except ValueError:
+        resp = None
+    choices = getattr(resp, "choices", None)
+    if not isinstance(choices, list) or any(
+        getattr(c, "message", None) is None for c in choices[:1]
+    ):
+        raise NotACompletion(what_came_back(raw.http_response))
+    return resp
+
+
+def _reads_as_json(response: Any) -> bool:
+    try:
+        return isinstance(response.json(), dict)
+    except ValueError:
+        return False
+
+
+def what_came_back(response: Any) -> str:
+    """`HTTP 502, text/html, 1,234 bytes: '<html>...'`: a reply's status, content type and
+    the first BODY_SHOWN bytes of its body, escaped (repr) so that a terminal shows its
+    control characters and escape sequences rather than obeying them."""
+    body = bytes(response.content)
+    kind = response.headers.get("content-type") or "no content type"
+    if not body:
+        return f"HTTP {response.status_code}, {kind}, an empty body"
+    head = body[:BODY_SHOWN].decode("utf-8", "backslashreplace")
+    first = f", the first {BODY_SHOWN}" if len(body) > BODY_SHOWN else ""
+    return f"HTTP {response.status_code}, {kind}, {len(body):,} bytes{first}: {head!r}"
 
 
 def from_spec(rest: str) -> OpenAIModel:

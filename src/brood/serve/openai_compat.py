@@ -4,7 +4,7 @@ answer is a whole RLM tree's.
 The last user message is the task; every other message goes into the run's `context` as a
 list of `{"role", "content"}`, in order. The root runs in the hosted supervisor to its
 end; `usage` sums the whole tree. A client that goes away cancels the tree (shielded, so
-the cancel is not itself cut short).
+the cancel is not itself cut short), journaled as `client disconnected`.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from brood.serve.stream import SSE_SEP, tree_progress
 
 RUN_HEADER = "X-Brood-Run-Id"
 CLIENT_GONE = 499  # nginx's "client closed request": the status of an answer nobody reads
+CLIENT_GONE_REASON = "client disconnected"  # the reason journaled for a tree it cancels
 
 
 def models(host: Host, created: int) -> dict[str, Any]:
@@ -173,7 +174,9 @@ class _Reply:
             return
         with anyio.CancelScope(shield=True):
             try:
-                await run_in_threadpool(self.host.journal.cancel, self.run_id)
+                await run_in_threadpool(
+                    partial(self.host.journal.cancel, self.run_id, reason=CLIENT_GONE_REASON)
+                )
             except brood.BroodError:
                 pass  # it ended meanwhile
 

@@ -15,7 +15,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar, copy_context
@@ -32,6 +32,7 @@ from brood.errors import (
     InvalidSpec,
     LimitExceeded,
     ModelError,
+    RateLimited,
     ReplayDiverged,
     StaleHandle,
     StallTimeout,
@@ -494,6 +495,7 @@ class ChildHandle:
         )
 
     def wait(self, timeout: float | None = None) -> str:
+        timeout = _check_timeout(timeout, "ChildHandle.wait")
         if not self.wait_done(timeout):
             raise TimeoutError(
                 f"child {self.id} is still {self.status()} after {timeout} s; it keeps "
@@ -573,6 +575,7 @@ class Task:
         return self._rt.wait_for(self._future.done, timeout, f"task {self.id} ({self.what})")
 
     def wait(self, timeout: float | None = None) -> Any:
+        timeout = _check_timeout(timeout, "Task.wait")
         if not self.wait_done(timeout):
             raise TimeoutError(
                 f"task {self.id} ({self.what}) still running after {timeout} s; it keeps "
@@ -640,6 +643,7 @@ class AskHandle:
         return self._rt.wait_for(lambda: self._rt.link.asks[self.id].state != "open", timeout)
 
     def wait(self, timeout: float | None = None) -> dict[str, Any]:
+        timeout = _check_timeout(timeout, "AskHandle.wait")
         if not self.wait_done(timeout):
             raise TimeoutError(
                 f"ask {self.id} is still open after {timeout} s; it stays open: wait again "
@@ -671,17 +675,85 @@ def _check_prompt(value: object, where: str) -> str:
 
 def _check_prompts(value: object, where: str) -> list[str]:
     if isinstance(value, str) or not isinstance(value, list | tuple):
-        raise InvalidArgument(f"{where}: prompts must be a list of str, got {type(value).__name__}")
+        raise InvalidArgument(
+            f"{where}: prompts must be a list of str, got {type(value).__name__}; pass a "
+            "list, e.g. [prompt] for one"
+        )
     return [_check_prompt(p, f"{where}[{i}]") for i, p in enumerate(value)]
+
+
+HANDLE_SOURCES = "rlm_spawn/rlm_query(blocking=False)/spawn"
+# A helper that takes one handle, and its form for several.
+_FOR_SEVERAL = {"rlm_wait": "rlm_wait_all", "rlm_await": "rlm_await_all"}
 
 
 def _check_handle(value: object, where: str) -> Handle:
     if not isinstance(value, ChildHandle | Task | AskHandle):
+        several = _FOR_SEVERAL.get(where)
+        hint = (
+            f"; for several handles use {several}(hs)"
+            if several and isinstance(value, list | tuple)
+            else ""
+        )
         raise InvalidArgument(
-            f"{where} takes a handle from rlm_spawn/rlm_query(blocking=False)/spawn, "
-            f"got {type(value).__name__}"
+            f"{where} takes a handle from {HANDLE_SOURCES}, got {type(value).__name__}{hint}"
         )
     return value
+
+
+def _check_handles(value: object, where: str, name: str) -> list[Handle]:
+    """The list of handles a helper such as rlm_wait_all takes (its argument `name`)."""
+    if isinstance(value, ChildHandle | Task | AskHandle):
+        raise InvalidArgument(
+            f"{where}({name}) takes a list of handles, got one {type(value).__name__}; pass "
+            f"it in a list: {where}([h]) (several: {where}([h1, h2]))"
+        )
+    if isinstance(value, str | bytes | dict) or not isinstance(value, Iterable):
+        raise InvalidArgument(
+            f"{where}({name}) takes a list of handles from {HANDLE_SOURCES}, got "
+            f"{type(value).__name__}; e.g. {where}([h1, h2])"
+        )
+    handles = list(value)
+    for i, h in enumerate(handles):
+        if not isinstance(h, ChildHandle | Task | AskHandle):
+            raise InvalidArgument(
+                f"{where}({name}): {name}[{i}] is a {type(h).__name__}, not a handle; pass "
+                f"the handles {HANDLE_SOURCES} returned"
+            )
+    return handles
+
+
+def _check_timeout(value: object, where: str) -> float | None:
+    """A wait's `timeout`: None (until the work ends) or seconds, a finite number >= 0. A
+    wrong one is refused rather than read as something else (a str, or a handle meant as
+    the next item of a list)."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= 0
+    ):
+        return float(value)
+    fix = "e.g. timeout=30, or timeout=None to wait until it ends"
+    if isinstance(value, str):
+        try:
+            number: float | None = float(value)
+        except ValueError:
+            number = None
+        if number is not None and math.isfinite(number) and number >= 0:
+            fix = f"pass the number itself: timeout={number:g}"
+    elif isinstance(value, ChildHandle | Task | AskHandle):
+        several = where if where.endswith(("_all", "_any")) else "rlm_wait_all"
+        fix = f"to wait on several handles pass them as one list, e.g. {several}([h1, h2])"
+    elif isinstance(value, float) and math.isinf(value) and value > 0:
+        fix = "timeout=None waits without a bound"
+    shown = repr(value) if isinstance(value, str | int | float) else type(value).__name__
+    raise InvalidArgument(
+        f"{where}: timeout must be seconds, a number >= 0 (or None: until it ends), got "
+        f"{shown}; {fix}"
+    )
 
 
 def _ask_options(options: object) -> list[AskOption]:
@@ -889,17 +961,20 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
     def rlm_wait(h: Handle, timeout: float | None = None) -> Any:
         """Block until the child ends and return its answer (raises ChildFailed). On timeout
         raises TimeoutError and the child keeps running."""
-        return _check_handle(h, "rlm_wait").wait(timeout)
+        handle = _check_handle(h, "rlm_wait")
+        return handle.wait(_check_timeout(timeout, "rlm_wait"))
 
     def rlm_wait_all(hs: list[Handle], timeout: float | None = None) -> list[Any]:
         """rlm_wait over several handles: answers in order; ChildFailed names failed indices
         (e.answers has None there). On timeout TimeoutError; the children keep running."""
-        return rt.collect([_check_handle(h, "rlm_wait_all") for h in hs], timeout)
+        handles = _check_handles(hs, "rlm_wait_all", "hs")
+        return rt.collect(handles, _check_timeout(timeout, "rlm_wait_all"))
 
     def rlm_wait_any(hs: list[Handle], timeout: float | None = None) -> Handle:
         """Block until one of the handles has ended and return that handle. On timeout
         TimeoutError; the children keep running."""
-        handles = [_check_handle(h, "rlm_wait_any") for h in hs]
+        handles = _check_handles(hs, "rlm_wait_any", "hs")
+        timeout = _check_timeout(timeout, "rlm_wait_any")
         if not handles:
             raise InvalidArgument("rlm_wait_any needs at least one handle")
         if not rt.wait_handles(handles, any, timeout):
@@ -952,11 +1027,13 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
     def rlm_await(task: Handle, timeout: float | None = None) -> Any:
         """Collect a Task or ChildHandle, possibly in a later step. On timeout TimeoutError;
         the work keeps running."""
-        return _check_handle(task, "rlm_await").wait(timeout)
+        handle = _check_handle(task, "rlm_await")
+        return handle.wait(_check_timeout(timeout, "rlm_await"))
 
     def rlm_await_all(tasks: list[Handle], timeout: float | None = None) -> list[Any]:
         """rlm_await over several tasks or handles; results in order."""
-        return rt.collect([_check_handle(t, "rlm_await_all") for t in tasks], timeout)
+        handles = _check_handles(tasks, "rlm_await_all", "tasks")
+        return rt.collect(handles, _check_timeout(timeout, "rlm_await_all"))
 
     def FINAL(answer: Any, products: dict[str, Any] | None = None) -> None:
         """End the run with `answer` (converted to str). Nothing after it runs. `products`,
@@ -993,7 +1070,8 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
         """Start a flow (a state-machine workflow of sub-agents) from a spec: a dict, or
         YAML/JSON text, or a path to a spec file (read here, as your code reads any file).
         Its states' runs are children of this run for every limit. Returns its id at once;
-        its milestones (finished, failed, paused, ...) are announced in your next turns."""
+        its milestones (finished, failed, paused, ...) are announced in your next turns.
+        A spec with problems raises InvalidSpec listing every one."""
         if not isinstance(spec, dict | str):
             raise InvalidArgument("flow_run(spec): pass a dict, YAML/JSON text or a file path")
         if inputs is not None and not isinstance(inputs, dict):
@@ -1042,7 +1120,7 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
     def flow_wait(flow_id: str, timeout: float | None = None) -> str:
         """Block until the flow ends or pauses and return its status (finished, failed,
         stopped, paused). On timeout raises TimeoutError and the flow keeps going."""
-        return str(_flow("wait", ref=flow_id, timeout=timeout))
+        return str(_flow("wait", ref=flow_id, timeout=_check_timeout(timeout, "flow_wait")))
 
     def flow_stop(flow_id: str) -> str:
         """Stop a flow: it admits nothing more and its running children are cancelled."""
@@ -1181,7 +1259,9 @@ def _notify(link: Link) -> None:
         link.cond.notify_all()
 
 
-# Errors the model's code may want to catch, placed in the namespace by name.
+# Errors the model's code may want to catch, placed in the namespace by name: every one the
+# system prompt or a helper's docstring names (tests/test_prompt.py walks them), so an
+# `except ModelError:` never fails with NameError exactly when a call fails.
 ERRORS: dict[str, type[BaseException]] = {
     e.__name__: e
     for e in (
@@ -1190,7 +1270,10 @@ ERRORS: dict[str, type[BaseException]] = {
         ChildFailed,
         ChildNotReady,
         InvalidArgument,
+        InvalidSpec,
         LimitExceeded,
+        ModelError,
+        RateLimited,
         StaleHandle,
         StallTimeout,
     )

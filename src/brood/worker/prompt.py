@@ -28,11 +28,12 @@ FINAL(f"{words} words. {summary}")
 ```
 Finished children are announced at the start of your next turn. The errors ChildFailed
 (.status, .reason, and for batches .failed and .answers), ChildNotReady, AskCancelled
-(.ask), StallTimeout, InvalidArgument, LimitExceeded, StaleHandle and BroodError are
-defined for except clauses. A wait's timeout raises TimeoutError; a wait on work that
-reports nothing for a long while raises StallTimeout (the work keeps running: wait again
-or cancel it). Errors name the mistake and the fix; read them. Do not guess an answer you
-have not computed."""
+(.ask), StallTimeout, ModelError (a model call failed), RateLimited (a ModelError: the
+model's endpoint kept refusing for its rate limit), InvalidArgument, InvalidSpec,
+LimitExceeded, StaleHandle and BroodError are defined for except clauses. A wait's
+timeout raises TimeoutError; a wait on work that reports nothing for a long while raises
+StallTimeout (the work keeps running: wait again or cancel it). Errors name the mistake
+and the fix; read them. Do not guess an answer you have not computed."""
 
 
 def describe_helper(fn: Callable[..., Any]) -> str:
