@@ -55,7 +55,9 @@ HEADERS = {
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-store",
 }
-HIDDEN_EVENTS = frozenset({"prompt", "remember", "scratch", "step_begun", "flow"})
+HIDDEN_EVENTS = frozenset(
+    {"prompt", "remember", "scratch", "step_begun", "flow", "model_spec", "released"}
+)
 
 _env = jinja2.Environment(
     loader=jinja2.PackageLoader("brood.serve", "templates"),
