@@ -55,9 +55,7 @@ HEADERS = {
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-store",
 }
-HIDDEN_EVENTS = frozenset(
-    {"prompt", "remember", "scratch", "step_begun", "flow", "model_spec", "released"}
-)
+HIDDEN_EVENTS = frozenset({"prompt", "remember", "scratch", "step_begun", "flow", "model_spec"})
 
 _env = jinja2.Environment(
     loader=jinja2.PackageLoader("brood.serve", "templates"),
