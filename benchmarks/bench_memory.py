@@ -27,6 +27,7 @@ import brood
 from _common import (
     MIB,
     Row,
+    RunFailed,
     finish,
     idle_worker_pids,
     median,
@@ -72,6 +73,24 @@ def uss(pid: int) -> int:
     return int(psutil.Process(pid).memory_full_info().uss)
 
 
+def still_going(sup: brood.Supervisor, *roots: brood.RunHandle, fail: bool = False) -> bool:
+    """Whether every run of these trees is still going; with `fail`, RunFailed naming the
+    first that ended (the runs here end only when they cannot do what they measure)."""
+    for root in roots:
+        for run in sup.store.runs(root.id):
+            if run["state"] in ("queued", "running"):
+                continue
+            if fail:
+                steps = sup.store.events(run["id"], "step")
+                last = steps[-1]["data"]["stderr"][-2000:] if steps else ""
+                raise RunFailed(
+                    f"run {run['id']} ({run['prompt']!r}) ended {run['state']} before it was "
+                    f"measured: {run['error'] or run['reason']}\n{last}"
+                )
+            return False
+    return True
+
+
 def reference_uss(code: str) -> int:
     """USS of the process a helper script names on its first line (itself when 0)."""
     proc = subprocess.Popen(
@@ -99,7 +118,9 @@ def main() -> None:
             "sleeping root": [SLEEPER.format(path=rooted)],
         }
     )
-    limits = brood.Limits(step_timeout=None, shutdown_grace=0.2, term_grace=0.2)
+    # The runs' code announces its blocking call by a file in `marks`: a folder outside the
+    # workers' scratch, which they may write to only when the limits say so.
+    limits = brood.Limits(step_timeout=None, shutdown_grace=0.2, term_grace=0.2, fs_write=(marks,))
     try:
         with brood.Supervisor(model=model, limits=limits) as sup:
             time.sleep(SETTLE_S)
@@ -108,10 +129,14 @@ def main() -> None:
             root = sup.spawn("sleeping root")
             waiter = sup.spawn("waiting root")
             wait_until(
-                lambda: all(os.path.exists(p) for p in (sleeping, waiting, rooted)),
+                lambda: (
+                    all(os.path.exists(p) for p in (sleeping, waiting, rooted))
+                    or not still_going(sup, root, waiter)
+                ),
                 30.0,
                 "the runs reaching their blocking call",
             )
+            still_going(sup, root, waiter, fail=True)
             time.sleep(SETTLE_S)
             in_run = uss(sup.store.get_run(root.id)["pid"])
             waiting_uss = uss(sup.store.get_run(waiter.id)["pid"])

@@ -39,7 +39,7 @@ from collections import Counter
 from typing import Any
 
 import brood
-from _common import MS, Row, RunFailed, finish, median, no_leftovers, parse_args
+from _common import MIB, MS, Row, RunFailed, finish, median, no_leftovers, parse_args
 from brood.worker.retrieval import search
 
 BENCH = "toolkit"
@@ -153,6 +153,9 @@ def chunked_figures(text: str) -> dict[str, Any]:
         step_timeout=None,
         max_prompt_chars=MAX_PROMPT_CHARS,
         max_chunks=1_000,
+        # Each model call journals its prompt, so the run journals the whole text once per
+        # pass (2 x REPEATS of them), past the default bound of a run's journal bytes.
+        journal_bytes_per_run=(2 * REPEATS + 2) * 16 * MIB,
     )
     with brood.Supervisor(chat_fn, limits=limits) as sup:
         res = sup.run(

@@ -1,8 +1,10 @@
 """Run every benchmark, each in a process of its own, and print one summary table.
 
 `make bench` calls this. Each benchmark measures its own floor in the same run and prints
-ratios against it; a missed target is reported here, never raised. The exit status is 1
-only when a benchmark failed to run or left a process behind.
+ratios against it; a missed target is reported here, never raised. Every benchmark runs,
+whatever happened to the ones before it; the summary then says which ran and which could
+not, and the exit status is 1 when a benchmark could not run (it failed, timed out or wrote
+no results) or left a process behind.
 """
 
 from __future__ import annotations
@@ -56,8 +58,11 @@ def run_one(name: str) -> tuple[list[Row], str | None]:
             text = f.read()
         if not text:
             return [], f"exited with status {proc.returncode} before writing its results"
-        data = json.loads(text)
-        rows = [Row(**r) for r in data["rows"]]
+        try:
+            data = json.loads(text)
+            rows = [Row(**r) for r in data["rows"]]
+        except (ValueError, TypeError, KeyError) as exc:
+            return [], f"wrote results that cannot be read ({exc})"
         if data["leftover"]:
             return rows, f"left processes behind: {data['leftover']}"
         if proc.returncode:
@@ -73,12 +78,12 @@ def main() -> None:
     if unknown:
         sys.exit(f"unknown benchmark(s) {unknown}; choose from {list(BENCHMARKS)}")
     rows: list[Row] = []
-    problems: list[str] = []
+    problems: dict[str, str] = {}
     for name in names:
         got, problem = run_one(name)
         rows += got
         if problem:
-            problems.append(f"{name}: {problem}")
+            problems[name] = problem
     print("\n=== summary " + "=" * 63)
     print(format_table(rows))
     missed = [f"{r.bench}: {r.what.strip()}" for r in rows if r.met is False]
@@ -86,8 +91,14 @@ def main() -> None:
         f"\ntargets met: {sum(r.met is True for r in rows)} of "
         f"{sum(r.met is not None for r in rows)}" + (f"; missed: {missed}" if missed else "")
     )
-    for p in problems:
-        print(f"PROBLEM {p}")
+    print("\n=== benchmarks " + "=" * 60)
+    for name in names:
+        print(f"{'FAILED' if name in problems else 'ran':6}  {name}", end="")
+        print(f": {problems[name]}" if name in problems else "")
+    ran = len(names) - len(problems)
+    print(
+        f"\n{ran} of {len(names)} benchmarks ran" + (f"; failed: {list(problems)}" * bool(problems))
+    )
     sys.exit(1 if problems else 0)
 
 

@@ -367,8 +367,19 @@ BREAK = {
 }
 
 
+# The state of a flow's run once the flow has ended so.
+FLOW_ENDS = {"finished": "completed", "failed": "failed", "stopped": "cancelled"}
+
+
 def flow_status(client: httpx.Client, flow_id: str, status: str) -> dict[str, Any]:
-    return until(lambda: (f := client.get(f"/v1/flows/{flow_id}").json())["status"] == status and f)
+    """The flow's status once it is `status`; an ended status once the flow's run has ended
+    too (a flow says `finished` before its run's end is journaled, and until then the run
+    still takes a stop)."""
+    path = f"/v1/flows/{flow_id}"
+    found = until(lambda: (f := client.get(path).json())["status"] == status and f)
+    if status in FLOW_ENDS:
+        wait_state(client, flow_id, FLOW_ENDS[status])
+    return found
 
 
 def test_flows_start_report_pause_resume_and_stop(tmp_path):
@@ -396,12 +407,19 @@ def test_flows_start_report_pause_resume_and_stop(tmp_path):
         error_of(s.client.post(f"/v1/flows/{broken_id}/resume"), 409)
 
 
-def test_flow_refusals_name_the_problem(tmp_path):
-    with serving(tmp_path) as s:
-        run_id = s.client.post("/v1/runs", json={"prompt": "quick root"}).json()["run_id"]
+def test_flow_refusals_name_the_problem(tmp_path, hold):
+    script = dict(SCRIPT, **{"held root": [hold.reply(code("FINAL('late')"))]})
+    with serving(tmp_path, script=script) as s:
+        run_id = s.client.post("/v1/runs", json={"prompt": "held root"}).json()["run_id"]
+        wait_state(s.client, run_id, "running")
         not_flow = error_of(s.client.get(f"/v1/flows/{run_id}"), 404)
         assert run_id in not_flow["message"] and "not a flow" in not_flow["message"]
-        error_of(s.client.post(f"/v1/flows/{run_id}/stop"), 409)  # ended before anything
+        stop_a_run = error_of(s.client.post(f"/v1/flows/{run_id}/stop"), 404)  # a live run
+        assert "not a flow" in stop_a_run["message"]
+        hold.released.set()
+        wait_state(s.client, run_id, "completed")
+        ended = error_of(s.client.post(f"/v1/flows/{run_id}/stop"), 409)  # ended before anything
+        assert run_id in ended["message"] and "completed" in ended["message"]
         error_of(s.client.get("/v1/flows/r-nothing"), 404)
 
         bad = {"name": "bad", "states": [{"id": "a", "prompt": "x", "inputs": [{"from": "b.c"}]}]}

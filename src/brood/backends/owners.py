@@ -6,6 +6,12 @@ that reads it learns nothing it could signal. The supervisor records its mark in
 user's registry folder (`registry_dir()`, mode 0700) with its own pid, start time and PID
 namespace, and removes the record when it closes.
 
+The registry is `$TMPDIR/brood-owners-UID`, shared by every brood process of the user, unless
+BROOD_OWNERS_DIR names another folder (an absolute path; made 0700 when missing, refused when
+it is not this user's alone). Supervisors see and sweep only the leftovers recorded in their
+own registry: a test suite gives each test its own, so two suites running at once (or a
+user's own brood beside them) never sweep each other's processes.
+
 The sweep kills a process only when it can prove the process is a leftover of this host's
 brood: the process belongs to the sweeping user and lives in the sweeper's PID namespace, its
 mark is in the registry, and the supervisor the record names is gone (no process of that pid
@@ -24,24 +30,46 @@ import stat
 import tempfile
 from typing import Any
 
+from brood.errors import InvalidArgument
+
 OWNER_ENV = "BROOD_OWNER"
+REGISTRY_ENV = "BROOD_OWNERS_DIR"
 MARK_CHARS = frozenset("0123456789abcdef")
 MARK_LEN = 32
 
 
 def registry_dir() -> str | None:
-    """This user's folder of owner records, made private on first use; None when a folder of
-    that name exists but is not this user's alone (then nothing is ever swept)."""
-    path = os.path.join(tempfile.gettempdir(), f"brood-owners-{os.getuid()}")
-    with contextlib.suppress(FileExistsError):
+    """This user's folder of owner records (BROOD_OWNERS_DIR, else `$TMPDIR/brood-owners-UID`),
+    made private on first use. The default folder is None when a folder of that name exists
+    but is not this user's alone (then nothing is ever swept); a folder BROOD_OWNERS_DIR names
+    that cannot be this user's alone is refused with InvalidArgument."""
+    given = os.environ.get(REGISTRY_ENV)
+    if given and not os.path.isabs(given):
+        raise InvalidArgument(
+            f"{REGISTRY_ENV}={given!r} is not an absolute path; "
+            f"set it to one (e.g. {os.path.join(tempfile.gettempdir(), 'my-brood-owners')}), "
+            "or unset it for the user's own folder"
+        )
+    path = given or os.path.join(tempfile.gettempdir(), f"brood-owners-{os.getuid()}")
+    with contextlib.suppress(FileExistsError, FileNotFoundError):
         os.mkdir(path, 0o700)
+    if _private(path):
+        return path
+    if given:
+        raise InvalidArgument(
+            f"{REGISTRY_ENV}={given!r} is not a folder of this user's alone (mode 0700, owned "
+            f"by uid {os.getuid()}, its parent folder existing); make it one "
+            f"(mkdir -p -m 700 {given}), or unset {REGISTRY_ENV} for the user's own folder"
+        )
+    return None
+
+
+def _private(path: str) -> bool:
     try:
         st = os.lstat(path)
     except OSError:
-        return None
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        return None
-    return path
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
 
 
 def proc_stat(pid: int | str) -> list[str]:
@@ -82,7 +110,10 @@ def register_owner() -> str:
 
 
 def unregister_owner(mark: str) -> None:
-    folder = registry_dir()
+    try:
+        folder = registry_dir()
+    except InvalidArgument:  # it was this user's alone when the record was made; now it is not
+        return
     if folder is not None and _is_mark(mark):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(folder, mark))
