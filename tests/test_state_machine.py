@@ -676,16 +676,25 @@ class LifecycleMachine(RuleBasedStateMachine):
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def test_random_spawn_cancel_finish_close_sequences_keep_the_contract():
+def _sequences(examples: int) -> None:
     run_state_machine_as_test(
         LifecycleMachine,
         settings=settings(
-            max_examples=30,
+            max_examples=examples,
             stateful_step_count=12,
             deadline=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
         ),
     )
+
+
+def test_random_spawn_cancel_finish_close_sequences_keep_the_contract():
+    _sequences(10)
+
+
+@pytest.mark.scale
+def test_many_random_spawn_cancel_finish_close_sequences_keep_the_contract():
+    _sequences(60)
 
 
 def test_a_run_cancelled_while_its_start_is_journaled_still_reports_its_start(
