@@ -658,9 +658,9 @@ def _indent(text: str, prefix: str) -> str:
 
 # What `brood logs` shows by default: what the run did (model turns, steps, messages,
 # asks) and what happened to it (retries, pools, resumes, lost workers, quarantined worker
-# groups, unenforced confinement). The rest is the journal's own bookkeeping (`step_begun`, the system prompt
-# by reference, remembered values, scratch paths, placements, the model spec), which
-# `--all` shows too.
+# groups, unenforced confinement). The rest is the journal's own bookkeeping
+# (`step_begun`, the system prompt by reference, remembered values, scratch paths,
+# placements, the model spec), which `--all` shows too.
 LOG_KINDS = frozenset(
     {
         "model_call",
