@@ -16,9 +16,9 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import contextmanager
-from contextvars import ContextVar, copy_context
+from contextvars import ContextVar
 from typing import Any
 
 import cloudpickle
@@ -59,34 +59,12 @@ from brood.spec_text import MAX_SPEC_BYTES, looks_like_path, over_bound, read_bo
 from brood.worker.confine import BATCH_THREADS
 from brood.worker.link import TERMINAL_STATES, Link, stalled
 from brood.worker.repl import FinalSignal, ReplayStop, StepClock
+from brood.worker.threads import CallThreads
 from brood.worker.toolkit import make_toolkit
 
 # True inside work started by `spawn` (and what that work starts in turn): nobody waits on
 # it as it goes, so the stall alarm is not its to raise; its waiter's rlm_await raises it.
 SPAWNED: ContextVar[bool] = ContextVar("brood_spawned", default=False)
-
-
-class _Pool(ThreadPoolExecutor):
-    """The run's threads for concurrent calls; each job runs in a copy of the submitter's
-    context, so work a spawned task starts is spawned work too."""
-
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kw: Any) -> Future[Any]:
-        return super().submit(copy_context().run, fn, *args, **kw)
-
-    def start_all(self) -> None:
-        """Start every thread now, not as work comes: in a pids cgroup
-        (`confine.pids_capped`) brood's own tasks must all exist before model code runs, so
-        that it gets exactly `Limits.worker_processes` places and none of brood's threads
-        finds them taken later. One job per thread, each held until all have started (a
-        pool never ends its threads); should a start fail (an address-space limit too small
-        for every stack), the rest start as work comes."""
-        together = threading.Barrier(self._max_workers + 1)
-        try:
-            for _ in range(self._max_workers):
-                self.submit(together.wait)
-            together.wait()
-        except (RuntimeError, threading.BrokenBarrierError):
-            together.abort()
 
 
 def _as_spawned(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
@@ -127,7 +105,7 @@ class Runtime:
         self.seen: set[str] = set()  # children whose outcome the code has already observed
         self.notes: list[str] = []  # one-time notes for the model, shown with step output
         self.depth_noted = False
-        self._pool: _Pool | None = None
+        self._pool: CallThreads | None = None
         self._blocked = 0
         self._block_lock = threading.Lock()
         self._task_ids = itertools.count(1)
@@ -198,15 +176,16 @@ class Runtime:
             )
         return None
 
-    def pool(self) -> _Pool:
+    def pool(self) -> CallThreads:
         """The threads concurrent calls run on, started as work comes (or all at once
         before model code runs: `start_threads`)."""
         if self._pool is None:
-            self._pool = _Pool(BATCH_THREADS, thread_name_prefix="brood-call")
+            self._pool = CallThreads(BATCH_THREADS)
         return self._pool
 
     def start_threads(self) -> None:
-        """Start every call thread now (`_Pool.start_all`); call before model code runs."""
+        """Start every call thread now (`CallThreads.start_all`); call before model code
+        runs."""
         self.pool().start_all()
 
     # ---- waiting on children -----------------------------------------------------------

@@ -1,0 +1,71 @@
+"""The threads a worker runs concurrent model calls and spawned work on.
+
+Bare threads (`_thread`), not `threading.Thread`s in a ThreadPoolExecutor: a worker is a
+fresh fork, and threading's bookkeeping costs page faults in it (three times the CPU of a
+bare start, measured for 16 threads). Each job runs in a copy of its submitter's context,
+so work that spawned work starts is spawned work too (`SPAWNED` in the verbs).
+
+In a pids cgroup (`confine.pids_capped`) every thread is started before model code runs
+(`start_all`): the cgroup's pids.max leaves model code exactly `Limits.worker_processes`
+places, and none of brood's threads may find them taken later. Elsewhere a thread starts
+when work finds none idle, up to the pool's size.
+"""
+
+from __future__ import annotations
+
+import _thread
+import contextlib
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from contextvars import copy_context
+from typing import Any
+
+Job = tuple[Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+
+
+class CallThreads(Executor):
+    def __init__(self, size: int) -> None:
+        self._jobs: queue.SimpleQueue[Job] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._size = size
+        self._started = 0
+        self._load = 0  # jobs submitted and not yet done
+
+    def start_all(self) -> None:
+        """Start every thread now. Should a start fail (an address-space limit too small for
+        every stack), the rest start as work comes."""
+        with self._lock, contextlib.suppress(RuntimeError):
+            while self._started < self._size:
+                self._start()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kw: Any) -> Future[Any]:
+        fut: Future[Any] = Future()
+        with self._lock:
+            if self._load >= self._started and self._started < self._size:
+                try:
+                    self._start()
+                except RuntimeError:
+                    if not self._started:
+                        raise  # no thread to run it: the caller learns why
+            self._load += 1
+        context = copy_context()
+        self._jobs.put((fut, context.run, (fn, *args), kw))
+        return fut
+
+    def _start(self) -> None:
+        _thread.start_new_thread(self._serve, ())  # RuntimeError when none can start
+        self._started += 1
+
+    def _serve(self) -> None:
+        while True:
+            fut, fn, args, kw = self._jobs.get()
+            try:
+                if fut.set_running_or_notify_cancel():
+                    fut.set_result(fn(*args, **kw))
+            except BaseException as exc:  # the caller sees it, as with ThreadPoolExecutor
+                fut.set_exception(exc)
+            finally:
+                with self._lock:
+                    self._load -= 1
