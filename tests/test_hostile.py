@@ -111,8 +111,14 @@ def _in_other_pid_namespace(mark: str) -> tuple[subprocess.Popen[bytes], int] | 
         proc.wait()
         proc.stdout.close()
         return None
-    inside = [c.pid for c in psutil.Process(proc.pid).children() if c.name() == "sleep"]
-    return (proc, inside[0]) if inside else None
+    # `env` execs `sh`, which execs `sleep`: one process, whatever its name is by now.
+    inside = [c.pid for c in psutil.Process(proc.pid).children()]
+    if not inside:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+        return None
+    return proc, inside[0]
 
 
 def test_the_sweep_leaves_other_users_and_other_namespaces_alone():
