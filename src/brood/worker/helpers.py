@@ -37,6 +37,7 @@ from brood.errors import (
     StaleHandle,
     StallTimeout,
 )
+from brood.limits import Limits
 from brood.protocol import (
     MAX_REMEMBER_BYTES,
     MAX_RETRIES,
@@ -54,6 +55,7 @@ from brood.protocol import (
     Replay,
     SendReq,
     SpawnReq,
+    WorkerLimits,
 )
 from brood.spec_text import MAX_SPEC_BYTES, looks_like_path, over_bound, read_bounded
 from brood.worker.confine import BATCH_THREADS
@@ -106,6 +108,7 @@ class Runtime:
         can_spawn: bool,
         clock: StepClock,
         max_depth: int,
+        limits: WorkerLimits | None = None,
     ) -> None:
         self.link = link
         self.run_id = run_id
@@ -116,7 +119,8 @@ class Runtime:
         self.step = 0
         self.final: str | None = None
         self.products: dict[str, Any] | None = None  # FINAL(answer, products=...)
-        self.limits: dict[str, Any] = {}  # the tree's Limits, as the Start carried them
+        # The tree's limits, as the Start carried them (a bare Runtime: Limits' defaults).
+        self.limits = limits or WorkerLimits.from_limits(Limits(max_depth=max_depth))
         self.model_name: str | None = None  # the model name this run was started with
         self.replay: Replay | None = None  # what the journal holds, for a resumed run
         self.in_flight: dict[str, int] = {}  # plain calls under way, by prompt
@@ -230,8 +234,7 @@ class Runtime:
 
     @property
     def stall_timeout(self) -> float | None:
-        value = self.limits.get("stall_timeout")
-        return None if value is None else float(value)
+        return self.limits.stall_timeout
 
     @property
     def stall_alarm(self) -> float | None:
@@ -276,7 +279,7 @@ class Runtime:
     def fits(self, text: str, where: str) -> str:
         """Refuses a prompt over Limits.max_prompt_chars before it costs a call (the
         supervisor refuses it too, ending the run: a worker sends none)."""
-        cap = int(self.limits.get("max_prompt_chars", 400_000))
+        cap = self.limits.max_prompt_chars
         if len(text) > cap:
             raise InvalidArgument(
                 f"{where}: the prompt has {len(text):,} characters, over "
@@ -520,7 +523,7 @@ class ChildHandle:
             raise InvalidArgument(
                 f"rlm_send(h, message): message must be str, got {type(message).__name__}"
             )
-        cap = int(self._rt.limits.get("max_prompt_chars", 400_000))
+        cap = self._rt.limits.max_prompt_chars
         if len(message) > cap:  # it goes into the child's next prompt
             raise InvalidArgument(
                 f"rlm_send(h, message): the message has {len(message):,} characters, over "
@@ -1174,7 +1177,7 @@ def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
         }
 
     toolkit = make_toolkit(
-        rt.limits if rt is not None else {},
+        rt.limits if rt is not None else WorkerLimits.from_limits(Limits()),
         lambda: rt.namespace,
         llm_query,
         llm_query_batched,

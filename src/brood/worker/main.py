@@ -65,7 +65,7 @@ def _reason(exc: BaseException) -> str:
 def run(start: Start, link: Link) -> None:
     context = cloudpickle.loads(start.context) if start.context is not None else None
     limits = start.limits
-    can_spawn = start.depth + 1 < int(limits.get("max_depth", 1))
+    can_spawn = limits.can_start_child(start.depth)
     clock = StepClock()
     rt = Runtime(
         link,
@@ -73,7 +73,8 @@ def run(start: Start, link: Link) -> None:
         depth=start.depth,
         can_spawn=can_spawn,
         clock=clock,
-        max_depth=int(limits.get("max_depth", 1)),
+        max_depth=limits.max_depth,
+        limits=limits,
     )
     if pids_capped():
         # Every thread of brood's own before model code runs: its cgroup's pids.max leaves
@@ -82,26 +83,23 @@ def run(start: Start, link: Link) -> None:
         rt.start_threads()
     rt.model_name = start.model_name
     rt.replay = start.replay
-    rt.limits = dict(limits)
     helpers = make_helpers(rt)
     repl = Repl(
         {**helpers, **ERRORS},
         context,
         clock=clock,
-        blocked=tuple(limits.get("blocked_builtins", ())),
-        read_only=bool(limits.get("read_only", False)),
+        blocked=limits.blocked_builtins,
+        read_only=limits.read_only,
     )
     rt.namespace = repl.namespace
-    agent = Agent(rt, repl, limits)
+    agent = Agent(rt, repl)
     if start.driven:
         agent.driven()
         return
     system = cached_system_prompt(can_spawn)
     if start.budget is not None:
         system += describe_budget(start.budget)
-    cap = user_message_cap(
-        int(limits.get("max_prompt_chars", 400_000)), start.prompt, start.messages
-    )
+    cap = user_message_cap(limits.max_prompt_chars, start.prompt, start.messages)
     final = agent.loop(first_message(start, context), system, cap)
     link.send(final)
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from brood.errors import InvalidArgument
+from brood.protocol import WorkerLimits
 from brood.worker import retrieval
 
 MIN_CHUNK_CHARS = 1_000  # below this a chunk says too little to be worth a call
@@ -26,15 +27,15 @@ Batch = Callable[[list[str], str | None], list[str]]
 
 
 def make_toolkit(
-    limits: Mapping[str, Any],
+    limits: WorkerLimits,
     namespace: Callable[[], Mapping[str, Any]],
     llm_query: Query,
     llm_query_batched: Batch,
 ) -> dict[str, Callable[..., Any]]:
     """The toolkit's helpers, bound to the run's limits, its REPL namespace (for `context`)
     and its model calls."""
-    cap = int(limits.get("max_prompt_chars", 400_000))
-    max_chunks = int(limits.get("max_chunks", 1_000))
+    cap = limits.max_prompt_chars
+    max_chunks = limits.max_chunks
 
     def _text_of(text: object, where: str) -> str:
         if text is None:
