@@ -17,9 +17,9 @@ from brood.protocol import (
     clip,
     step_capture,
 )
-from brood.worker.helpers import Runtime
 from brood.worker.link import TERMINAL_STATES
 from brood.worker.repl import Repl, StepOutput, truncate
+from brood.worker.runtime import Runtime
 
 OPEN_FENCE = re.compile(r"^\s*```\s*(repl|python|py)\s*$")
 ANY_FENCE = re.compile(r"^\s*```")
@@ -116,8 +116,7 @@ class Agent:
             stderr += "".join(n + "\n" for n in self.rt.notes)
             self.rt.notes.clear()
         if not self.rt.replaying:  # a replayed step is in the journal already
-            with self.rt._block_lock:
-                pending = [p for p, n in self.rt.in_flight.items() for _ in range(n)]
+            pending = self.rt.pending_calls()
             self.rt.link.send(
                 StepDone(self.rt.step, code, out.stdout, stderr, out.error, out.duration, pending)
             )

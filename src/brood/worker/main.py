@@ -11,10 +11,11 @@ import cloudpickle
 from brood.protocol import MAX_WORKER_FRAME, Failed, Final, Start, SyncChannel, user_message_cap
 from brood.worker.agent import Agent
 from brood.worker.confine import pids_capped, share_thread_arenas
-from brood.worker.helpers import ERRORS, Runtime, make_helpers
 from brood.worker.link import Link
 from brood.worker.prompt import cached_system_prompt, describe_budget, describe_context
 from brood.worker.repl import Repl, ReplayStop, StepClock
+from brood.worker.runtime import Runtime
+from brood.worker.verbs import ERRORS, make_helpers
 
 
 def first_message(start: Start, context: object) -> str:
