@@ -5,8 +5,18 @@ from __future__ import annotations
 import io
 from typing import Any
 
+from brood.limits import Limits
 from brood.models import ScriptedModel
-from brood.protocol import Deliver, Final, ModelReq, Msg, StepBegan, StepDone, SyncChannel
+from brood.protocol import (
+    Deliver,
+    Final,
+    ModelReq,
+    Msg,
+    StepBegan,
+    StepDone,
+    SyncChannel,
+    WorkerLimits,
+)
 from brood.worker.agent import ANSWER_NOW, NO_CODE, Agent, Blocks, extract_blocks
 from brood.worker.helpers import Runtime, make_helpers
 from brood.worker.link import Link
@@ -138,10 +148,11 @@ def make_agent(script: list[Any], **limits: Any) -> tuple[Agent, io.BytesIO]:
         can_spawn=False,
         clock=repl.clock,
         max_depth=1,
+        limits=WorkerLimits.from_limits(Limits(max_depth=1, step_timeout=None, **limits)),
     )
     repl.namespace.update(make_helpers(rt))
     rt.namespace = repl.namespace
-    return Agent(rt, repl, {"step_timeout": None, **limits}), sent
+    return Agent(rt, repl), sent
 
 
 def messages_sent(sent: io.BytesIO) -> list[Msg]:

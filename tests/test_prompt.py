@@ -19,7 +19,13 @@ from brood.worker import helpers as helpers_module
 from brood.worker.helpers import HELPER_NAMES, AskHandle, ChildHandle, Runtime, Task, make_helpers
 from brood.worker.link import Link
 from brood.worker.main import first_message
-from brood.worker.prompt import INTRO, OUTRO, describe_context, system_prompt
+from brood.worker.prompt import (
+    INTRO,
+    OUTRO,
+    cached_system_prompt,
+    describe_context,
+    system_prompt,
+)
 from brood.worker.repl import Repl, StepClock
 from tests.util import fast
 
@@ -235,3 +241,13 @@ def test_the_first_message_has_the_task_the_context_and_parent_messages() -> Non
         "Count the sightings\n\n`context` is a str of 3 characters.\n"
         "[message from your parent] hurry"
     )
+
+
+@pytest.mark.parametrize("can_spawn", [True, False])
+def test_the_prompt_built_from_the_verbs_is_the_one_a_run_s_helpers_give(can_spawn: bool) -> None:
+    """Workers take the system prompt from the verbs themselves (no run needed); it must be
+    what the helpers placed in a run's REPL describe, signatures without the Runtime."""
+    assert cached_system_prompt(can_spawn) == system_prompt(
+        helpers(can_spawn=can_spawn), can_spawn=can_spawn
+    )
+    assert "rt:" not in cached_system_prompt(can_spawn)

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from brood import errors
+from brood.limits import Limits
 from brood.protocol import (
     HEADER,
     MAX_FRAME,
@@ -57,6 +58,7 @@ from brood.protocol import (
     StepResult,
     Stop,
     SyncChannel,
+    WorkerLimits,
     WorkerMsg,
     check,
     decode,
@@ -91,7 +93,7 @@ SAMPLES: list[Msg] = [
         depth=1,
         prompt="task",
         context=None,
-        limits={"max_depth": 2, "step_timeout": None},
+        limits=WorkerLimits.from_limits(Limits(max_depth=2, step_timeout=None)),
         driven=True,
         messages=["first"],
     ),

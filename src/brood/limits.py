@@ -274,7 +274,7 @@ class Limits:
 
     def can_start_child(self, depth: int) -> bool:
         """Whether a run at `depth` may start child runs (else rlm_query is a plain call)."""
-        return depth + 1 < self.max_depth
+        return may_start_children(depth, self.max_depth)
 
     def admit_children(self, *, tree_total: int, run_total: int, count: int) -> None:
         """Refuse `count` new children when a child-count limit would break."""
@@ -294,6 +294,12 @@ class Limits:
                 hint=f"this run has {run_total} children already; "
                 "raise Limits(max_children_per_run=...) or start fewer children",
             )
+
+
+def may_start_children(depth: int, max_depth: int) -> bool:
+    """The depth rule, in one place for both sides: `max_depth` counts run levels with the
+    root's, so a run at `depth` starts children only if they would be within it."""
+    return depth + 1 < max_depth
 
 
 def _check_builtin(name: str) -> None:

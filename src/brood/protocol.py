@@ -10,11 +10,15 @@ import asyncio
 import socket
 import struct
 import threading
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
 
 from brood import errors
+from brood.limits import may_start_children
+
+if TYPE_CHECKING:
+    from brood.limits import Limits
 
 HEADER = struct.Struct(">I")
 MAX_FRAME = 256 * 1024 * 1024  # a frame larger than this is a protocol error, not data
@@ -261,12 +265,43 @@ class Replay(msgspec.Struct, omit_defaults=True):
     pending: list[str] = []  # plain calls in flight when a journaled step ended
 
 
+class WorkerLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """The fields of `Limits` a worker reads, and only those: the supervisor builds them from
+    its `Limits` for every Start, so the worker has no defaults of its own. What the worker
+    enforces here is for the model's convenience; the supervisor enforces it again."""
+
+    max_depth: int
+    max_iterations: int
+    step_timeout: float | None
+    stall_timeout: float | None
+    output_limit: int
+    answer_limit: int
+    max_prompt_chars: int
+    max_chunks: int
+    read_only: bool
+    blocked_builtins: tuple[str, ...]
+    # Named in a note when a step fails in a way the limit explains (agent.LIMIT_ERRORS).
+    worker_memory: int | None
+    worker_processes: int | None
+    worker_file_size: int | None
+    worker_open_files: int | None
+    worker_disk: int | None
+
+    @classmethod
+    def from_limits(cls, limits: Limits) -> WorkerLimits:
+        return cls(**{name: getattr(limits, name) for name in cls.__struct_fields__})
+
+    def can_start_child(self, depth: int) -> bool:
+        """Whether a run at `depth` may start child runs (else rlm_query is a plain call)."""
+        return may_start_children(depth, self.max_depth)
+
+
 class Start(Msg):
     run_id: str
     depth: int
     prompt: str
     context: bytes | None
-    limits: dict[str, Any]
+    limits: WorkerLimits
     driven: bool = False  # True for a Session root: steps come from Exec, not a model
     messages: list[str] = []
     model_name: str | None = None  # rlm_query(model=...): passed to every model call

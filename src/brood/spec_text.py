@@ -2,7 +2,7 @@
 and the rule that tells the name of a spec file from spec text.
 
 `flow_run(path)` in a REPL is read by the worker, under the worker's own confinement, and
-sent as text (`brood.worker.helpers`); the supervisor parses the text of a worker and never
+sent as text (`brood.worker.verbs.flows`); the supervisor parses the text of a worker and never
 opens a path a worker named (`brood.flow.load.load_spec_text`). Only the user's own calls
 (`Supervisor.flow_run(path)`, `brood flow validate PATH`, `brood flow run PATH`) read a
 path on the supervisor's side. Like `brood.protocol`, this module belongs to neither side:

@@ -7,10 +7,19 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
-from brood.protocol import Failed, Final, StepBegan, StepDone, StepResult, clip, step_capture
-from brood.worker.helpers import Runtime
+from brood.protocol import (
+    Failed,
+    Final,
+    StepBegan,
+    StepDone,
+    StepResult,
+    WorkerLimits,
+    clip,
+    step_capture,
+)
 from brood.worker.link import TERMINAL_STATES
 from brood.worker.repl import Repl, StepOutput, truncate
+from brood.worker.runtime import Runtime
 
 OPEN_FENCE = re.compile(r"^\s*```\s*(repl|python|py)\s*$")
 ANY_FENCE = re.compile(r"^\s*```")
@@ -34,10 +43,10 @@ LIMIT_ERRORS = (
 )
 
 
-def limit_hint(error: str, limits: dict[str, Any]) -> str | None:
+def limit_hint(error: str, limits: WorkerLimits) -> str | None:
     """A note naming the worker limit a step's error may come from, with its value."""
     for prefix, field, unit in LIMIT_ERRORS:
-        value = limits.get(field)
+        value = getattr(limits, field)
         if error.startswith(prefix) and value is not None:
             return (
                 f"note: this worker is limited to Limits.{field}={value} {unit}; "
@@ -84,10 +93,10 @@ def extract_blocks(reply: str) -> Blocks:
 class Agent:
     """Runs one run's loop in the worker's main thread."""
 
-    def __init__(self, rt: Runtime, repl: Repl, limits: dict[str, Any]) -> None:
+    def __init__(self, rt: Runtime, repl: Repl) -> None:
         self.rt = rt
         self.repl = repl
-        self.limits = limits
+        self.limits = rt.limits
 
     def run_code(self, code: str, timeout: float | None = None) -> StepOutput:
         """Run one block as a REPL step and journal it; its output, with brood's notes added
@@ -96,8 +105,8 @@ class Agent:
         rt.step += 1
         # The supervisor journals the step's start and starts its own clock of it first.
         rt.link.request(StepBegan(req_id=rt.link.next_id(), step=rt.step, replaying=rt.replaying))
-        shown = int(self.limits.get("output_limit", 20_000))
-        limit = timeout if timeout is not None else self.limits.get("step_timeout")
+        shown = self.limits.output_limit
+        limit = timeout if timeout is not None else self.limits.step_timeout
         capture = step_capture(shown)
         out = self.repl.run(code, limit, capture)
         stderr = out.stderr
@@ -107,8 +116,7 @@ class Agent:
             stderr += "".join(n + "\n" for n in self.rt.notes)
             self.rt.notes.clear()
         if not self.rt.replaying:  # a replayed step is in the journal already
-            with self.rt._block_lock:
-                pending = [p for p, n in self.rt.in_flight.items() for _ in range(n)]
+            pending = self.rt.pending_calls()
             self.rt.link.send(
                 StepDone(self.rt.step, code, out.stdout, stderr, out.error, out.duration, pending)
             )
@@ -119,7 +127,7 @@ class Agent:
     def feedback(self, reply: str) -> str:
         blocks = extract_blocks(reply)
         parts: list[str] = []
-        limit = int(self.limits.get("output_limit", 20_000))
+        limit = self.limits.output_limit
         for i, code in enumerate(blocks.code, 1):
             out = self.run_code(code)
             text = out.stdout + out.stderr
@@ -166,8 +174,8 @@ class Agent:
             {"role": "system", "content": system},
             {"role": "user", "content": first_message},
         ]
-        max_iter = int(self.limits.get("max_iterations", 20))
-        cap = int(self.limits.get("max_prompt_chars", 400_000))
+        max_iter = self.limits.max_iterations
+        cap = self.limits.max_prompt_chars
         first_cap = cap if first_cap is None else first_cap
         for turn in range(max_iter):
             extra = self.notices()
@@ -193,7 +201,7 @@ class Agent:
     def final(self, answer: str, reason: str = "answer") -> Final | Failed:
         """The run's end: its answer, or a failure when the answer (or its products, as
         JSON) is over the cap."""
-        cap = int(self.limits.get("answer_limit", 1_000_000))
+        cap = self.limits.answer_limit
         products = self.rt.products
         for what, size in (
             ("answer", len(answer)),

@@ -11,10 +11,11 @@ import cloudpickle
 from brood.protocol import MAX_WORKER_FRAME, Failed, Final, Start, SyncChannel, user_message_cap
 from brood.worker.agent import Agent
 from brood.worker.confine import pids_capped, share_thread_arenas
-from brood.worker.helpers import ERRORS, Runtime, make_helpers
 from brood.worker.link import Link
 from brood.worker.prompt import cached_system_prompt, describe_budget, describe_context
 from brood.worker.repl import Repl, ReplayStop, StepClock
+from brood.worker.runtime import Runtime
+from brood.worker.verbs import ERRORS, make_helpers
 
 
 def first_message(start: Start, context: object) -> str:
@@ -65,7 +66,7 @@ def _reason(exc: BaseException) -> str:
 def run(start: Start, link: Link) -> None:
     context = cloudpickle.loads(start.context) if start.context is not None else None
     limits = start.limits
-    can_spawn = start.depth + 1 < int(limits.get("max_depth", 1))
+    can_spawn = limits.can_start_child(start.depth)
     clock = StepClock()
     rt = Runtime(
         link,
@@ -73,7 +74,8 @@ def run(start: Start, link: Link) -> None:
         depth=start.depth,
         can_spawn=can_spawn,
         clock=clock,
-        max_depth=int(limits.get("max_depth", 1)),
+        max_depth=limits.max_depth,
+        limits=limits,
     )
     if pids_capped():
         # Every thread of brood's own before model code runs: its cgroup's pids.max leaves
@@ -82,26 +84,23 @@ def run(start: Start, link: Link) -> None:
         rt.start_threads()
     rt.model_name = start.model_name
     rt.replay = start.replay
-    rt.limits = dict(limits)
     helpers = make_helpers(rt)
     repl = Repl(
         {**helpers, **ERRORS},
         context,
         clock=clock,
-        blocked=tuple(limits.get("blocked_builtins", ())),
-        read_only=bool(limits.get("read_only", False)),
+        blocked=limits.blocked_builtins,
+        read_only=limits.read_only,
     )
     rt.namespace = repl.namespace
-    agent = Agent(rt, repl, limits)
+    agent = Agent(rt, repl)
     if start.driven:
         agent.driven()
         return
     system = cached_system_prompt(can_spawn)
     if start.budget is not None:
         system += describe_budget(start.budget)
-    cap = user_message_cap(
-        int(limits.get("max_prompt_chars", 400_000)), start.prompt, start.messages
-    )
+    cap = user_message_cap(limits.max_prompt_chars, start.prompt, start.messages)
     final = agent.loop(first_message(start, context), system, cap)
     link.send(final)
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from brood.limits import may_start_children
 from brood.protocol import BUDGET_MARK
+from brood.worker.verbs import helpers_in_order
+from brood.worker.verbs.base import model_signature
 
 INTRO = """You solve a task by writing Python in a persistent REPL. Put code in ```repl fences;
 every block of your reply runs in order and you see what it prints. Variables persist across
@@ -36,16 +39,26 @@ StallTimeout (the work keeps running: wait again or cancel it). Errors name the 
 and the fix; read them. Do not guess an answer you have not computed."""
 
 
-def describe_helper(fn: Callable[..., Any]) -> str:
-    sig = str(inspect.signature(fn)).replace("'", "")
+Signature = Callable[[Callable[..., Any]], inspect.Signature]
+
+
+def describe_helper(fn: Callable[..., Any], signature: Signature = inspect.signature) -> str:
+    sig = str(signature(fn)).replace("'", "")
     doc = inspect.cleandoc(fn.__doc__ or "")
     body = "\n".join("    " + line for line in doc.splitlines())
     return f"- {fn.__name__}{sig}\n{body}"
 
 
-def system_prompt(helpers: dict[str, Callable[..., Any]], *, can_spawn: bool) -> str:
+def system_prompt(
+    helpers: Mapping[str, Callable[..., Any]],
+    *,
+    can_spawn: bool,
+    signature: Signature = inspect.signature,
+) -> str:
+    """The system prompt listing `helpers`: as placed in a REPL (bound to a run), or the
+    verbs themselves with `signature=model_signature`, which leaves out their Runtime."""
     parts = [INTRO]
-    parts += [describe_helper(fn) for fn in helpers.values()]
+    parts += [describe_helper(fn, signature) for fn in helpers.values()]
     if not can_spawn:
         parts.append(
             "\nThis run is at the deepest level allowed: rlm_query answers with a plain model "
@@ -65,7 +78,7 @@ def describe_budget(budget: dict[str, Any]) -> str:
     spawn = (
         f"you may start {budget['children_left_for_this_run']:,} more child runs "
         f"({budget['children_left']:,} left in the whole tree)"
-        if budget["depth"] + 1 < budget["max_depth"]
+        if may_start_children(budget["depth"], budget["max_depth"])
         else "you cannot start child runs (rlm_query is a plain model call here)"
     )
     return (
@@ -94,7 +107,7 @@ def cached_system_prompt(can_spawn: bool) -> str:
     """The system prompt, built once per process. The zygote builds both variants before it
     freezes its heap, so a forked worker starts its first turn without rebuilding them."""
     if can_spawn not in _CACHE:
-        from brood.worker.helpers import make_helpers
-
-        _CACHE[can_spawn] = system_prompt(make_helpers(None), can_spawn=can_spawn)  # type: ignore[arg-type]
+        _CACHE[can_spawn] = system_prompt(
+            helpers_in_order(), can_spawn=can_spawn, signature=model_signature
+        )
     return _CACHE[can_spawn]

@@ -3,7 +3,7 @@
 Bare threads (`_thread`), not `threading.Thread`s in a ThreadPoolExecutor: a worker is a
 fresh fork, and threading's bookkeeping costs page faults in it (three times the CPU of a
 bare start, measured for 16 threads). Each job runs in a copy of its submitter's context,
-so work that spawned work starts is spawned work too (`SPAWNED` in the verbs).
+so work that spawned work starts is spawned work too (`runtime.SPAWNED`).
 
 In a pids cgroup (`confine.pids_capped`) every thread is started before model code runs
 (`start_all`): the cgroup's pids.max leaves model code exactly `Limits.worker_processes`

@@ -1,0 +1,41 @@
+"""The REPL helpers of DESIGN.md section 3 ("verbs"), one module per family:
+
+- `calls`: plain model calls (llm_query, llm_query_batched);
+- `toolkit`: delegation over long texts and retrieval (llm_query_chunked, search, ...);
+- `children`: child runs and the verbs every handle takes (rlm_query, rlm_wait, ...);
+- `asks`: asks to a person (ask_person, ask_user_question);
+- `tasks`: work started without waiting (spawn, rlm_await, rlm_await_all);
+- `flows`: flows started from the REPL (flow_run, flow_wait, ...);
+- `run`: the run itself (remember, budget_remaining, FINAL, FINAL_VAR, SHOW_VARS).
+
+Their names are declared once, in the order the system prompt lists them
+(`base.HELPER_ORDER`); each module registers its verbs with `@verb`. Their docstrings are
+the documentation the model reads: `prompt.py` builds the system prompt from them, so keep
+each one short and exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from brood.worker.runtime import Runtime
+from brood.worker.verbs import asks, calls, children, flows, run, tasks, toolkit
+from brood.worker.verbs.base import ERRORS, HELPER_NAMES, HELPER_ORDER, VERBS, Verb, bind
+
+_FAMILIES = (calls, toolkit, children, asks, tasks, flows, run)  # each fills VERBS
+if VERBS.keys() != HELPER_NAMES:
+    raise ImportError(f"helpers declared but not defined: {sorted(HELPER_NAMES - VERBS.keys())}")
+
+
+def helpers_in_order() -> dict[str, Verb]:
+    """Every verb, unbound, in the order the system prompt lists them."""
+    return {name: VERBS[name] for name in HELPER_ORDER}
+
+
+def make_helpers(rt: Runtime) -> dict[str, Callable[..., Any]]:
+    """The functions placed in the REPL namespace, bound to one run."""
+    return {name: bind(fn, rt) for name, fn in helpers_in_order().items()}
+
+
+__all__ = ["ERRORS", "HELPER_NAMES", "HELPER_ORDER", "helpers_in_order", "make_helpers"]
