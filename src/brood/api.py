@@ -313,6 +313,9 @@ class Supervisor:
         if parent is None:
             self._core.event(executor.run, MODEL_SPEC, self._model_record)
         self._core.flows[executor.run.id] = executor
+        # Its ledger's head (spec and inputs) is what a resume rebuilds it from: the start
+        # is answered once that is committed, so a host lost right after still has it.
+        await asyncio.wrap_future(self._store.committed())
         return executor
 
     def flows(self) -> list[str]:

@@ -527,7 +527,12 @@ class SQLStore:
         """Block until everything queued so far is committed (at once once closed: closing
         committed it all)."""
         if not self.readonly and not self._closed:
-            self._submit_many([]).result()
+            self.committed().result()
+
+    def committed(self) -> Future[Any]:
+        """A future that resolves once everything queued so far is committed (writes are
+        committed in the order they were queued)."""
+        return self._submit_many([])
 
     # ---- reads -----------------------------------------------------------------------------
     def _reader(self) -> Conn:
