@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from brood import errors
+from brood.errors import ProtocolError
 
 HEADER = struct.Struct(">I")
 MAX_FRAME = 256 * 1024 * 1024  # a frame larger than this is a protocol error, not data
@@ -427,10 +428,6 @@ AnyMsg = (
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMsg)
 _worker_decoder = msgspec.msgpack.Decoder(WorkerMsg)
-
-
-class ProtocolError(errors.BroodError):
-    """A frame could not be decoded; the peer is broken or not a brood process."""
 
 
 def encode(msg: Msg) -> bytes:

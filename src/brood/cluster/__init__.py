@@ -50,7 +50,6 @@ from brood.cluster.nodes import INSTALL_HINT as INSTALL_HINT
 from brood.cluster.nodes import JOIN_EVERY as JOIN_EVERY
 from brood.cluster.nodes import MONITOR_S as MONITOR_S
 from brood.cluster.nodes import PING_S as PING_S
-from brood.cluster.nodes import TERMINAL as TERMINAL
 from brood.cluster.nodes import WAIT_SLACK_S as WAIT_SLACK_S
 from brood.cluster.nodes import _Agent as _Agent
 from brood.cluster.nodes import _AgentLost as _AgentLost
@@ -60,5 +59,8 @@ from brood.cluster.nodes import _import_ray as _import_ray
 from brood.cluster.nodes import _shared_store as _shared_store
 from brood.cluster.placement import _Peer as _Peer
 from brood.cluster.placement import _Spreader as _Spreader
+from brood.lifecycle import TERMINAL_VALUES
+
+TERMINAL = TERMINAL_VALUES  # the name this package gave the set before brood.lifecycle had it
 
 __all__ = ["Cluster", "ClusterFlowHandle", "ClusterHandle"]

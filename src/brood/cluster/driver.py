@@ -21,7 +21,6 @@ from brood.cluster.nodes import (
     JOIN_EVERY,
     MONITOR_S,
     PING_S,
-    TERMINAL,
     _Agent,
     _AgentLost,
     _cause,
@@ -37,6 +36,7 @@ from brood.errors import (
     SupervisorClosed,
     UnknownRun,
 )
+from brood.lifecycle import TERMINAL_VALUES
 from brood.limits import Limits
 from brood.store.base import open_store, redact
 from brood.supervisor.core import new_run_id
@@ -299,7 +299,7 @@ class Cluster:
                         del self._trees[root_id]
                         handled.append(root_id)
                         continue
-                    if state not in TERMINAL:
+                    if state not in TERMINAL_VALUES:
                         self._resume_elsewhere(root_id)
                     # (else it ended before the node did: the journal has its outcome)
                     handled.append(root_id)

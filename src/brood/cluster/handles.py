@@ -6,7 +6,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from brood.api import RunResult, _check_timeout
-from brood.cluster.nodes import CALL_S, CLOSE_S, TERMINAL, WAIT_SLACK_S, _Agent, _AgentLost
+from brood.cluster.nodes import CALL_S, CLOSE_S, WAIT_SLACK_S, _Agent, _AgentLost
 from brood.errors import (
     BroodError,
     ChildFailed,
@@ -15,7 +15,7 @@ from brood.errors import (
     StaleHandle,
     StoreError,
 )
-from brood.lifecycle import RunState
+from brood.lifecycle import TERMINAL_VALUES, RunState
 from brood.store.base import open_store
 
 if TYPE_CHECKING:
@@ -119,7 +119,7 @@ class ClusterHandle(_Followed):
 
     @property
     def done(self) -> bool:
-        return self.status() in TERMINAL
+        return self.status() in TERMINAL_VALUES
 
     def cancel(self) -> str:
         """Cancel the tree; returns once every exit is confirmed on its node."""

@@ -9,7 +9,6 @@ import socket
 from typing import Any
 
 from brood.errors import BackendError, InvalidArgument, RayMissing
-from brood.lifecycle import RunState
 from brood.store.base import open_store
 
 ADDRESS_CHECK_S = 3.0  # a TCP connect to the GCS; a bare ray.init retries for minutes
@@ -23,7 +22,6 @@ WAIT_SLACK_S = 10.0  # an agent's bounded wait may return this much after its ti
 AGENT_CONCURRENCY = 1000  # blocked waits each hold one of an agent's threads
 
 INSTALL_HINT = "pip install 'rlm-brood[ray]'"
-TERMINAL = frozenset(s.value for s in RunState if s.terminal)
 
 
 def _import_ray() -> Any:

@@ -14,9 +14,9 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from brood.cluster.nodes import TERMINAL, _cause
+from brood.cluster.nodes import _cause
 from brood.errors import BackendError, BroodError
-from brood.lifecycle import RunState
+from brood.lifecycle import TERMINAL_VALUES, RunState
 from brood.supervisor.core import NodeLost
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 def load_of(stats: dict[str, Any]) -> int:
     """An agent's load, from its `Supervisor.statistics()`: its live runs and its queue."""
-    return sum(n for s, n in stats["runs"].items() if s not in TERMINAL) + stats["queued"]
+    return sum(n for s, n in stats["runs"].items() if s not in TERMINAL_VALUES) + stats["queued"]
 
 
 @dataclass(frozen=True)

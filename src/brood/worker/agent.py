@@ -7,9 +7,9 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
+from brood.lifecycle import TERMINAL_VALUES
 from brood.protocol import Failed, Final, StepBegan, StepDone, StepResult, clip, step_capture
 from brood.worker.helpers import Runtime
-from brood.worker.link import TERMINAL_STATES
 from brood.worker.repl import Repl, StepOutput, truncate
 
 OPEN_FENCE = re.compile(r"^\s*```\s*(repl|python|py)\s*$")
@@ -142,7 +142,7 @@ class Agent:
             settled = [
                 u
                 for cid, u in link.children.items()
-                if u.state in TERMINAL_STATES and cid not in self.rt.seen
+                if u.state in TERMINAL_VALUES and cid not in self.rt.seen
             ]
         lines = list(inbox)
         for u in settled:

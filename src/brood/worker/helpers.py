@@ -37,6 +37,7 @@ from brood.errors import (
     StaleHandle,
     StallTimeout,
 )
+from brood.lifecycle import TERMINAL_VALUES
 from brood.protocol import (
     MAX_REMEMBER_BYTES,
     MAX_RETRIES,
@@ -57,7 +58,7 @@ from brood.protocol import (
 )
 from brood.spec_text import MAX_SPEC_BYTES, looks_like_path, over_bound, read_bounded
 from brood.worker.confine import BATCH_THREADS
-from brood.worker.link import TERMINAL_STATES, Link, stalled
+from brood.worker.link import Link, stalled
 from brood.worker.repl import FinalSignal, ReplayStop, StepClock
 from brood.worker.toolkit import make_toolkit
 
@@ -401,7 +402,7 @@ class Runtime:
                 return h._future.done()
             if isinstance(h, AskHandle):
                 return self.link.asks[h.id].state != "open"
-            return self.link.children[h.id].state in TERMINAL_STATES
+            return self.link.children[h.id].state in TERMINAL_VALUES
 
         below = [h.id for h in handles if not isinstance(h, AskHandle)]
         what = (", ".join(below[:3]) + (", ..." if len(below) > 3 else "")) if below else None
@@ -452,7 +453,7 @@ class ChildHandle:
 
     @property
     def done(self) -> bool:
-        return self.status() in TERMINAL_STATES
+        return self.status() in TERMINAL_VALUES
 
     def status(self) -> str:
         self._rt.check_open()
@@ -465,7 +466,7 @@ class ChildHandle:
     def result(self) -> str:
         self._rt.check_open()
         u = self._rt.state_of(self.id)
-        if u.state not in TERMINAL_STATES:
+        if u.state not in TERMINAL_VALUES:
             raise ChildNotReady(
                 f"child {self.id} is {u.state}; use rlm_wait(h) to block, or check "
                 "rlm_status(h) in a later step"
@@ -489,7 +490,7 @@ class ChildHandle:
     def wait_done(self, timeout: float | None) -> bool:
         self._rt.check_open()
         return self._rt.wait_for(
-            lambda: self._rt.link.children[self.id].state in TERMINAL_STATES,
+            lambda: self._rt.link.children[self.id].state in TERMINAL_VALUES,
             timeout,
             f"child {self.id}",
         )

@@ -18,6 +18,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from brood.errors import StallTimeout
+from brood.lifecycle import TERMINAL_VALUES
 from brood.protocol import (
     AskUpdate,
     ChildUpdate,
@@ -34,7 +35,7 @@ from brood.protocol import (
     rebuild_error,
 )
 
-TERMINAL_STATES = frozenset({"completed", "failed", "cancelled", "timed_out"})
+TERMINAL_STATES = TERMINAL_VALUES  # the run states a child does not leave (brood.lifecycle)
 
 
 def stalled(what: str, stall: float) -> StallTimeout:
