@@ -24,8 +24,9 @@ from brood.cluster.nodes import (
     _Agent,
     _AgentLost,
     _cause,
-    _check_address,
+    _connect,
     _import_ray,
+    _pickled_model,
     _shared_store,
 )
 from brood.cluster.placement import _Peer, load_of
@@ -82,13 +83,7 @@ class Cluster:
             raise InvalidArgument(
                 f"ray_address must be 'HOST:PORT' or None, got {type(ray_address).__name__}"
             )
-        try:
-            model_blob = cloudpickle.dumps(model)
-        except Exception as exc:
-            raise InvalidArgument(
-                f"model cannot be pickled for the node agents ({exc}); pass a spec string "
-                "like 'openai:MODEL@URL' or a picklable model"
-            ) from exc
+        model_blob = _pickled_model(model)
         store = _shared_store(store)
         ray = _import_ray()
         self._ray = ray
@@ -101,20 +96,7 @@ class Cluster:
         self._pending: list[Any] = []  # actors started, not yet answering
         self._refused: set[str] = set()  # joined nodes whose agent could not start
         self._model_blob, self._limits = model_blob, limits
-        self._started_ray = False
-        if ray_address is not None:
-            _check_address(ray_address)
-        if ray.is_initialized():
-            current = ray.get_runtime_context().gcs_address
-            if ray_address not in (None, "auto", current):
-                raise BackendError(
-                    f"this process is already connected to the Ray cluster at {current}, "
-                    f"not {ray_address!r}; pass ray_address=None to use it, or "
-                    "ray.shutdown() first"
-                )
-        else:
-            ray.init(address=ray_address)
-            self._started_ray = True
+        self._started_ray = _connect(ray, ray_address)
         try:
             nodes = [n for n in ray.nodes() if n.get("Alive")]
             scheme = store.partition("://")[0]

@@ -8,6 +8,8 @@ import os
 import socket
 from typing import Any
 
+import cloudpickle
+
 from brood.errors import BackendError, InvalidArgument, RayMissing
 from brood.store.base import open_store
 
@@ -32,6 +34,36 @@ def _import_ray() -> Any:
             f"brood.Cluster runs on Ray, which is not installed here: {INSTALL_HINT}"
         ) from exc
     return ray
+
+
+def _pickled_model(model: Any) -> bytes:
+    """The model as every node agent gets its own copy of it."""
+    try:
+        return bytes(cloudpickle.dumps(model))
+    except Exception as exc:
+        raise InvalidArgument(
+            f"model cannot be pickled for the node agents ({exc}); pass a spec string "
+            "like 'openai:MODEL@URL' or a picklable model"
+        ) from exc
+
+
+def _connect(ray: Any, ray_address: str | None) -> bool:
+    """Connect this process to Ray: to the cluster it is connected to already (refused
+    when `ray_address` names another), else with `ray.init`. True when Ray was started
+    here: the cluster's close shuts it down then."""
+    if ray_address is not None:
+        _check_address(ray_address)
+    if ray.is_initialized():
+        current = ray.get_runtime_context().gcs_address
+        if ray_address not in (None, "auto", current):
+            raise BackendError(
+                f"this process is already connected to the Ray cluster at {current}, "
+                f"not {ray_address!r}; pass ray_address=None to use it, or "
+                "ray.shutdown() first"
+            )
+        return False
+    ray.init(address=ray_address)
+    return True
 
 
 def _check_address(address: str) -> None:
