@@ -14,7 +14,7 @@ agent with `Supervisor.resume`: replay from the journal, children adopted by key
 trees' handles keep working; they now point at the new agent.
 
 A child placed with `rlm_query(..., placement="spread")` goes to another node's agent
-(`_Spreader`, the agents' side of `Core.spreader`): the parent's agent journals it, the
+(`Spreader`, the agents' side of `Core.spreader`): the parent's agent journals it, the
 other takes it over, and the parent's follows it there, so it stays a child for every verb.
 The tree's limits and budgets stay with its root's agent, which admits children and model
 calls made below a spread child.
@@ -25,7 +25,7 @@ The package, by what each module does:
 - `driver`: `Cluster`, in the process that drives Ray (agents started and watched, trees
   placed, a lost agent's trees resumed elsewhere);
 - `agent`: `NodeAgent`, the Ray actor on each node that hosts a `Supervisor`;
-- `placement`: an agent's load, and `_Spreader`, the agents' side of placement="spread";
+- `placement`: an agent's load, and `Spreader`, the agents' side of placement="spread";
 - `handles`: `ClusterHandle` and `ClusterFlowHandle`, which follow their tree;
 - `nodes`: Ray's import, the checks made before agents start, the driver's view of one
   agent, and the bounds on calls to agents.
@@ -38,8 +38,7 @@ from brood.cluster.agent import _end_of as _end_of
 from brood.cluster.agent import _now as _now
 from brood.cluster.driver import Cluster
 from brood.cluster.handles import _ERRORS as _ERRORS
-from brood.cluster.handles import ClusterFlowHandle, ClusterHandle
-from brood.cluster.handles import _Ended as _Ended
+from brood.cluster.handles import ClusterFlowHandle, ClusterHandle, Ended
 from brood.cluster.handles import _Followed as _Followed
 from brood.cluster.nodes import ADDRESS_CHECK_S as ADDRESS_CHECK_S
 from brood.cluster.nodes import AGENT_CONCURRENCY as AGENT_CONCURRENCY
@@ -51,16 +50,27 @@ from brood.cluster.nodes import JOIN_EVERY as JOIN_EVERY
 from brood.cluster.nodes import MONITOR_S as MONITOR_S
 from brood.cluster.nodes import PING_S as PING_S
 from brood.cluster.nodes import WAIT_SLACK_S as WAIT_SLACK_S
-from brood.cluster.nodes import _Agent as _Agent
-from brood.cluster.nodes import _AgentLost as _AgentLost
-from brood.cluster.nodes import _cause as _cause
-from brood.cluster.nodes import _check_address as _check_address
-from brood.cluster.nodes import _import_ray as _import_ray
-from brood.cluster.nodes import _shared_store as _shared_store
-from brood.cluster.placement import _Peer as _Peer
-from brood.cluster.placement import _Spreader as _Spreader
+from brood.cluster.nodes import (
+    AgentLost,
+    AgentRef,
+    check_address,
+    import_ray,
+    ray_cause,
+    shared_store,
+)
+from brood.cluster.placement import Peer, Spreader
 from brood.lifecycle import TERMINAL_VALUES
 
+# Renamed when the module became this package; the old names stay importable.
+_Ended = Ended
+_AgentLost = AgentLost
+_Agent = AgentRef
+_check_address = check_address
+_import_ray = import_ray
+_cause = ray_cause
+_shared_store = shared_store
+_Peer = Peer
+_Spreader = Spreader
 TERMINAL = TERMINAL_VALUES  # the name this package gave the set before brood.lifecycle had it
 
 __all__ = ["Cluster", "ClusterFlowHandle", "ClusterHandle"]

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
-from brood.cluster.placement import _Peer, _Spreader
+from brood.cluster.placement import Peer, Spreader
 from brood.errors import BroodError, ChildCleanupError
 from brood.lifecycle import RunRecord, RunState
 from brood.limits import Limits
@@ -40,10 +40,10 @@ class NodeAgent:
         self.handles: dict[str, RunHandle] = {}
         self.lock = threading.Lock()
         self.token = self.sup._core.owner
-        self.peers: list[_Peer] = []  # every agent of the cluster, this one too
+        self.peers: list[Peer] = []  # every agent of the cluster, this one too
         self.guests: dict[str, Run] = {}  # children placed here by other nodes, by id
         self.guest_roots: dict[str, str] = {}  # guest id -> the token of its root's agent
-        self.sup._core.spreader = _Spreader(self)
+        self.sup._core.spreader = Spreader(self)
 
     def info(self) -> dict[str, Any]:
         import ray
@@ -108,7 +108,7 @@ class NodeAgent:
         return self.sup.statistics()
 
     # ---- children placed here by other nodes (placement="spread") -----------------------
-    def set_peers(self, peers: list[_Peer]) -> None:
+    def set_peers(self, peers: list[Peer]) -> None:
         self.peers = peers
 
     def host_guest(self, rec: RunRecord, data: dict[str, Any], root_token: str) -> None:

@@ -12,7 +12,7 @@ import cloudpickle
 
 from brood.api import RunResult, _check_timeout
 from brood.cluster.agent import NodeAgent
-from brood.cluster.handles import ClusterFlowHandle, ClusterHandle, _Ended
+from brood.cluster.handles import ClusterFlowHandle, ClusterHandle, Ended
 from brood.cluster.nodes import (
     AGENT_CONCURRENCY,
     AGENT_START_S,
@@ -21,15 +21,15 @@ from brood.cluster.nodes import (
     JOIN_EVERY,
     MONITOR_S,
     PING_S,
-    _Agent,
-    _AgentLost,
-    _cause,
-    _connect,
-    _import_ray,
-    _pickled_model,
-    _shared_store,
+    AgentLost,
+    AgentRef,
+    connect_ray,
+    import_ray,
+    pickled_model,
+    ray_cause,
+    shared_store,
 )
-from brood.cluster.placement import _Peer, load_of
+from brood.cluster.placement import Peer, load_of
 from brood.errors import (
     BackendError,
     ChildCleanupError,
@@ -83,20 +83,20 @@ class Cluster:
             raise InvalidArgument(
                 f"ray_address must be 'HOST:PORT' or None, got {type(ray_address).__name__}"
             )
-        model_blob = _pickled_model(model)
-        store = _shared_store(store)
-        ray = _import_ray()
+        model_blob = pickled_model(model)
+        store = shared_store(store)
+        ray = import_ray()
         self._ray = ray
         self._store_url = store
         self._closed = False
         self._lock = threading.RLock()
-        self._agents: list[_Agent] = []
-        self._trees: dict[str, _Agent] = {}  # root id -> the agent running it now
+        self._agents: list[AgentRef] = []
+        self._trees: dict[str, AgentRef] = {}  # root id -> the agent running it now
         self._lost: dict[str, str] = {}  # root id -> why it could not be resumed
         self._pending: list[Any] = []  # actors started, not yet answering
         self._refused: set[str] = set()  # joined nodes whose agent could not start
         self._model_blob, self._limits = model_blob, limits
-        self._started_ray = _connect(ray, ray_address)
+        self._started_ray = connect_ray(ray, ray_address)
         try:
             nodes = [n for n in ray.nodes() if n.get("Alive")]
             scheme = store.partition("://")[0]
@@ -141,14 +141,14 @@ class Cluster:
             ) from exc
         except self._ray.exceptions.RayError as exc:
             raise BackendError(
-                f"a node agent could not start: {_cause(exc)}\n(the model is unpickled on "
+                f"a node agent could not start: {ray_cause(exc)}\n(the model is unpickled on "
                 "every node: what it refers to must be importable there)"
             ) from exc
         with self._lock:
             closed = self._closed  # closed meanwhile (a joined node's): these are not needed
             if not closed:
                 self._agents = self._agents + [
-                    _Agent(a, i) for a, i in zip(actors, infos, strict=True)
+                    AgentRef(a, i) for a, i in zip(actors, infos, strict=True)
                 ]
             self._pending = []
         if closed:
@@ -157,7 +157,7 @@ class Cluster:
                     self._ray.kill(actor)
             return
         live = self._live()
-        peers = [_Peer(a.token, a.node_id, a.host, a.actor) for a in live]
+        peers = [Peer(a.token, a.node_id, a.host, a.actor) for a in live]
         refs = [a.actor.set_peers.remote(peers) for a in live]
         for ref in refs:
             with contextlib.suppress(self._ray.exceptions.RayActorError):  # the monitor's
@@ -188,27 +188,29 @@ class Cluster:
                 self._ray.kill(actor)
 
     # ---- calls to agents -------------------------------------------------------------
-    def _call(self, agent: _Agent, method: str, *args: Any, timeout: float | None = CALL_S) -> Any:
-        """Call an agent's method: brood's error for a refusal, _AgentLost for a dead agent,
+    def _call(
+        self, agent: AgentRef, method: str, *args: Any, timeout: float | None = CALL_S
+    ) -> Any:
+        """Call an agent's method: brood's error for a refusal, AgentLost for a dead agent,
         TimeoutError when it does not answer within `timeout`."""
         ray = self._ray
         try:
             return ray.get(getattr(agent.actor, method).remote(*args), timeout=timeout)
         except ray.exceptions.RayActorError as exc:
-            raise _AgentLost(agent) from exc
+            raise AgentLost(agent) from exc
         except ray.exceptions.GetTimeoutError as exc:
             raise TimeoutError(f"{agent} did not answer {method} within {timeout} s") from exc
         except ray.exceptions.RayTaskError as exc:
-            cause = _cause(exc)
+            cause = ray_cause(exc)
             if isinstance(cause, Exception):
                 raise cause from None
             raise BackendError(f"{agent}: {method} failed: {exc}") from exc
 
-    def _live(self) -> list[_Agent]:
+    def _live(self) -> list[AgentRef]:
         with self._lock:
             return [a for a in self._agents if not a.dead]
 
-    def _place(self) -> _Agent:
+    def _place(self) -> AgentRef:
         """The agent with the fewest live runs (by the agents' own statistics); ties go to
         the one this cluster placed fewest trees on."""
         while True:
@@ -227,7 +229,7 @@ class Cluster:
             else:
                 return min(loads, key=lambda t: t[:2])[2]
 
-    def _agent_of(self, root_id: str) -> _Agent | None:
+    def _agent_of(self, root_id: str) -> AgentRef | None:
         """The agent running tree `root_id` now; None when the tree ended with a lost agent
         (its outcome is in the journal). Raises when it was lost and could not be resumed."""
         with self._lock:
@@ -255,7 +257,7 @@ class Cluster:
                 except Exception:
                     continue  # slow or shutting down: Ray's failure detector decides
 
-    def _recover(self, agent: _Agent) -> None:
+    def _recover(self, agent: AgentRef) -> None:
         """`agent` died: revoke its lease and resume its unfinished trees elsewhere. Once
         per agent; a caller that comes second waits here until the first is done."""
         with self._lock:
@@ -303,7 +305,7 @@ class Cluster:
                 return
             try:
                 self._call(target, "resume", root_id)
-            except _AgentLost:
+            except AgentLost:
                 self._recover(target)  # nested: this tree is not in its list yet
                 continue
             except Exception as exc:
@@ -341,7 +343,7 @@ class Cluster:
                 self._trees[wanted] = agent
             try:
                 answer = self._call(agent, method, *args, wanted)
-            except _AgentLost:
+            except AgentLost:
                 self._recover(agent)  # resumes the tree if the agent journaled it
                 with self._lock:
                     if wanted in self._trees or wanted in self._lost:
@@ -374,7 +376,7 @@ class Cluster:
         agent = self._place()
         try:
             self._call(agent, "resume", root_id)
-        except _AgentLost:
+        except AgentLost:
             self._recover(agent)
             raise BackendError(f"{agent} died while resuming tree {root_id}; try again")
         with self._lock:
@@ -420,7 +422,7 @@ class Cluster:
                 "resume its tree with resume(run_id) first"
             )
         handle = ClusterFlowHandle(self, run_id, [])
-        with contextlib.suppress(_Ended):  # ended with a lost node: nothing is started
+        with contextlib.suppress(Ended):  # ended with a lost node: nothing is started
             handle.started = list(handle._on_agent("flow_started"))
         return handle
 
@@ -439,7 +441,7 @@ class Cluster:
         for agent in self._live():
             try:
                 stats = self._call(agent, "statistics")
-            except _AgentLost:
+            except AgentLost:
                 self._recover(agent)
                 continue
             with self._lock:

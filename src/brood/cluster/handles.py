@@ -6,7 +6,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from brood.api import RunResult, _check_timeout
-from brood.cluster.nodes import CALL_S, CLOSE_S, WAIT_SLACK_S, _Agent, _AgentLost
+from brood.cluster.nodes import CALL_S, CLOSE_S, WAIT_SLACK_S, AgentLost, AgentRef
 from brood.errors import (
     BroodError,
     ChildFailed,
@@ -28,7 +28,7 @@ _ERRORS: dict[str, type[BroodError]] = {
 }
 
 
-class _Ended(Exception):
+class Ended(Exception):
     """The tree ended on an agent that was lost since: the journal holds how it ended."""
 
 
@@ -44,7 +44,7 @@ class _Followed:
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.id}>"
 
-    def _agent(self) -> _Agent | None:
+    def _agent(self) -> AgentRef | None:
         if self._cluster._closed:
             raise StaleHandle(f"{self.what} {self.id} belongs to a cluster that was closed")
         return self._cluster._agent_of(self.id)
@@ -57,14 +57,14 @@ class _Followed:
 
     def _on_agent(self, method: str, *args: Any, timeout: float | None = CALL_S) -> Any:
         """`method` of the agent running the tree now, following the tree to the agent that
-        resumed it when a node is lost; _Ended once it ended with a lost node."""
+        resumed it when a node is lost; Ended once it ended with a lost node."""
         while True:
             agent = self._agent()
             if agent is None:
-                raise _Ended
+                raise Ended
             try:
                 return self._cluster._call(agent, method, self.id, *args, timeout=timeout)
-            except _AgentLost:
+            except AgentLost:
                 self._cluster._recover(agent)
 
     def _bounded(self, method: str, timeout: float | None) -> tuple[Any, ...] | None:
@@ -86,7 +86,7 @@ class _Followed:
                     left or (None if deadline is None else 1e-3),
                     timeout=None if left is None else left + WAIT_SLACK_S,
                 )
-            except _AgentLost:
+            except AgentLost:
                 self._cluster._recover(agent)  # it goes on elsewhere: wait there
                 continue
             if answer[0] == "timeout":
@@ -114,7 +114,7 @@ class ClusterHandle(_Followed):
         """The tree's root's state; does not wait on the run."""
         try:
             return str(self._on_agent("status"))
-        except _Ended:
+        except Ended:
             return self._journaled().state
 
     @property
@@ -125,7 +125,7 @@ class ClusterHandle(_Followed):
         """Cancel the tree; returns once every exit is confirmed on its node."""
         try:
             return str(self._on_agent("cancel", timeout=CLOSE_S))
-        except _Ended:
+        except Ended:
             return self._journaled().state
 
     def send(self, message: str) -> None:
@@ -134,7 +134,7 @@ class ClusterHandle(_Followed):
             raise InvalidArgument("send(message): message must be str")
         try:
             self._on_agent("send", message)
-        except _Ended:
+        except Ended:
             raise BroodError(
                 f"run {self.id} has ended; a follow-up cannot reach a run that has ended"
             ) from None
@@ -191,7 +191,7 @@ class ClusterFlowHandle(_Followed):
         flow that ended on a node lost since: as the journal's ledger has them)."""
         try:
             return dict(self._on_agent("flow_status"))
-        except _Ended:
+        except Ended:
             return self._journaled()
 
     def wait(self, timeout: float | None = None) -> str:
@@ -211,7 +211,7 @@ class ClusterFlowHandle(_Followed):
             return
         try:
             self._cluster._call(agent, "flow_wait_change", self.id, timeout=None)
-        except _AgentLost:
+        except AgentLost:
             self._cluster._recover(agent)
 
     def outputs(self) -> dict[str, dict[str, Any]]:
@@ -221,7 +221,7 @@ class ClusterFlowHandle(_Followed):
 
         try:
             return dict(self._on_agent("flow_outputs"))
-        except _Ended:
+        except Ended:
             pass
         store = open_store(self._cluster._store_url, readonly=True)
         try:
@@ -238,7 +238,7 @@ class ClusterFlowHandle(_Followed):
         cancelled, "instances": those instances}; a flow that has ended cancels nothing."""
         try:
             return dict(self._on_agent("flow_stop", timeout=CLOSE_S))
-        except _Ended:
+        except Ended:
             return {"state": self._journaled()["status"], "cancelled": [], "instances": []}
 
     def resume(self) -> None:
@@ -246,6 +246,6 @@ class ClusterFlowHandle(_Followed):
         paused raises BroodError."""
         try:
             self._on_agent("flow_resume")
-        except _Ended:
+        except Ended:
             status = self._journaled()["status"]
             raise BroodError(f"flow {self.id} is {status}; only a paused flow resumes") from None

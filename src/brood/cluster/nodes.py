@@ -26,7 +26,7 @@ AGENT_CONCURRENCY = 1000  # blocked waits each hold one of an agent's threads
 INSTALL_HINT = "pip install 'rlm-brood[ray]'"
 
 
-def _import_ray() -> Any:
+def import_ray() -> Any:
     try:
         import ray
     except ImportError as exc:
@@ -36,7 +36,7 @@ def _import_ray() -> Any:
     return ray
 
 
-def _pickled_model(model: Any) -> bytes:
+def pickled_model(model: Any) -> bytes:
     """The model as every node agent gets its own copy of it."""
     try:
         return bytes(cloudpickle.dumps(model))
@@ -47,12 +47,12 @@ def _pickled_model(model: Any) -> bytes:
         ) from exc
 
 
-def _connect(ray: Any, ray_address: str | None) -> bool:
+def connect_ray(ray: Any, ray_address: str | None) -> bool:
     """Connect this process to Ray: to the cluster it is connected to already (refused
     when `ray_address` names another), else with `ray.init`. True when Ray was started
     here: the cluster's close shuts it down then."""
     if ray_address is not None:
-        _check_address(ray_address)
+        check_address(ray_address)
     if ray.is_initialized():
         current = ray.get_runtime_context().gcs_address
         if ray_address not in (None, "auto", current):
@@ -66,7 +66,7 @@ def _connect(ray: Any, ray_address: str | None) -> bool:
     return True
 
 
-def _check_address(address: str) -> None:
+def check_address(address: str) -> None:
     """Refuse a Ray address that does not answer, within seconds.
 
     A bare `ray.init` to a wrong port keeps retrying for minutes; a TCP connect to the GCS
@@ -93,7 +93,7 @@ def _check_address(address: str) -> None:
         ) from exc
 
 
-def _shared_store(url: str) -> str:
+def shared_store(url: str) -> str:
     """The journal URL as every agent must see it. A shared one is opened here first: a
     store this process cannot open fails now with the store's own message, not once per
     node, and a fresh journal's schema is made once, before the agents open it."""
@@ -112,12 +112,12 @@ def _shared_store(url: str) -> str:
     return url
 
 
-def _cause(exc: BaseException) -> BaseException:
+def ray_cause(exc: BaseException) -> BaseException:
     """The exception an actor raised, out of Ray's wrapper."""
     return getattr(exc, "cause", None) or exc
 
 
-class _Agent:
+class AgentRef:
     """The cluster's view of one node agent."""
 
     def __init__(self, actor: Any, info: dict[str, Any]) -> None:
@@ -133,7 +133,9 @@ class _Agent:
         return f"<agent pid {self.pid} on node {self.node_id[:12]}>"
 
 
-class _AgentLost(Exception):
-    def __init__(self, agent: _Agent) -> None:
+class AgentLost(Exception):
+    """An agent died (Ray reports its actor dead) while called: its trees go on elsewhere."""
+
+    def __init__(self, agent: AgentRef) -> None:
         super().__init__(f"{agent} died")
         self.agent = agent

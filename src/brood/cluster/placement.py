@@ -1,5 +1,5 @@
 """Placement: how loaded an agent is, and placement="spread", where an agent hands a child
-to another node's agent (`_Spreader`, the agents' side of `Core.spreader`).
+to another node's agent (`Spreader`, the agents' side of `Core.spreader`).
 
 The cluster places a tree whole on the agent with the fewest live runs (`Cluster._place`,
 beside the recovery it may set off); a spread child goes to the least loaded other agent.
@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from brood.cluster.nodes import _cause
+from brood.cluster.nodes import ray_cause
 from brood.errors import BackendError, BroodError
 from brood.lifecycle import TERMINAL_VALUES, RunState
 from brood.supervisor.core import NodeLost
@@ -30,7 +30,7 @@ def load_of(stats: dict[str, Any]) -> int:
 
 
 @dataclass(frozen=True)
-class _Peer:
+class Peer:
     """Another node agent, as an agent knows it."""
 
     token: str
@@ -39,7 +39,7 @@ class _Peer:
     actor: Any
 
 
-class _Spreader:
+class Spreader:
     """The node agent's side of placement="spread": it hands a child to another node's
     agent, follows it there, and asks the agent running a tree's root to admit children
     started below a child placed here. Runs on the supervisor's loop (Core.spreader)."""
@@ -56,17 +56,17 @@ class _Spreader:
         except ray.exceptions.RayActorError as exc:
             raise NodeLost(f"the node agent holding it died: {exc}") from None
         except ray.exceptions.RayTaskError as exc:
-            cause = _cause(exc)
+            cause = ray_cause(exc)
             raise cause if isinstance(cause, Exception) else BackendError(str(exc)) from None
 
-    async def _load(self, peer: _Peer) -> float:
+    async def _load(self, peer: Peer) -> float:
         try:
             stats = await self._get(peer.actor.statistics.remote())
         except Exception:
             return math.inf  # dead or refusing: the last choice
         return load_of(stats)
 
-    async def start(self, run: Run) -> _Peer | None:
+    async def start(self, run: Run) -> Peer | None:
         others = [p for p in self.agent.peers if p.token != self.agent.token]
         if not others:
             return None  # one node: the child starts here
@@ -104,7 +104,7 @@ class _Spreader:
         store = self.agent.sup._store
         await asyncio.wrap_future(store.revoke_lease(run.remote.token))
 
-    def holder(self, token: str) -> _Peer | None:
+    def holder(self, token: str) -> Peer | None:
         return next((p for p in self.agent.peers if p.token == token != self.agent.token), None)
 
     async def _at_root(self, top: Run, method: str, *args: Any) -> Any:
