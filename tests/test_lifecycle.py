@@ -196,3 +196,17 @@ def test_random_move_sequences_follow_the_table(moves: list[tuple[RunState, str 
             assert snapshot(rec) == before
         if rec.state.terminal:
             assert rec.reason and rec.ended_at is not None
+
+
+def test_the_dashboard_script_knows_the_same_terminal_states() -> None:
+    """dash.js cannot import brood.lifecycle: its copy of the set is held to the one here."""
+    import re
+    from pathlib import Path
+
+    import brood
+    from brood.lifecycle import TERMINAL_VALUES
+
+    script = (Path(brood.__file__).parent / "serve" / "static" / "dash.js").read_text()
+    found = re.search(r"const TERMINAL = new Set\(\[([^\]]*)\]\)", script)
+    assert found is not None
+    assert set(re.findall(r'"(\w+)"', found.group(1))) == TERMINAL_VALUES

@@ -219,3 +219,13 @@ def test_errors_survive_pickling(exc: BaseException) -> None:
     assert type(back) is type(exc)
     assert str(back) == str(exc)
     assert vars(back) == vars(exc)
+
+
+def test_errors_moved_into_the_tree_are_still_importable_where_they_were() -> None:
+    from brood.flow.render import OutputError
+    from brood.lifecycle import IllegalTransition
+    from brood.protocol import ProtocolError
+
+    assert OutputError is errors.OutputError
+    assert IllegalTransition is errors.IllegalTransition
+    assert ProtocolError is errors.ProtocolError

@@ -30,7 +30,7 @@ from brood.errors import (
     StoreError,
     SupervisorClosed,
 )
-from brood.lifecycle import RunState
+from brood.lifecycle import TERMINAL_VALUES, RunState
 from brood.limits import Limits, is_duration
 from brood.models.base import MODEL_SPEC, Model, resolve_model, spec_record
 from brood.protocol import FlowReq, Notice
@@ -566,7 +566,7 @@ class RunHandle:
 
     @property
     def done(self) -> bool:
-        return self.status() in {s.value for s in RunState if s.terminal}
+        return self.status() in TERMINAL_VALUES
 
     def wait(self, timeout: float | None = None) -> str:
         """Block until the run ends and return its answer; raises ChildFailed if it did not

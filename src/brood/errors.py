@@ -10,21 +10,28 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "AskCancelled",
     "BackendError",
     "BroodError",
     "ChildCleanupError",
     "ChildFailed",
     "ChildNotReady",
     "ConfinementError",
+    "IllegalTransition",
     "InvalidArgument",
     "InvalidSpec",
     "LimitExceeded",
     "ModelError",
+    "OutputError",
+    "ProtocolError",
+    "RateLimited",
     "RayMissing",
     "ReplayDiverged",
     "StaleHandle",
+    "StallTimeout",
     "StoreError",
     "SupervisorClosed",
+    "UnknownRun",
 ]
 
 
@@ -133,6 +140,20 @@ class ChildCleanupError(BroodError):
 
 class InvalidSpec(BroodError, ValueError):
     """A flow spec or model spec is invalid; the message lists every problem with its path."""
+
+
+class OutputError(BroodError, ValueError):
+    """A state's answer does not hold one of its declared outputs in the declared form
+    (a json output that does not parse as JSON); the message names the output and says how
+    the answer should carry it."""
+
+
+class IllegalTransition(BroodError):
+    """A move that the transition table does not allow."""
+
+
+class ProtocolError(BroodError):
+    """A frame could not be decoded; the peer is broken or not a brood process."""
 
 
 class ReplayDiverged(BroodError):

@@ -16,7 +16,7 @@ from brood.backends.local import own_memory
 from brood.backends.owners import proc_stat
 from brood.errors import BroodError, InvalidArgument
 from brood.lease import lease_holder_gone
-from brood.lifecycle import TERMINAL
+from brood.lifecycle import TERMINAL_VALUES
 from brood.models.base import MODEL_SPEC
 from brood.protocol import CtlAnswer, CtlCancel, CtlFlow, CtlSend
 from brood.store.base import Store, open_store
@@ -25,7 +25,6 @@ from brood.supervisor.control import control_request
 __all__ = ["USAGE_KEYS", "Journal"]
 
 USAGE_KEYS = ("model_calls", "input_tokens", "output_tokens", "cost")
-TERMINAL_VALUES = frozenset(s.value for s in TERMINAL)
 LIVE_STATES = frozenset({"running", "cancelling"})  # a run that has a worker
 CONTROL_TIMEOUT_S = 120.0  # a cancel waits for confirmed exit, which includes grace periods
 

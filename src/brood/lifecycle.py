@@ -11,9 +11,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from brood.errors import BroodError
+from brood.errors import IllegalTransition
 
-__all__ = ["TERMINAL", "TRANSITIONS", "IllegalTransition", "RunRecord", "RunState", "move"]
+__all__ = [
+    "TERMINAL",
+    "TERMINAL_VALUES",
+    "TRANSITIONS",
+    "IllegalTransition",
+    "RunRecord",
+    "RunState",
+    "move",
+]
 
 
 class RunState(enum.StrEnum):
@@ -31,6 +39,9 @@ class RunState(enum.StrEnum):
 
 
 TERMINAL = frozenset({RunState.COMPLETED, RunState.FAILED, RunState.CANCELLED, RunState.TIMED_OUT})
+# The same states as the journal, the wire and the dashboard spell them. The one definition:
+# the worker side, the journal's readers and the cluster import it from here.
+TERMINAL_VALUES: frozenset[str] = frozenset(s.value for s in TERMINAL)
 
 TRANSITIONS: dict[RunState, frozenset[RunState]] = {
     RunState.QUEUED: frozenset(
@@ -54,10 +65,6 @@ TRANSITIONS: dict[RunState, frozenset[RunState]] = {
     RunState.CANCELLED: frozenset(),
     RunState.TIMED_OUT: frozenset(),
 }
-
-
-class IllegalTransition(BroodError):
-    """A move that the transition table does not allow."""
 
 
 @dataclass

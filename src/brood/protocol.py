@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import msgspec
 
 from brood import errors
+from brood.errors import ProtocolError
 from brood.limits import may_start_children
 
 if TYPE_CHECKING:
@@ -462,10 +463,6 @@ AnyMsg = (
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMsg)
 _worker_decoder = msgspec.msgpack.Decoder(WorkerMsg)
-
-
-class ProtocolError(errors.BroodError):
-    """A frame could not be decoded; the peer is broken or not a brood process."""
 
 
 def encode(msg: Msg) -> bytes:

@@ -31,7 +31,8 @@ from brood.cli.interrupt import EXIT_CODE as INTERRUPTED
 from brood.cli.interrupt import Interrupt, interruptible
 from brood.cli.terminal import Terminal, clean, echo, literal, plain, print_json
 from brood.cli.words import for_cli
-from brood.journal import TERMINAL_VALUES, Journal, default_store_url
+from brood.journal import Journal, default_store_url
+from brood.lifecycle import TERMINAL_VALUES
 from brood.models.demo import ROOT_TASK
 from brood.protocol import MAX_CONTEXT_BYTES
 

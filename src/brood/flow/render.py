@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Final
 
-from brood.errors import BroodError, InvalidArgument, InvalidSpec
+from brood.errors import InvalidArgument, InvalidSpec, OutputError
 from brood.flow.template import Placeholder, parse_template
 
 __all__ = ["Block", "OutputError", "fenced_blocks", "read_output", "render_input", "render_prompt"]
@@ -31,12 +31,6 @@ INPUTS_HEADING: Final = "## Inputs"
 
 _OPEN = re.compile(r"^[ \t]{0,3}(`{3,}|~{3,})[ \t]*([^`]*?)[ \t]*$")
 _WHOLE_FENCE = re.compile(r"\A\s*(`{3,}|~{3,})[ \t]*(?:json)?[ \t]*\n(.*?)\n[ \t]*\1\s*\Z", re.S)
-
-
-class OutputError(BroodError, ValueError):
-    """A state's answer does not hold one of its declared outputs in the declared form
-    (a json output that does not parse as JSON); the message names the output and says how
-    the answer should carry it."""
 
 
 def render_input(name: str, value: Any) -> str:

@@ -31,7 +31,7 @@ from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from brood.journal import TERMINAL_VALUES
+from brood.lifecycle import TERMINAL_VALUES
 from brood.serve.bodies import int_param
 from brood.serve.caps import following
 from brood.serve.errors import ApiError

@@ -17,7 +17,8 @@ from functools import partial
 from typing import Any
 
 import brood
-from brood.journal import TERMINAL_VALUES, Journal
+from brood.journal import Journal
+from brood.lifecycle import TERMINAL_VALUES
 from brood.models import resolve_model
 from brood.serve.caps import Queued
 from brood.serve.errors import ApiError

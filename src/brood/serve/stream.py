@@ -14,7 +14,7 @@ from sse_starlette.sse import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
-from brood.journal import TERMINAL_VALUES
+from brood.lifecycle import TERMINAL_VALUES
 from brood.serve.errors import ApiError
 from brood.serve.host import Host
 

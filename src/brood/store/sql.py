@@ -30,11 +30,13 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from brood.errors import StoreError, UnknownRun
-from brood.lifecycle import RunRecord
+from brood.lifecycle import TERMINAL_VALUES, RunRecord
 
 log = logging.getLogger("brood")
 
 SCHEMA_VERSION = 4
+# The states a claim leaves alone, as an SQL list: fixed words of brood's, never user text.
+_TERMINAL_SQL = ", ".join(f"'{state}'" for state in sorted(TERMINAL_VALUES))
 BATCH_MAX = 500  # writes committed in one transaction at most
 # How long a batch of lazy writes waits for a write someone waits on before it commits
 # alone. A child's model call and step output then share the commit of its next step's
@@ -447,8 +449,7 @@ class SQLStore:
     def claim_tree(self, root_id: str, supervisor: str) -> Future[Any]:
         """Make `supervisor` the owner of the tree's runs that have not ended (resume)."""
         return self._submit(
-            "UPDATE runs SET supervisor=? WHERE root_id=? AND state NOT IN"
-            " ('completed', 'failed', 'cancelled', 'timed_out')",
+            f"UPDATE runs SET supervisor=? WHERE root_id=? AND state NOT IN ({_TERMINAL_SQL})",
             (supervisor, root_id),
         )
 

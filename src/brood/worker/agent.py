@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
+from brood.lifecycle import TERMINAL_VALUES
 from brood.protocol import (
     Failed,
     Final,
@@ -17,7 +18,6 @@ from brood.protocol import (
     clip,
     step_capture,
 )
-from brood.worker.link import TERMINAL_STATES
 from brood.worker.repl import Repl, StepOutput, truncate
 from brood.worker.runtime import Runtime
 
@@ -150,7 +150,7 @@ class Agent:
             settled = [
                 u
                 for cid, u in link.children.items()
-                if u.state in TERMINAL_STATES and cid not in self.rt.seen
+                if u.state in TERMINAL_VALUES and cid not in self.rt.seen
             ]
         lines = list(inbox)
         for u in settled:

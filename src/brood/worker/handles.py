@@ -12,8 +12,9 @@ from concurrent.futures import Future
 from typing import Any
 
 from brood.errors import AskCancelled, ChildFailed, ChildNotReady, InvalidArgument
+from brood.lifecycle import TERMINAL_VALUES
 from brood.protocol import AskCancelReq, AskUpdate, CancelReq, SendReq
-from brood.worker.link import TERMINAL_STATES, Link
+from brood.worker.link import Link
 from brood.worker.runtime import Runtime, as_spawned
 
 
@@ -30,7 +31,7 @@ class ChildHandle:
 
     @property
     def done(self) -> bool:
-        return self.status() in TERMINAL_STATES
+        return self.status() in TERMINAL_VALUES
 
     def status(self) -> str:
         self._rt.check_open()
@@ -43,7 +44,7 @@ class ChildHandle:
     def result(self) -> str:
         self._rt.check_open()
         u = self._rt.state_of(self.id)
-        if u.state not in TERMINAL_STATES:
+        if u.state not in TERMINAL_VALUES:
             raise ChildNotReady(
                 f"child {self.id} is {u.state}; use rlm_wait(h) to block, or check "
                 "rlm_status(h) in a later step"
@@ -67,7 +68,7 @@ class ChildHandle:
     def wait_done(self, timeout: float | None) -> bool:
         self._rt.check_open()
         return self._rt.wait_for(
-            lambda: self._rt.link.children[self.id].state in TERMINAL_STATES,
+            lambda: self._rt.link.children[self.id].state in TERMINAL_VALUES,
             timeout,
             f"child {self.id}",
         )
@@ -345,7 +346,7 @@ def wait_handles(
             return h._future.done()
         if isinstance(h, AskHandle):
             return rt.link.asks[h.id].state != "open"
-        return rt.link.children[h.id].state in TERMINAL_STATES
+        return rt.link.children[h.id].state in TERMINAL_VALUES
 
     below = [h.id for h in handles if not isinstance(h, AskHandle)]
     what = (", ".join(below[:3]) + (", ..." if len(below) > 3 else "")) if below else None

@@ -34,8 +34,6 @@ from brood.protocol import (
     rebuild_error,
 )
 
-TERMINAL_STATES = frozenset({"completed", "failed", "cancelled", "timed_out"})
-
 
 def stalled(what: str, stall: float) -> StallTimeout:
     return StallTimeout(
