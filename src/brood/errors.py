@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "AskCancelled",
     "BackendError",
     "BroodError",
     "ChildCleanupError",
@@ -20,11 +21,15 @@ __all__ = [
     "InvalidSpec",
     "LimitExceeded",
     "ModelError",
+    "NodeLost",
+    "RateLimited",
     "RayMissing",
     "ReplayDiverged",
     "StaleHandle",
+    "StallTimeout",
     "StoreError",
     "SupervisorClosed",
+    "UnknownRun",
 ]
 
 
@@ -177,6 +182,11 @@ class UnknownRun(StoreError, LookupError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (type(self), str(self), vars(self)))
+
+
+class NodeLost(BroodError):
+    """A cluster's node running a child placed there (placement="spread") was lost (its
+    agent died). The child's subtree is resumed from the journal on the parent's node."""
 
 
 class BackendError(BroodError):
