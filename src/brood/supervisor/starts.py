@@ -74,8 +74,13 @@ class Starts:
         rec = k.root_record(prompt, model_name or k.model_name, run_id)
         rec.pool = pool
         # A root's model_name only labels the journal row; the model object is the choice.
-        run = Run(rec=rec, model=model or k.model, context_blob=context_blob, timeout=timeout)
-        run.driven = driven
+        run = Run(
+            rec=rec,
+            model=model or k.model,
+            context_blob=context_blob,
+            timeout=timeout,
+            driven=driven,
+        )
         await k.journal_or_forget([run])
         if k.unenforced:  # said in the journal of every tree this supervisor runs
             k.event(run, "confinement", {"unenforced": k.unenforced})
