@@ -15,7 +15,7 @@ import pytest
 
 import brood
 from brood.journal import Journal
-from brood.supervisor import core
+from brood.supervisor import ending
 from tests.util import FAST, Gate, Signal, fast, pid_alive
 
 FENCE = "```"
@@ -184,8 +184,8 @@ def test_at_max_depth_rlm_query_is_a_plain_call_and_the_model_is_told():
 def test_a_stuck_worker_is_quarantined_loudly_and_other_trees_are_still_served(
     tmp_path, monkeypatch
 ):
-    monkeypatch.setattr(core, "KILL_CONFIRM_S", 0.3)
-    monkeypatch.setattr(core, "QUARANTINE_RETRY_S", 0.1)
+    monkeypatch.setattr(ending, "KILL_CONFIRM_S", 0.3)
+    monkeypatch.setattr(ending, "QUARANTINE_RETRY_S", 0.1)
     url = f"sqlite:///{tmp_path}/j.db"
     started = Signal(tmp_path, "started")
     never = Gate(tmp_path, "never")
@@ -233,7 +233,7 @@ def cli(*args: str) -> Any:
 
 
 def test_child_cleanup_error_keeps_the_answer(tmp_path, monkeypatch):
-    monkeypatch.setattr(core, "KILL_CONFIRM_S", 0.3)
+    monkeypatch.setattr(ending, "KILL_CONFIRM_S", 0.3)
     model = brood.ScriptedModel({"root": [repl("FINAL('the answer')")]})
     sup = brood.Supervisor(model, limits=FAST)
     zygote = sup._backend._zygote

@@ -109,9 +109,9 @@ def test_every_misuse_is_refused_with_its_fix_and_the_run_goes_on():
 def test_an_oversized_context_is_refused_before_anything_is_journaled(tmp_path, monkeypatch):
     """A context over the bound of one run's context is refused naming both sizes, and the
     journal holds no run for it (from Python and from `brood run --context`)."""
-    from brood.supervisor import core
+    from brood.supervisor import starts
 
-    monkeypatch.setattr(core, "MAX_CONTEXT_BYTES", 1_000)
+    monkeypatch.setattr(starts, "MAX_CONTEXT_BYTES", 1_000)
     store = f"sqlite:///{tmp_path}/j.db"
     with brood.Supervisor(brood.ScriptedModel([]), store=store) as sup:
         with pytest.raises(brood.InvalidArgument, match=r"context is [\d,]+ bytes pickled, over"):

@@ -22,6 +22,7 @@ __all__ = [
     "InvalidSpec",
     "LimitExceeded",
     "ModelError",
+    "NodeLost",
     "OutputError",
     "ProtocolError",
     "RateLimited",
@@ -198,6 +199,11 @@ class UnknownRun(StoreError, LookupError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (type(self), str(self), vars(self)))
+
+
+class NodeLost(BroodError):
+    """A cluster's node running a child placed there (placement="spread") was lost (its
+    agent died). The child's subtree is resumed from the journal on the parent's node."""
 
 
 class BackendError(BroodError):

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from brood.cluster.nodes import ray_cause
-from brood.errors import BackendError, BroodError
+from brood.errors import BackendError, BroodError, NodeLost
 from brood.lifecycle import TERMINAL_VALUES, RunState
-from brood.supervisor.core import NodeLost
 
 if TYPE_CHECKING:
     from brood.cluster.agent import NodeAgent

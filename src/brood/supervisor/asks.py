@@ -15,13 +15,12 @@ import asyncio
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from brood.errors import BroodError, InvalidArgument, ReplayDiverged
 from brood.protocol import AskCancelReq, AskReq, AskUpdate
-
-if TYPE_CHECKING:
-    from brood.supervisor.core import Core, Run
+from brood.supervisor.kernel import Kernel
+from brood.supervisor.runs import Run
 
 OPEN, ANSWERED, CANCELLED = "open", "answered", "cancelled"
 
@@ -62,8 +61,8 @@ class Ask:
 class Asks:
     """Every ask of the supervisor's runs, by id; the runs' open asks by run."""
 
-    def __init__(self, core: Core) -> None:
-        self.core = core
+    def __init__(self, kernel: Kernel) -> None:
+        self.kernel = kernel
         self.by_id: dict[str, Ask] = {}
         self.by_key: dict[tuple[str, str], Ask] = {}  # (run id, STEP:SEQ)
         self.open_by_run: dict[str, dict[str, Ask]] = {}  # run id -> its open asks
@@ -184,7 +183,7 @@ class Asks:
             work = self.cancel(
                 ask, f"its deadline ({passed:g} s) passed with no answer and no default"
             )
-        self.core._task(_quietly(work))
+        self.kernel.task(_quietly(work))
 
     async def _settle(
         self,
@@ -205,7 +204,7 @@ class Asks:
             ask.timer = None
         await self._journal(ask, state, data)
         self._tell(ask)
-        self.core.waits_changed(ask.run)  # it may have been all the run waited on
+        self.kernel.waits_changed(ask.run)  # it may have been all the run waited on
 
     def _tell(self, ask: Ask) -> None:
         conn = ask.run.conn
@@ -215,7 +214,7 @@ class Asks:
     # ---- the journal -------------------------------------------------------------------
     async def _journal(self, ask: Ask, op: str, data: dict[str, Any]) -> None:
         """An ask event, committed before anyone hears of the move."""
-        fut = self.core.store.event(ask.run.rec, "ask", {"op": op, "ask": ask.id, **data})
+        fut = self.kernel.store.event(ask.run.rec, "ask", {"op": op, "ask": ask.id, **data})
         await asyncio.wrap_future(fut)
 
     def _keep(self, ask: Ask) -> None:

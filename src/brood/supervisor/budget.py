@@ -1,0 +1,284 @@
+"""A run's model call, around the gateway: the checks before it (a model the tree may use,
+the journal's bytes), the tree's budget it waits for, and its accounting after (the run's
+usage, the tree's spend, the journaled `model_call` event with its system prompt by
+reference). The call itself is the gateway's (gateway.py); this room decides whether it
+may be made and counts what it cost.
+
+It owns each tree's spend and the waiters for its budget (fields of the tree's top run),
+and `budget_of` (what `budget_remaining()` reports). It ends a tree over its budget only
+through the kernel's `finish`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from typing import Any
+
+from brood.errors import BroodError, InvalidArgument, ModelError
+from brood.lifecycle import RunState
+from brood.models.base import Completion
+from brood.protocol import BUDGET_MARK, ModelReq, clip
+from brood.supervisor import frames
+from brood.supervisor.gateway import ModelGateway
+from brood.supervisor.kernel import Kernel
+from brood.supervisor.runs import FLOW_MODEL, RUN, Run
+
+
+class Budget:
+    def __init__(self, kernel: Kernel) -> None:
+        self.kernel = kernel
+        self.gateway = ModelGateway()
+
+    async def model_call(self, run: Run, msg: ModelReq) -> str:
+        """Make a worker's model call in the gateway; measure it and journal it here."""
+        turn = msg.kind == "turn"
+        reply: str | None = None
+        try:
+            reply = await self._model_call_checked(run, msg)
+            return reply
+        finally:
+            run.model_requests -= 1
+            if turn:
+                run.convo.answered(reply)
+            self.kernel.waits_changed(run)
+
+    async def _model_call_checked(self, run: Run, msg: ModelReq) -> str:
+        k = self.kernel
+        if run.ending is not None or run.rec.state is not RUN:
+            raise BroodError(f"run {run.id} is {run.rec.state.value} and ending; no model call")
+        self.check_model(run, msg.model)
+        request = msg.messages[msg.new_from :]
+        if not k.charge(run, frames.weight(request)):
+            raise BroodError(f"run {run.id} is over its journal bytes; it makes no model call")
+        task = asyncio.current_task()
+        assert task is not None
+        run.calls.add(task)
+        root = k.top(run)
+        # Below a spread child the tree's budget is kept by the root's node: asked there.
+        far = root.guest and self._budgeted()
+        try:
+            if far:
+                assert k.spreader is not None
+                await k.spreader.budget_enter(root)
+            else:
+                await self._budget_admits(root)
+        except BaseException:
+            run.calls.discard(task)  # ended while it waited: no call was made
+            raise
+        root.calls_in_flight += 1
+        started = time.perf_counter()
+        done: Completion | None = None
+        error: str | None = None
+        try:
+            done = await self.gateway.complete(run.model, msg.messages, msg.model)
+            return done.text
+        except asyncio.CancelledError:
+            error = "abandoned: the run ended while the call was under way"
+            raise
+        except ModelError as exc:
+            error = f"ModelError: {exc}"
+            raise
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            raise ModelError(
+                f"model {run.model.describe()!r} raised {type(exc).__name__}: {exc}"
+            ) from exc
+        finally:
+            run.calls.discard(task)
+            root.calls_in_flight -= 1
+            self._account(
+                run,
+                kind=msg.kind,
+                model=msg.model or run.model.name,
+                latency=time.perf_counter() - started,
+                done=done,
+                error=error,
+                request=request,
+                far=far,
+            )
+            self._wake_budget(root)
+
+    def check_model(self, run: Run, name: str | None) -> None:
+        """A model name model code passed (`llm_query` / `rlm_query` with model=): its own
+        run's, or one of `allowed_models`; else InvalidArgument listing them."""
+        if name is None or name == run.model_name:
+            return
+        allowed = self.allowed_models(run)
+        if name not in allowed:
+            raise InvalidArgument(
+                f"model {clip(name, 100)!r} is not one this tree may use (Limits.models: "
+                f"{', '.join(map(repr, allowed)) or 'none'}); name one of them, or pass no "
+                "model for this run's own. The user lists more with Limits(models=[...])"
+            )
+
+    def allowed_models(self, run: Run) -> list[str]:
+        """Limits.models; by default the supervisor's model and the one its tree's root was
+        given. Model code never adds to it, nor names an address to call."""
+        k = self.kernel
+        if k.limits.models is not None:
+            return list(k.limits.models)
+        names = [k.model_name, k.top(run).rec.model]
+        return [n for n in dict.fromkeys(names) if n is not None and n != FLOW_MODEL]
+
+    # ---- the tree's budget ----------------------------------------------------------------
+    def _budgeted(self) -> bool:
+        lim = self.kernel.limits
+        return lim.token_budget is not None or lim.cost_budget is not None
+
+    def _wake_budget(self, root: Run) -> None:
+        waiting, root.budget_waiters = root.budget_waiters, []
+        for fut in waiting:  # the budget left and the calls in flight have changed
+            if not fut.done():
+                fut.set_result(None)
+
+    async def budget_enter(self, root_id: str) -> None:
+        """A model call below a spread child of tree `root_id` waits for the tree's budget
+        here, as one of this node's own calls does."""
+        root = self.kernel.tree_root(root_id)
+        await self._budget_admits(root)
+        root.calls_in_flight += 1
+
+    def budget_leave(self, root_id: str, tokens: int, cost: float, answered: bool) -> None:
+        """That call ended, having spent `tokens` and `cost`."""
+        root = self.kernel.runs.get(root_id)
+        if root is None:
+            return
+        root.calls_in_flight -= 1
+        self._spend(root, tokens, cost, answered)
+        self._wake_budget(root)
+
+    async def _budget_admits(self, root: Run) -> None:
+        """Wait until the tree's budget left covers this call on top of those in flight,
+        each estimated by the largest call seen so far, so a budget is overshot by one call
+        at most, not by as many as run at once. Until a call has been seen, one at a time."""
+        while not self._budget_covers(root):
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            root.budget_waiters.append(fut)
+            await fut
+
+    def _budget_covers(self, root: Run) -> bool:
+        if not self._budgeted():
+            return True
+        if self._over_budget(root, 0) or root.ending is not None:
+            return False  # spent: the tree is being cancelled, this call waits for that
+        if root.calls_in_flight == 0:
+            return True  # the one call a budget may be overshot by
+        if root.calls_seen == 0:
+            return False  # nothing to estimate by yet
+        return not self._over_budget(root, root.calls_in_flight + 1)
+
+    def _over_budget(self, root: Run, calls: int) -> str | None:
+        """Which budget the tree's usage breaks with `calls` more of its largest call."""
+        lim, t = self.kernel.limits, root.tree_usage
+        if (
+            lim.token_budget is not None
+            and t.get("tokens", 0) + calls * root.largest_tokens > lim.token_budget
+        ):
+            return "tokens"
+        if (
+            lim.cost_budget is not None
+            and t.get("cost", 0.0) + calls * root.largest_cost > lim.cost_budget
+        ):
+            return "cost"
+        return None
+
+    # ---- accounting ------------------------------------------------------------------------
+    def _account(
+        self,
+        run: Run,
+        *,
+        kind: str,
+        model: str | None,
+        latency: float,
+        done: Completion | None,
+        error: str | None,
+        request: list[dict[str, Any]],
+        far: bool = False,
+    ) -> None:
+        k = self.kernel
+        if done is not None:  # journaled whatever the limit says: the call was made
+            k.charge(run, len(done.text))
+        # A model's own count is trusted (it is the user's code), but never negative.
+        tokens_in = max(0, int(done.input_tokens)) if done else 0
+        tokens_out = max(0, int(done.output_tokens)) if done else 0
+        cost = max(0.0, float(done.cost)) if done else 0.0
+        u = run.rec.usage
+        u["model_calls"] = u.get("model_calls", 0) + 1
+        u["input_tokens"] = u.get("input_tokens", 0) + tokens_in
+        u["output_tokens"] = u.get("output_tokens", 0) + tokens_out
+        u["cost"] = u.get("cost", 0.0) + cost
+        k.event(
+            run,
+            "model_call",
+            {
+                "kind": kind,
+                "model": model,
+                "latency": latency,
+                "input_tokens": tokens_in,
+                "output_tokens": tokens_out,
+                "error": error,
+                "request": self._by_ref(run, request),
+                "response": done.text if done else None,
+            },
+        )
+        root = k.top(run)
+        self._spend(root, tokens_in + tokens_out, cost, done is not None)
+        if far:  # the tree's own count is its root's node's
+            assert k.spreader is not None
+            k.task(k.spreader.budget_leave(root, tokens_in + tokens_out, cost, done is not None))
+        k.progress(run)
+
+    def _spend(self, root: Run, tokens: int, cost: float, answered: bool) -> None:
+        """A call of the tree under `root` spent `tokens` and `cost`: a tree over its budget
+        is cancelled whole."""
+        t = root.tree_usage
+        t["tokens"] = t.get("tokens", 0) + tokens
+        t["cost"] = t.get("cost", 0.0) + cost
+        if answered:
+            root.calls_seen += 1
+            root.largest_tokens = max(root.largest_tokens, tokens)
+            root.largest_cost = max(root.largest_cost, cost)
+        over = self._over_budget(root, 0)
+        if over and root.ending is None and not root.guest:
+            k = self.kernel
+            k.task(k.finish(root, RunState.CANCELLED, f"budget: {over}"))
+
+    def _by_ref(self, run: Run, request: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The request as journaled: a system prompt (several KB, the same for most runs of
+        a tree) is journaled once per tree, as a `prompt` event of the root, and a request
+        refers to it by hash, with its run-specific end (from BUDGET_MARK) inline as
+        `suffix` (`Journal.export` puts them together again)."""
+        if not request or request[0].get("role") != "system":
+            return request
+        text, mark, rest = str(request[0].get("content", "")).partition(BUDGET_MARK)
+        ref = hashlib.sha256(text.encode()).hexdigest()[:16]
+        root = self.kernel.top(run)
+        if ref not in root.prompts:
+            root.prompts.add(ref)
+            self.kernel.event(root, "prompt", {"ref": ref, "content": text})
+        head: dict[str, Any] = {"role": "system", "prompt_ref": ref}
+        if mark:
+            head["suffix"] = mark + rest
+        return [head, *request[1:]]
+
+    def budget_of(self, run: Run) -> dict[str, Any]:
+        """A run's place in the tree and the budgets left now (budget_remaining())."""
+        k = self.kernel
+        lim = k.limits
+        root = k.top(run)
+        tokens = root.tree_usage.get("tokens", 0)
+        cost = root.tree_usage.get("cost", 0.0)
+        return {
+            "depth": run.rec.depth,
+            "max_depth": lim.max_depth,
+            "children_left": max(0, lim.max_children - root.tree_children),
+            "children_left_for_this_run": max(0, lim.max_children_per_run - k.children_of(run)),
+            "tokens_left": None if lim.token_budget is None else max(0, lim.token_budget - tokens),
+            "cost_left": None if lim.cost_budget is None else max(0.0, lim.cost_budget - cost),
+            "tokens_used": int(tokens),
+        }
+
+
+__all__ = ["Budget"]

@@ -1,0 +1,351 @@
+"""Ending runs: `finish` (the first caller decides how a run ends, later callers wait for
+that ending), the one escalation that stops a worker, the quarantine of a worker group
+whose exit cannot be confirmed, attempts (a failed child's retry), and the reason a worker
+died.
+
+It owns `cleanup_failures` and `quarantined`. It changes a run's state only through the
+kernel's `move`, gives slots and pool places back only through admission, and reaches
+another node only through the spreader and the two calls the composition root binds
+(`spread`, `adopt_lost`: spread.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from brood.backends.base import STATUS_UNKNOWN, WorkerConn
+from brood.errors import BroodError, ChildCleanupError, NodeLost, StoreError
+from brood.lifecycle import RunState, move
+from brood.limits import Limits
+from brood.protocol import Stop
+from brood.supervisor.admission import Admission
+from brood.supervisor.asks import Asks
+from brood.supervisor.kernel import Kernel, unbound
+from brood.supervisor.runs import CANCELLING, RUN, Q, Run
+
+KILL_CONFIRM_S = 5.0  # after SIGKILL, a group still present this long is reported, not awaited
+QUARANTINE_RETRY_S = 5.0  # how often a quarantined worker group is sent SIGKILL again
+DRAIN_ON_EXIT_S = 1.0  # read what a dead worker sent last before calling its exit a crash
+CPU_SLACK_S = 0.05  # rusage of a worker killed at its CPU limit can read just under it
+log = logging.getLogger("brood")
+
+_STOP = Stop()
+_WHY_CHILDREN_END = {
+    RunState.COMPLETED: "parent finished",
+    RunState.FAILED: "parent failed",
+    RunState.TIMED_OUT: "parent timed out",
+}
+
+
+class Ending:
+    def __init__(self, kernel: Kernel, admission: Admission, asks: Asks) -> None:
+        self.kernel = kernel
+        self.admission = admission
+        self.asks = asks
+        # Cleanup failures, in order (close() raises the first), and the worker groups whose
+        # exit is still unconfirmed, by run id: quarantined, killed again until they are gone.
+        self.cleanup_failures: list[ChildCleanupError] = []
+        self.quarantined: dict[str, list[int]] = {}
+        # Bound by the composition root to spread.py: start an attempt on another node, and
+        # rebuild here the subtree of a child whose node was lost.
+        self.spread: Callable[[Run], Awaitable[None]] = unbound
+        self.adopt_lost: Callable[[Run, Exception], Awaitable[bool]] = unbound
+
+    async def finish(
+        self,
+        run: Run,
+        state: RunState,
+        reason: str,
+        *,
+        answer: str | None = None,
+        error: str | None = None,
+    ) -> RunState:
+        """End `run` (and its subtree) in `state`; returns the state it really ended in.
+
+        The first caller decides how a run ends; later callers wait for that ending. The
+        work is shielded: a caller that is cancelled does not interrupt cleanup.
+        """
+        if run.rec.state.terminal:
+            return run.rec.state
+        if run.ending is None:
+            run.ending = self.kernel.task(self._end(run, state, reason, answer, error))
+        return await asyncio.shield(run.ending)
+
+    async def _end(
+        self, run: Run, state: RunState, reason: str, answer: str | None, error: str | None
+    ) -> RunState:
+        k = self.kernel
+        if run.spreading is not None and await self._ended_on_its_node(run, state, reason):
+            return run.rec.state
+        rec = run.rec
+        run.retrying = self.retries(run, state)
+        if run.timer is not None:
+            run.timer.cancel()
+        k.stop_watch(run)
+        for call in list(run.calls):  # abandoned: nobody will read their replies
+            call.cancel()
+        if answer is not None:
+            rec.answer = answer
+        if error is not None:
+            rec.error = error
+        if state in (RunState.CANCELLED, RunState.TIMED_OUT) and rec.state is RUN:
+            await k.move(run, CANCELLING, reason)
+        why = _WHY_CHILDREN_END.get(state, "parent cancelled")
+        open_children = [c for c in run.children if not c.rec.state.terminal]
+        await asyncio.gather(*(self.finish(c, RunState.CANCELLED, why) for c in open_children))
+        confirmed = await self.stop_worker(run)
+        if confirmed and run.conn is not None:
+            k.backend.discard_scratch(run.conn)
+        with contextlib.suppress(StoreError):  # a failed journal fails every tree anyway
+            await self.asks.end_of(run, f"its run ended ({state.value}: {reason})")
+        self.admission.release(run)
+        if not confirmed and run.conn is not None:
+            self.quarantine(run, run.conn)
+        await k.move(run, state, reason)
+        # Its pool place is given up once its end is journaled, so a pool's sections never
+        # overlap in the journal's times.
+        self.admission.pool_release(run)
+        if run.retrying:  # its children were cancelled above, before its end
+            k.task(self.next_attempt(run))
+        for fut in run.pending.values():
+            if not fut.done():
+                fut.set_exception(BroodError(f"run {run.id} ended ({state.value}: {reason})"))
+        run.done.set()
+        k.observers.emit("on_end", run.info())
+        return state
+
+    async def _ended_on_its_node(self, run: Run, state: RunState, reason: str) -> bool:
+        """A child placed on another node (placement="spread") is ended there, which
+        confirms every exit there: True once its end is mirrored here. False when it
+        started here after all, or its node was lost (then it is ended here)."""
+        assert run.spreading is not None
+        await asyncio.shield(run.spreading)  # its start, one way or the other
+        if run.rec.state.terminal:
+            return True
+        if run.remote is None:
+            return False
+        assert self.kernel.spreader is not None
+        try:  # on its node, which confirms every exit there
+            self.mirror_end(run, await self.kernel.spreader.cancel(run, state, reason))
+            return True
+        except Exception as exc:  # its node is gone, its processes with it
+            # Its subtree is rebuilt here from the journal, to be ended here.
+            if not (isinstance(exc, NodeLost) and await self.adopt_lost(run, exc)):
+                run.remote, run.spreading = None, None
+        return False
+
+    def mirror_end(self, run: Run, end: dict[str, Any]) -> None:
+        """A spread child ended on its node (which journaled it): end it here too."""
+        if run.rec.state.terminal:
+            return
+        k = self.kernel
+        rec = run.rec
+        rec.answer, rec.error, rec.products = end["answer"], end["error"], end["products"]
+        rec.usage = dict(end["usage"])
+        to = RunState(end["state"])
+        if rec.state is Q and to is not RunState.CANCELLED:
+            move(rec, RUN)
+        if rec.state is RUN and to is RunState.CANCELLED:
+            move(rec, CANCELLING)
+        move(rec, to, end["reason"] or "ended on its node")
+        run.retrying = self.retries(run, to)
+        if not run.retrying:  # else its parent hears of the next attempt instead
+            k.tell_parent(run)
+        run.started.set()
+        run.done.set()
+        k.observers.emit("on_end", run.info())
+        if run.retrying:
+            k.task(self.next_attempt(run))
+
+    # ---- a worker's exit -----------------------------------------------------------------
+    async def stop_worker(self, run: Run) -> bool:
+        """The one escalation: Stop → grace → SIGTERM group → term_grace → SIGKILL group.
+
+        Returns True once no process of the worker's group is left.
+        """
+        conn = run.conn
+        if conn is None or conn.gone.is_set():
+            return True
+        lim = self.kernel.limits
+        conn.send(_STOP)
+        # The zygote reports the exit and whether the group emptied with it, in one message;
+        # processes the run left behind (grandchildren) get the signals below at once.
+        if await _wait(conn.exited, lim.shutdown_grace) and conn.gone.is_set():
+            return True
+        for sig, grace in ((signal.SIGTERM, lim.term_grace), (signal.SIGKILL, KILL_CONFIRM_S)):
+            self.kernel.backend.signal_group(conn, sig)
+            if await _wait_event(conn.gone, grace):
+                return True
+        return False
+
+    def quarantine(self, run: Run, conn: WorkerConn) -> None:
+        """`run`'s worker group outlived the whole escalation: its cleanup failed. That is
+        said loudly (the log, the journal's `quarantined` event, which `brood ps` and `brood
+        doctor` show, and close()), the group is killed again until its exit is confirmed
+        (then `released`), and the supervisor goes on serving the other trees."""
+        k = self.kernel
+        pids = k.backend.group_pids(conn)
+        err = ChildCleanupError(
+            f"exit of run {run.id}'s worker group {conn.pid} could not be confirmed; "
+            f"processes {pids} may still be alive; the group is quarantined (killed again "
+            f"every {QUARANTINE_RETRY_S:g} s until it is gone; `brood doctor` lists it) and "
+            "the supervisor goes on serving other trees",
+            pids=pids,
+            answer=run.rec.answer,
+        )
+        log.error("brood: %s", err)
+        self.cleanup_failures.append(err)
+        self.quarantined[run.id] = pids
+        k.event(run, "quarantined", {"group": conn.pid, "pids": pids, "error": str(err)})
+        k.task(self._kill_quarantined(run, conn))
+
+    async def _kill_quarantined(self, run: Run, conn: WorkerConn) -> None:
+        k = self.kernel
+        while not await _wait_event(conn.gone, QUARANTINE_RETRY_S):
+            k.backend.signal_group(conn, signal.SIGKILL)
+        del self.quarantined[run.id]
+        k.event(run, "released", {"group": conn.pid})
+        if not k.closing:
+            k.backend.discard_scratch(conn)
+
+    async def on_exit(self, run: Run, status: int) -> None:
+        """The worker died. Unless its run is already ending, that is a crash."""
+        if run.ending is not None or run.rec.state.terminal:
+            return
+        if run.conn is not None:
+            await _wait_event(run.conn.closed, DRAIN_ON_EXIT_S)  # a Final may still be queued
+            await asyncio.sleep(0)
+        if run.ending is not None or run.rec.state.terminal:
+            return
+        conn = run.conn
+        used, oom = (conn.cpu, conn.oom_kills) if conn is not None else (0.0, 0)
+        reason = exit_reason(self.kernel.limits, status, used, oom)
+        await self.finish(run, RunState.FAILED, reason)
+
+    def zygote_lost(self, pid: int, status: int) -> None:
+        """The backend lost its zygote and is starting another: said in every live tree.
+        Runs whose workers it forked go on; their exits are confirmed without it."""
+        how = f"signal {-status}" if status < 0 else f"status {status}"
+        data = {"pid": pid, "exit": how, "replaced": True}
+        for root in self.kernel.live_roots():
+            self.kernel.event(root, "zygote_lost", data)
+
+    # ---- attempts ------------------------------------------------------------------------
+    def retries(self, run: Run, state: RunState) -> bool:
+        """Whether ending `run` in `state` starts its next attempt."""
+        parent = run.parent
+        return (
+            run.retries_left > 0
+            and state in (RunState.FAILED, RunState.TIMED_OUT)
+            and parent is not None
+            and parent.ending is None
+            and parent.rec.state is RUN
+            and not self.kernel.closing
+            and self.kernel.store_error is None
+        )
+
+    async def next_attempt(self, old: Run) -> None:
+        """Start attempt k+1 of a child that ended failed or timed out: same parent, key,
+        prompt, context, model, timeout and pool; journaled under (parent, key, attempt).
+        If it cannot start, the parent hears how attempt k ended."""
+        k = self.kernel
+        parent = old.parent
+        assert parent is not None
+        rec = k.child_record(parent, old.rec.key or "", old.rec.prompt, old.rec.model)
+        rec.attempt, rec.pool = old.rec.attempt + 1, old.rec.pool
+        new = Run(
+            rec=rec,
+            model=old.model,
+            context_blob=old.context_blob,
+            model_name=old.model_name,
+            timeout=old.timeout,
+            parent=parent,
+        )
+        new.retries_left = old.retries_left - 1
+        new.handle_id = old.handle_id or old.id
+        if not self.retries(old, old.rec.state):  # its parent ended, or it was cancelled
+            old.retrying = False
+            k.tell_parent(old)
+            return
+        root = k.top(parent)
+        try:  # an attempt is one more run of the tree: it counts against max_children
+            k.limits.admit_children(tree_total=root.tree_children, run_total=0, count=1)
+            if root.guest:  # the tree's own count is kept by its root's node
+                assert k.spreader is not None
+                await k.spreader.admit(root, 1)
+        except Exception as exc:
+            old.retrying = False
+            k.event(old, "retry_refused", {"error": str(exc)})
+            k.tell_parent(old)
+            return
+        root.tree_children += 1
+        parent.children.append(new)
+        old.next_attempt = new  # from now on its parent's handle stands for this attempt
+        try:
+            await k.journal_or_forget([new], parent, 1)
+        except Exception:
+            old.next_attempt, old.retrying = None, False
+            k.tell_parent(old)
+            return
+        k.event(
+            new,
+            "attempt",
+            {"attempt": rec.attempt, "previous": old.id, "reason": old.rec.reason},
+        )
+        k.tell_parent(new)  # queued again
+        if old.spreading is not None:  # placed as it was: on another node
+            new.spreading = k.task(self.spread(new))
+            return
+        self.admission.queue(new)
+
+
+def exit_reason(limits: Limits, status: int, cpu_used: float, oom_kills: int = 0) -> str:
+    """Why a worker died, naming the limit when a limit killed it."""
+    if status == STATUS_UNKNOWN:
+        return "worker exited; its status is unknown (the zygote that forked it was lost)"
+    how = f"signal {-status}" if status < 0 else f"status {status}"
+    if status == -signal.SIGKILL and oom_kills:
+        return (
+            f"worker exited with {how}: the kernel killed it at its memory limit, "
+            f"Limits.worker_memory={limits.worker_memory}"
+        )
+    cpu = limits.worker_cpu_seconds
+    # RLIMIT_CPU sends SIGXCPU at the limit (nothing else sends it to a worker) and
+    # SIGKILL a second later if that was ignored; for SIGKILL, the CPU time the zygote
+    # read at the reap tells whether the limit did it (rusage rounds: a little slack).
+    if cpu is not None and (
+        status == -signal.SIGXCPU or (status == -signal.SIGKILL and cpu_used >= cpu - CPU_SLACK_S)
+    ):
+        return (
+            f"worker exited with {how}: it used its CPU time limit, "
+            f"Limits.worker_cpu_seconds={cpu:g} ({cpu_used:.1f} s used)"
+        )
+    return f"worker exited with {how}"
+
+
+async def _wait(fut: asyncio.Future[Any], timeout: float) -> bool:
+    if fut.done():
+        return True
+    try:
+        await asyncio.wait_for(asyncio.shield(fut), timeout)
+        return True
+    except TimeoutError:
+        return False
+
+
+async def _wait_event(event: asyncio.Event, timeout: float) -> bool:
+    if event.is_set():
+        return True
+    try:
+        await asyncio.wait_for(event.wait(), timeout)
+        return True
+    except TimeoutError:
+        return False
+
+
+__all__ = ["Ending", "exit_reason"]

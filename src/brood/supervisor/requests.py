@@ -1,0 +1,372 @@
+"""A worker's frames: hostile input, each checked against the protocol and its run's limits
+before anything is done for it (frames.py), then handled once, by the one handler its type
+has in `HANDLERS`. A frame no worker keeping the protocol sends ends its run with
+`protocol violation: ...`. A request is answered by a `Reply` when its work is done; the
+run's step clock stands still meanwhile.
+
+It owns a run's requests in flight and the supervisor's clock of each step. It starts,
+ends and budgets nothing itself: it hands each request to the room that owns the work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from brood.errors import BroodError, InvalidArgument, LimitExceeded
+from brood.lifecycle import RunState
+from brood.protocol import (
+    FAILURE_TEXT_CAP,
+    MAX_REMEMBER_BYTES,
+    AskCancelReq,
+    AskReq,
+    Blocked,
+    BudgetReq,
+    CancelReq,
+    Failed,
+    Final,
+    FlowReq,
+    ModelReq,
+    Msg,
+    Remember,
+    Reply,
+    SendReq,
+    SpawnReq,
+    StepBegan,
+    StepDone,
+    StepResult,
+    clip,
+    error_info,
+)
+from brood.supervisor import frames
+from brood.supervisor.admission import Admission
+from brood.supervisor.asks import Asks
+from brood.supervisor.budget import Budget
+from brood.supervisor.frames import Violation
+from brood.supervisor.kernel import Kernel
+from brood.supervisor.resume import Resume
+from brood.supervisor.runs import STORE_FAILED, Run, StepWatch, last_line
+from brood.supervisor.starts import Starts
+
+
+class Requests:
+    def __init__(
+        self,
+        kernel: Kernel,
+        admission: Admission,
+        budget: Budget,
+        asks: Asks,
+        resume: Resume,
+        starts: Starts,
+    ) -> None:
+        self.kernel = kernel
+        self.admission = admission
+        self.budget = budget
+        self.asks = asks
+        self.resume = resume
+        self.starts = starts
+        # Set by the API (which knows brood.flow): answers a run's FlowReq.
+        self.flow_handler: Callable[[Run, FlowReq], Awaitable[Any]] | None = None
+
+    def on_msg(self, run: Run, msg: Msg) -> None:
+        """A frame from `run`'s worker, handled by the one handler of its type."""
+        if run.ending is not None or run.rec.state.terminal:
+            if isinstance(msg, Reply | StepResult):
+                self._settle_pending(run, msg)
+            return  # an ending run's worker is heard no more
+        handler = HANDLERS.get(type(msg))
+        if handler is None:
+            return  # not a worker's frame: the connection's decoder lets none through
+        try:
+            handler(self, run, msg)
+        except Violation as exc:
+            k = self.kernel
+            k.task(k.finish(run, RunState.FAILED, f"protocol violation: {exc}"))
+
+    # ---- answering a request ----------------------------------------------------------------
+    def _ask(self, run: Run, req_id: int, work: Awaitable[Any]) -> None:
+        """Answer a worker's request; the run's step clock stands still meanwhile."""
+        if run.requests >= frames.MAX_REQUESTS_IN_FLIGHT:
+            if asyncio.iscoroutine(work):
+                work.close()  # never started
+            raise Violation(f"more than {frames.MAX_REQUESTS_IN_FLIGHT} requests at once (a flood)")
+        run.requests += 1
+        self.kernel.hold(run)
+        self.kernel.task(self._answer(run, req_id, work))
+
+    async def _answer(self, run: Run, req_id: int, work: Awaitable[Any]) -> None:
+        try:
+            value = await work
+            reply = Reply(req_id, value=value)
+        except Exception as exc:
+            reply = Reply(req_id, error=error_info(exc))
+        finally:
+            run.requests -= 1
+            self.kernel.unhold(run)
+        if run.conn is not None:
+            run.conn.send(reply)
+
+    def _settle_pending(self, run: Run, msg: Reply | StepResult) -> None:
+        """A worker confirms a delivery (Reply), or ends a driven step (StepResult): only a
+        request the supervisor made of it is settled, whatever id the frame names."""
+        fut = run.pending.pop(msg.req_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(msg if isinstance(msg, StepResult) else None)
+
+    # ---- one handler per frame type ----------------------------------------------------------
+    def _spawn(self, run: Run, msg: SpawnReq) -> None:
+        if msg.step > run.steps.last:
+            raise Violation(f"a child was asked for by step {msg.step}, before it began")
+        frames.check_prompts(msg.prompts, self.kernel.limits)
+        self._ask(run, msg.req_id, self.starts.spawn_children(run, msg))
+
+    def _cancel(self, run: Run, msg: CancelReq) -> None:
+        self._ask(run, msg.req_id, self._cancel_child(run, msg))
+
+    def _send(self, run: Run, msg: SendReq) -> None:
+        cap = self.kernel.limits.max_prompt_chars
+        if len(msg.message) > cap:
+            raise Violation(
+                f"a follow-up of {len(msg.message):,} characters, over "
+                f"Limits.max_prompt_chars={cap:,}"
+            )
+        self._ask(run, msg.req_id, self._send_child(run, msg))
+
+    def _budget(self, run: Run, msg: BudgetReq) -> None:
+        self._ask(run, msg.req_id, _now(self.budget.budget_of(run)))
+
+    def _open_ask(self, run: Run, msg: AskReq) -> None:
+        if msg.step > run.steps.last:
+            raise Violation(f"an ask was opened by step {msg.step}, before it began")
+        self._ask(run, msg.req_id, self._opened_ask(run, msg))
+
+    def _withdraw_ask(self, run: Run, msg: AskCancelReq) -> None:
+        self._ask(run, msg.req_id, self.asks.withdraw(run, msg))
+
+    def _flow(self, run: Run, msg: FlowReq) -> None:
+        # A flow's spec and inputs are journaled (on its own run) for its starter.
+        if msg.op == "run" and not self.kernel.charge(run, frames.weight([msg.spec, msg.inputs])):
+            return  # the run fails naming its journal bytes
+        self._ask(run, msg.req_id, self._flow_request(run, msg))
+
+    def _blocked(self, run: Run, msg: Blocked) -> None:
+        if msg.blocked:
+            self.admission.block(run)
+            return
+        self._ask(run, msg.req_id, self.admission.unblock(run))
+        self.admission.unblocked(run)
+
+    def _model(self, run: Run, msg: ModelReq) -> None:
+        limits = self.kernel.limits
+        if msg.kind == "turn":
+            if run.driven:
+                raise Violation("a Session's root asked for a model turn; its steps are driven")
+            if msg.model != run.model_name:
+                raise Violation(f"a model turn named model {msg.model!r}, not its run's")
+            run.convo.check(
+                msg,
+                max_iterations=limits.max_iterations,
+                first_cap=run.first_cap,
+                cap=limits.max_prompt_chars,
+            )
+        else:
+            frames.check_call(msg, limits)
+        self._ask(run, msg.req_id, self.budget.model_call(run, msg))
+        run.model_requests += 1  # held from now on: a wait on it may give up the slot
+
+    def _remember(self, run: Run, msg: Remember) -> None:
+        if len(msg.value) > MAX_REMEMBER_BYTES:
+            raise Violation(
+                f"a remembered value of {len(msg.value):,} bytes, over the "
+                f"{MAX_REMEMBER_BYTES:,} one may hold"
+            )
+        if self.kernel.charge(run, len(msg.value) * 4 // 3):  # journaled as base64
+            self.kernel.event(run, "remember", {"value": base64.b64encode(msg.value).decode()})
+
+    def _reply(self, run: Run, msg: Reply) -> None:
+        self._settle_pending(run, msg)
+
+    def _step_result(self, run: Run, msg: StepResult) -> None:
+        limits = self.kernel.limits
+        cap = frames.output_cap(limits.output_limit)
+        msg.stdout, msg.stderr = clip(msg.stdout, cap), clip(msg.stderr, cap)
+        if msg.answer is not None and len(msg.answer) > limits.answer_limit:
+            raise Violation(
+                f"a step's answer of {len(msg.answer):,} characters, over "
+                f"Limits.answer_limit={limits.answer_limit:,}"
+            )
+        self._settle_pending(run, msg)
+
+    def _final(self, run: Run, msg: Final) -> None:
+        """The run's answer, checked whole before any state changes for it."""
+        cap = self.kernel.limits.answer_limit
+        if len(msg.answer) > cap:
+            raise Violation(
+                f"a FINAL answer of {len(msg.answer):,} characters, over "
+                f"Limits.answer_limit={cap:,}"
+            )
+        products = frames.checked_products(msg.products, cap)
+        if msg.reason not in ("answer", "answer after max_iterations"):
+            raise Violation(f"FINAL with the reason {clip(msg.reason, 80)!r}")
+        if run.steps.open:
+            raise Violation(f"FINAL came while step {run.steps.last} was under way")
+        run.rec.answer = msg.answer
+        run.rec.products = products
+        k = self.kernel
+        k.task(k.finish(run, RunState.COMPLETED, msg.reason, answer=msg.answer))
+
+    def _failed(self, run: Run, msg: Failed) -> None:
+        """The worker says its run cannot go on. What it says is data: kept (capped) as the
+        reason, never a decision. Only a run the supervisor is replaying can diverge."""
+        reason, error = clip(msg.reason, FAILURE_TEXT_CAP), clip(msg.error, FAILURE_TEXT_CAP)
+        if reason.startswith(STORE_FAILED):  # that reason is the journal's, said only here
+            reason = f"worker error: {reason}"
+        k = self.kernel
+        k.task(k.finish(run, RunState.FAILED, reason, error=error))
+        if msg.kind == "diverged" and run.steps.replaying:
+            self.resume.stop_resume(run, reason)
+
+    # ---- the supervisor's clock of each step ---------------------------------------------
+    def _step_began(self, run: Run, msg: StepBegan) -> None:
+        """Start the supervisor's own clock of a step, and let the step run once its start
+        is journaled (a step during which the host dies is then known to a resume). On
+        the hot path of every step: no task, one callback from the journal's writer."""
+        run.steps.begin(msg)
+        k = self.kernel
+        k.stop_watch(run)
+        limit = run.exec_timeout if run.exec_timeout is not None else k.limits.step_timeout
+        if limit is not None and run.ending is None:
+            step = msg.step
+            run.watch = StepWatch(
+                limit + k.limits.step_grace,
+                lambda: self._step_ignored(run, step, limit),
+                running=False,
+            )
+        k.hold(run)  # until the reply is on its way
+        if msg.replaying:  # journaled before the crash
+            self._step_go(run, msg.req_id)
+            return
+        loop = asyncio.get_running_loop()
+
+        def written(_: object) -> None:  # on the writer thread
+            with contextlib.suppress(RuntimeError):  # the loop has closed meanwhile
+                loop.call_soon_threadsafe(self._step_go, run, msg.req_id)
+
+        # A failed write needs no word here: the journal's failure ends the run.
+        k.store.event(run.rec, "step_begun", {"step": msg.step}).add_done_callback(written)
+
+    def _step_go(self, run: Run, req_id: int) -> None:
+        self.kernel.unhold(run)
+        if run.conn is not None:
+            run.conn.send(Reply(req_id))
+
+    def _step_ignored(self, run: Run, step: int, limit: float) -> None:
+        run.watch = None
+        if run.ending is not None or run.rec.state.terminal:
+            return
+        k = self.kernel
+        reason = (
+            f"step timeout ignored: step {step} computed past its limit of {limit:g} s and "
+            f"{k.limits.step_grace:g} s of grace (Limits.step_grace) without ending (its "
+            "StepTimeout was swallowed, disarmed or lost, e.g. in a fork loop), so its "
+            "worker was stopped"
+        )
+        k.task(k.finish(run, RunState.FAILED, reason))
+
+    def _step_done(self, run: Run, msg: StepDone) -> None:
+        run.steps.end(msg)
+        k = self.kernel
+        k.stop_watch(run)
+        k.progress(run)
+        if msg.replayed:
+            return
+        msg = frames.clipped_step(msg, frames.output_cap(k.limits.output_limit))
+        data = {
+            "step": msg.step,
+            "code": msg.code,
+            "stdout": msg.stdout,
+            "stderr": msg.stderr,
+            "error": msg.error,
+            "duration": msg.duration,
+            "pending": msg.pending,
+        }
+        if not k.charge(run, frames.weight(data)):
+            return
+        run.last_line = last_line(msg.stdout) or run.last_line
+        k.event(run, "step", data, progress=run.last_line)
+
+    # ---- the work of requests --------------------------------------------------------------
+    async def _opened_ask(self, run: Run, msg: AskReq) -> str:
+        """ask_person: within Limits.max_asks_per_run, and counted as journal bytes."""
+        k = self.kernel
+        most = k.limits.max_asks_per_run
+        if run.asks_opened >= most:
+            raise LimitExceeded(
+                "max_asks_per_run",
+                run.asks_opened + 1,
+                most,
+                hint=f"run {run.id} has opened {run.asks_opened} asks; ask fewer (one ask can "
+                "hold several questions: ask_user_question), or raise Limits(max_asks_per_run=...)",
+            )
+        if not k.charge(run, frames.weight(msg.question) + frames.weight(msg.options)):
+            raise BroodError(f"run {run.id} is over its journal bytes; it opens no asks")
+        run.asks_opened += 1
+        return await self.asks.open(run, msg)
+
+    def _child(self, run: Run, child_id: str) -> Run:
+        """The latest attempt of `run`'s child `child_id` (its handle stands for that)."""
+        child = self.kernel.runs.get(child_id)
+        if child is None or child.parent is not run:
+            raise InvalidArgument(f"{child_id} is not a child of run {run.id}")
+        while child.next_attempt is not None:
+            child = child.next_attempt
+        return child
+
+    async def _cancel_child(self, run: Run, msg: CancelReq) -> Any:
+        child = self._child(run, msg.child_id)
+        child.retries_left = 0  # a cancelled child is not retried (nor a retry started)
+        state = await self.kernel.finish(child, RunState.CANCELLED, "cancelled by parent")
+        return state.value
+
+    async def _send_child(self, run: Run, msg: SendReq) -> None:
+        child = self._child(run, msg.child_id)
+        if msg.replaying:
+            return  # delivered (and journaled) before the crash
+        if not self.kernel.charge(run, len(msg.message)):
+            raise BroodError(f"run {run.id} is over its journal bytes; it sends nothing more")
+        await self.kernel.send_message(child, msg.message)
+
+    async def _flow_request(self, run: Run, msg: FlowReq) -> Any:
+        if self.flow_handler is None:
+            raise BroodError("this supervisor runs no flows")
+        return await self.flow_handler(run, msg)
+
+
+async def _now(value: Any) -> Any:
+    return value
+
+
+# Each frame a worker may send (protocol.WorkerMsg), and the one handler it has.
+HANDLERS: dict[type[Msg], Callable[[Requests, Run, Any], None]] = {
+    SpawnReq: Requests._spawn,
+    CancelReq: Requests._cancel,
+    SendReq: Requests._send,
+    BudgetReq: Requests._budget,
+    AskReq: Requests._open_ask,
+    AskCancelReq: Requests._withdraw_ask,
+    FlowReq: Requests._flow,
+    Blocked: Requests._blocked,
+    ModelReq: Requests._model,
+    StepBegan: Requests._step_began,
+    StepDone: Requests._step_done,
+    Remember: Requests._remember,
+    Final: Requests._final,
+    Failed: Requests._failed,
+    Reply: Requests._reply,
+    StepResult: Requests._step_result,
+}
+
+__all__ = ["HANDLERS", "Requests"]

@@ -1,0 +1,226 @@
+"""The supervisor's records of runs: `Run` (one run, as the supervisor holds it), `RunInfo`
+(what observers and handles see of it), `Pool` (a named capacity pool) and `StepWatch` (the
+supervisor's own clock of a step). Data and small rules on it; nothing here journals,
+signals or starts anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from brood.backends.base import WorkerConn
+from brood.lifecycle import RunRecord, RunState
+from brood.models.base import Model
+from brood.protocol import ChildUpdate, Replay
+from brood.supervisor.frames import Conversation, Steps
+
+Q, RUN, CANCELLING = RunState.QUEUED, RunState.RUNNING, RunState.CANCELLING
+FLOW_MODEL = "flow"  # the model column of a flow's own run (it has no worker)
+STORE_FAILED = "StoreError: "  # how the reason of a run ended by a failed journal begins
+
+
+def new_run_id() -> str:
+    """A short, readable id; `Kernel.journal_new` draws again on a clash in the journal."""
+    return "r-" + secrets.token_hex(4)
+
+
+def last_line(text: str) -> str:
+    """The last non-empty line of a step's output, cut to fit a live view."""
+    lines = text.strip().splitlines()
+    return lines[-1][-200:] if lines else ""
+
+
+def flow_key(parent: Run) -> str:
+    """The key of the next flow `parent`'s code starts (flow:N)."""
+    return f"flow:{parent.flows_started}"
+
+
+@dataclass
+class RunInfo:
+    """What observers and handles see of a run."""
+
+    run_id: str
+    parent_id: str | None
+    root_id: str
+    depth: int
+    prompt: str
+    state: str
+    reason: str | None
+    answer: str | None
+    error: str | None
+    duration: float | None
+    usage: dict[str, Any]
+
+
+@dataclass(eq=False, kw_only=True)
+class Run:
+    """One run as the supervisor holds it: its journaled record, its worker, its place in
+    the tree, and what the supervisor keeps to check its worker's frames by."""
+
+    rec: RunRecord
+    model: Model
+    context_blob: bytes | None = None
+    model_name: str | None = None
+    timeout: float | None = None
+    parent: Run | None = None
+    driven: bool = False
+    children: list[Run] = field(default_factory=list)
+    conn: WorkerConn | None = None
+    holds_slot: bool = False
+    holds_pool: bool = False  # one place of its pool (rec.pool), from its start to its end
+    # Attempts (rlm_query(..., retries=N)): how many more a failure or timeout starts; the
+    # id its parent's handle has (the first attempt's); the attempt that followed it; and
+    # whether its end starts another (its parent then hears nothing of this one's end).
+    retries_left: int = 0
+    last_beat: float = 0.0  # when its worker last heard a heartbeat from below (loop time)
+    handle_id: str | None = None
+    next_attempt: Run | None = None
+    retrying: bool = False
+    messages: list[str] = field(default_factory=list)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+    ending: asyncio.Task[RunState] | None = None
+    timer: asyncio.TimerHandle | None = None
+    seq: dict[int, int] = field(default_factory=dict)
+    pending: dict[int, asyncio.Future[Any]] = field(default_factory=dict)
+    last_line: str = ""
+    tree_children: int = 0  # roots only: children started in the whole tree
+    tree_usage: dict[str, float] = field(default_factory=dict)  # roots only
+    replay: Replay | None = None  # a run resumed from the journal, until its worker starts
+    by_key: dict[str, Run] = field(default_factory=dict)  # resumed: journaled children by key
+    flows_started: int = 0  # flows its code started (their runs' keys: flow:N)
+    prompts: set[str] = field(default_factory=set)  # roots only: system prompts journaled
+    calls: set[asyncio.Task[Any]] = field(default_factory=set)  # model calls under way
+    # Roots only, for budgets: calls of the tree in flight, answered, and the largest.
+    calls_in_flight: int = 0
+    calls_seen: int = 0
+    largest_tokens: int = 0
+    largest_cost: float = 0.0
+    budget_waiters: list[asyncio.Future[None]] = field(default_factory=list)
+    # The supervisor's own clock of the step under way, paused while the run waits on the
+    # supervisor (`holds`: requests being answered, and a block on children).
+    watch: StepWatch | None = None
+    holds: int = 0
+    blocked: bool = False
+    exec_timeout: float | None = None  # Session.step(timeout=) of the driven step under way
+    # What the supervisor itself knows of the worker, to check its frames by (frames.py):
+    # its model turns and REPL steps as they were answered and seen, its requests being
+    # answered, the bytes it has added to the journal and the asks it opened.
+    convo: Conversation = field(default_factory=Conversation)
+    steps: Steps = field(default_factory=Steps)
+    first_cap: int = 0  # characters of its first user message (frames.Conversation)
+    requests: int = 0
+    model_requests: int = 0  # model calls asked for and not answered yet (from receipt)
+    journaled: int = 0
+    asks_opened: int = 0
+    # placement="spread" (a cluster): the start of this child on another node (the parent's
+    # side), then where it runs (the spreader's), or None when it started here after all.
+    spreading: asyncio.Task[Any] | None = None
+    remote: Any = None
+    guest: bool = False  # the top of a subtree whose parent runs on another node
+
+    @property
+    def launchable(self) -> bool:
+        """Waiting for a worker: queued, or resumed while it was running."""
+        if self.remote is not None:  # it runs on another node
+            return False
+        if self.rec.state is RUN:
+            return self.replay is not None and self.conn is None and self.ending is None
+        return self.rec.state is Q
+
+    @property
+    def id(self) -> str:
+        return self.rec.id
+
+    def info(self) -> RunInfo:
+        r = self.rec
+        return RunInfo(
+            run_id=r.id,
+            parent_id=r.parent_id,
+            root_id=r.root_id,
+            depth=r.depth,
+            prompt=r.prompt,
+            state=r.state.value,
+            reason=r.reason,
+            answer=r.answer,
+            error=r.error,
+            duration=r.duration,
+            usage=dict(r.usage),
+        )
+
+
+@dataclass(eq=False)
+class Pool:
+    """A named capacity pool (Limits.pools): the runs holding it, in the order they took
+    it, and the runs waiting for it, oldest first (by creation, so a resume that adopts
+    them in another order queues them as they were)."""
+
+    name: str
+    capacity: int
+    holders: list[Run] = field(default_factory=list)
+    waiters: list[Run] = field(default_factory=list)
+
+    def wait(self, run: Run) -> None:
+        bisect.insort(self.waiters, run, key=pool_order)
+
+    def first_waiter(self, run: Run) -> Run | None:
+        """The oldest run that can still start and waits ahead of `run`, if any: first
+        come, first served, so a newcomer never takes a place an older waiter is owed."""
+        mine = pool_order(run)
+        return next(
+            (w for w in self.waiters if w is not run and w.launchable and pool_order(w) < mine),
+            None,
+        )
+
+    def describe(self) -> str:
+        held = ", ".join(r.id for r in self.holders) or "nobody"
+        return f"{len(self.holders)} of {self.capacity} held by {held}"
+
+
+def pool_order(run: Run) -> tuple[int, float]:
+    """Runs that held a place when their host died first, then by creation."""
+    return (0 if run.rec.state is RUN else 1, run.rec.created_at)
+
+
+class StepWatch:
+    """The supervisor's clock of one step: the step's compute time, as the worker's own
+    StepClock counts it (waits on the supervisor are not counted), plus a grace. It calls
+    `on_late` if the step has not ended by then: model code that swallowed StepTimeout or
+    disarmed the worker's timer cannot stop this clock."""
+
+    def __init__(self, budget: float, on_late: Callable[[], object], running: bool) -> None:
+        self.left = budget
+        self.on_late = on_late
+        self.handle: asyncio.TimerHandle | None = None
+        self.since = 0.0
+        if running:
+            self.go()
+
+    def go(self) -> None:
+        if self.handle is None:
+            loop = asyncio.get_running_loop()
+            self.since = loop.time()
+            self.handle = loop.call_later(max(0.0, self.left), self.on_late)
+
+    def pause(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
+            self.left -= asyncio.get_running_loop().time() - self.since
+
+
+def child_update(run: Run) -> ChildUpdate:
+    """A child's state, as its parent's worker hears it: under the id of the parent's handle
+    (a later attempt goes on under its first attempt's id)."""
+    r = run.rec
+    return ChildUpdate(
+        run.handle_id or r.id, r.state.value, r.answer, r.reason, r.error, r.products
+    )
+
+
+__all__ = ["Pool", "Run", "RunInfo", "StepWatch", "child_update", "last_line", "new_run_id"]
