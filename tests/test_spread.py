@@ -166,7 +166,7 @@ def test_the_tree_budget_holds_for_model_calls_made_on_another_node(ray_cluster,
             rows = store.runs(result.run_id)
         finally:
             store.close()
-    assert result.state == "cancelled" and "budget: tokens" in (result.error or "")
+    assert result.state == "cancelled" and "budget: tokens" in (result.error or ""), result
     (s,) = [r for r in rows if r["parent_id"]]
     assert s["supervisor"] != rows[0]["supervisor"] and s["state"] == "cancelled"
     spent = sum(
