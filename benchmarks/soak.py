@@ -26,7 +26,7 @@ What it checks, printed as a report (exit status 1 on any failure, 2 from the wa
   and this process has no child processes;
 - the SQLite journal passes `PRAGMA integrity_check`, every run row of the soak is terminal
   with a reason, and the supervisor row is closed;
-- this process's RSS after close() and gc.collect() is within max(64 MiB, 25%) of the
+- this process's RSS after close(), gc.collect() and malloc_trim is within max(64 MiB, 25%) of the
   baseline taken after a warm-up tree (baseline, peak and final are printed).
 
 It also prints counts per catalogue entry (planned, run, how each step ended, how runs
@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import faulthandler
 import gc
 import os
@@ -471,6 +472,16 @@ def rss() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
+def collect() -> None:
+    """Free what nobody holds, and give the allocator's free pages back to the system
+    (glibc's malloc_trim): RSS then counts memory held, not memory freed and cached, so
+    the check is about leaks, not about how busy the allocator was."""
+    gc.collect()
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
 def cpu_seconds() -> float:
     """CPU seconds this process (all its threads) has used."""
     times = psutil.Process().cpu_times()
@@ -808,7 +819,7 @@ class Soak:
                 self.failures.fail(
                     f"no process carries {OWNER_ENV}={self.mark}: leak checks are blind"
                 )
-            gc.collect()
+            collect()
             baseline = rss()
             self.rss_peak = baseline
             sampler.start()
@@ -861,7 +872,7 @@ class Soak:
             closed = True
             self.close(sup)
             self._stop_sampler.set()
-            gc.collect()
+            collect()
             return self.report(sup, baseline, soak_s, ended_in_time)
         finally:
             if not closed:
@@ -951,7 +962,7 @@ class Soak:
 
     # ---- the report -----------------------------------------------------------------------
     def report(self, sup: brood.Supervisor, baseline: int, soak_s: float, ended: int) -> int:
-        final_rss = rss()  # after close() and gc.collect(), before the journal is read back
+        final_rss = rss()  # after close() and collect(), before the journal is read back
         fail = self.failures.fail
         left = self.our_processes()
         if left:
