@@ -195,8 +195,7 @@ class SQLStore:
         conn = self._connect(readonly)
         try:
             if not readonly:
-                with self._transaction(conn) as cur:
-                    self._create_or_migrate(cur)
+                self._create_or_migrate_retried(conn)
             version = self.version = self._schema_version(conn)
         except StoreError:
             conn.close()
@@ -211,6 +210,22 @@ class SQLStore:
                 f"{SCHEMA_VERSION}; upgrade brood (pip install -U rlm-brood)"
             )
         return conn
+
+    def _create_or_migrate_retried(self, conn: Conn) -> None:
+        """`_create_or_migrate` in a transaction of its own, tried again like a write when it
+        fails for a passing reason (writers opening one new journal at once: SQLite may
+        answer `database is locked` at once rather than wait, to avoid a deadlock)."""
+        wait = TRANSIENT_WAIT_S
+        for tries in range(1, TRANSIENT_TRIES + 1):
+            try:
+                with self._transaction(conn) as cur:
+                    self._create_or_migrate(cur)
+                return
+            except self.errors as exc:
+                if tries == TRANSIENT_TRIES or not self._transient(exc):
+                    raise
+                time.sleep(wait)  # the opening thread's own wait: the journal is busy
+                wait = min(wait * 2, TRANSIENT_WAIT_MAX_S)
 
     def _create_or_migrate(self, cur: Any) -> None:
         """Create a new journal, or bring an older one up to SCHEMA_VERSION. A newer one is
