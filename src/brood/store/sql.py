@@ -27,12 +27,13 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, TypeVar
 
 from brood.errors import StoreError, UnknownRun
 from brood.lifecycle import TERMINAL_VALUES, RunRecord
 
 log = logging.getLogger("brood")
+T = TypeVar("T")
 
 SCHEMA_VERSION = 4
 # The states a claim leaves alone, as an SQL list: fixed words of brood's, never user text.
@@ -212,20 +213,15 @@ class SQLStore:
         return conn
 
     def _create_or_migrate_retried(self, conn: Conn) -> None:
-        """`_create_or_migrate` in a transaction of its own, tried again like a write when it
-        fails for a passing reason (writers opening one new journal at once: SQLite may
-        answer `database is locked` at once rather than wait, to avoid a deadlock)."""
-        wait = TRANSIENT_WAIT_S
-        for tries in range(1, TRANSIENT_TRIES + 1):
-            try:
-                with self._transaction(conn) as cur:
-                    self._create_or_migrate(cur)
-                return
-            except self.errors as exc:
-                if tries == TRANSIENT_TRIES or not self._transient(exc):
-                    raise
-                time.sleep(wait)  # the opening thread's own wait: the journal is busy
-                wait = min(wait * 2, TRANSIENT_WAIT_MAX_S)
+        """`_create_or_migrate` in a transaction of its own, tried again like a write
+        (writers opening one new journal at once: SQLite may answer `database is locked` at
+        once rather than wait, to avoid a deadlock)."""
+
+        def attempt() -> None:
+            with self._transaction(conn) as cur:
+                self._create_or_migrate(cur)
+
+        self._retrying(attempt, "opening")
 
     def _create_or_migrate(self, cur: Any) -> None:
         """Create a new journal, or bring an older one up to SCHEMA_VERSION. A newer one is
@@ -337,29 +333,45 @@ class SQLStore:
             _settle(fut, result)
 
     def _write_batch(self, batch: list[tuple[Write, Future[Any]]]) -> list[Any]:
-        """One transaction of the batch's writes. A transient failure is tried again, after
-        TRANSIENT_WAIT_S doubling, TRANSIENT_TRIES times in all (said in the log), so a
-        locked database or a dropped connection is not a failure of the journal."""
+        """One transaction of the batch's writes, tried again on a passing failure
+        (`_retrying`), the writer's connection reopened between tries."""
+
+        def attempt() -> list[Any]:
+            with self._transaction(self._writer) as cur:
+                return [write(cur) for write, _ in batch]
+
+        def revive() -> None:
+            with contextlib.suppress(*self.errors, StoreError):
+                self._writer = self._revive(self._writer)
+
+        return self._retrying(attempt, "write", revive)
+
+    def _retrying(
+        self, attempt: Callable[[], T], what: str, between: Callable[[], None] | None = None
+    ) -> T:
+        """`attempt()`; a transient failure is tried again, after TRANSIENT_WAIT_S doubling,
+        TRANSIENT_TRIES times in all (said in the log), so a locked database or a dropped
+        connection is not a failure of the journal. The calling thread's own wait."""
         wait = TRANSIENT_WAIT_S
         for tries in range(1, TRANSIENT_TRIES + 1):
             try:
-                with self._transaction(self._writer) as cur:
-                    return [write(cur) for write, _ in batch]
+                return attempt()
             except self.errors as exc:
                 if tries == TRANSIENT_TRIES or not self._transient(exc):
                     raise
                 log.warning(
-                    "brood: %s: write failed (%s); trying again in %.2f s (%d of %d)",
+                    "brood: %s: %s failed (%s); trying again in %.2f s (%d of %d)",
                     self.where,
+                    what,
                     exc,
                     wait,
                     tries,
                     TRANSIENT_TRIES,
                 )
-                time.sleep(wait)  # the writer thread's own wait: the journal is unavailable
+                time.sleep(wait)  # the journal is unavailable: this thread waits
                 wait = min(wait * 2, TRANSIENT_WAIT_MAX_S)
-                with contextlib.suppress(*self.errors, StoreError):
-                    self._writer = self._revive(self._writer)
+                if between is not None:
+                    between()
         raise AssertionError("unreachable")
 
     def _fail(self, exc: StoreError) -> None:
