@@ -168,14 +168,23 @@ class Pool:
     def wait(self, run: Run) -> None:
         bisect.insort(self.waiters, run, key=pool_order)
 
-    def first_waiter(self, run: Run) -> Run | None:
-        """The oldest run that can still start and waits ahead of `run`, if any: first
-        come, first served, so a newcomer never takes a place an older waiter is owed."""
-        mine = pool_order(run)
-        return next(
-            (w for w in self.waiters if w is not run and w.launchable and pool_order(w) < mine),
+    def take_waiter(self, ahead_of: Run | None = None) -> Run | None:
+        """The oldest waiter that can still start (given `ahead_of`, one that waits ahead
+        of that run), taken off the queue; None if there is none. First come, first served:
+        a newcomer never takes a place an older waiter is owed, and a freed place goes to
+        the oldest."""
+        mine = None if ahead_of is None else pool_order(ahead_of)
+        first = next(
+            (
+                w
+                for w in self.waiters
+                if w is not ahead_of and w.launchable and (mine is None or pool_order(w) < mine)
+            ),
             None,
         )
+        if first is not None:
+            self.waiters.remove(first)
+        return first
 
     def describe(self) -> str:
         held = ", ".join(r.id for r in self.holders) or "nobody"
