@@ -274,7 +274,7 @@ class Ending:
             return
         root = k.top(parent)
         try:  # an attempt is one more run of the tree: it counts against max_children
-            k.limits.admit_children(tree_total=root.tree_children, run_total=0, count=1)
+            k.limits.admit_children(tree_total=root.tree.children, run_total=0, count=1)
             if root.guest:  # the tree's own count is kept by its root's node
                 assert k.spreader is not None
                 await k.spreader.admit(root, 1)
@@ -283,7 +283,7 @@ class Ending:
             k.event(old, "retry_refused", {"error": str(exc)})
             k.tell_parent(old)
             return
-        root.tree_children += 1
+        root.tree.children += 1
         parent.children.append(new)
         old.next_attempt = new  # from now on its parent's handle stands for this attempt
         try:

@@ -307,7 +307,7 @@ class Kernel:
                 if parent is not None and run in parent.children:
                     parent.children.remove(run)
             if parent is not None:
-                self.top(parent).tree_children -= counted
+                parent.tree.children -= counted
             raise
 
     async def journal_new(self, runs: list[Run]) -> None:
