@@ -107,18 +107,12 @@ class Starts:
             keys.append(f"{msg.step}:{seq}")
         adopted = self._adopt(parent, msg, keys)
         fresh = [(key, p) for key, p in zip(keys, msg.prompts, strict=True) if key not in adopted]
-        root = k.top(parent)
-        k.limits.admit_children(
-            tree_total=root.tree.children, run_total=k.children_of(parent), count=len(fresh)
-        )
-        if root.guest and fresh:  # the tree's own count is kept by its root's node
-            assert k.spreader is not None
-            await k.spreader.admit(root, len(fresh))
+        await k.admit_to_tree(parent, len(fresh), k.children_of(parent))
         # Each child's row holds its prompt and its own copy of the context.
         size = sum(len(p) + len(msg.context or b"") for _, p in fresh)
         if fresh and not k.charge(parent, size):
             raise BroodError(f"run {parent.id} is over its journal bytes; it starts no children")
-        root.tree.children += len(fresh)
+        parent.tree.children += len(fresh)
         spread = msg.placement == "spread" and k.spreader is not None
         timeout = msg.timeout if msg.timeout is not None else k.limits.child_timeout
         children = []
@@ -265,14 +259,8 @@ class Starts:
         k = self.kernel
         if not k.limits.can_start_child(starter.rec.depth):
             raise LimitExceeded("max_depth", starter.rec.depth + 2, k.limits.max_depth)
-        top = k.top(starter)
-        k.limits.admit_children(
-            tree_total=top.tree.children, run_total=k.children_of(starter), count=1
-        )
-        if top.guest:  # the tree's own count is kept by its root's node
-            assert k.spreader is not None
-            await k.spreader.admit(top, 1)
-        top.tree.children += 1
+        await k.admit_to_tree(starter, 1, k.children_of(starter))
+        starter.tree.children += 1
 
     def children_left(self, flow: Run) -> int | None:
         """How many more runs the tree limits leave to the flow whose run is `flow`: None
