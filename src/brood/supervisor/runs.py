@@ -66,10 +66,11 @@ class Tree:
 
     The tree here is the subtree of its top run: its root, or a guest whose parent runs on
     another node (whose own counts are then the root's node's). Every run holds its top's
-    record (`Run.tree`), taken from its parent when the run is made: a model call or a
-    child's start reaches it in one step, with no walk up the tree, and a run needs no
-    second way in for the case of being the top. The one run that changes tree is a guest
-    adopted as a local child (`graft`)."""
+    record (`Run.tree`), taken from its parent when the run is made: the simplest way in
+    and the cheapest, one reference a run set once, where a record held by the top alone
+    would take a walk up the tree on every model call and every start, and be None on
+    every other run. The one run that changes tree is a guest adopted as a local child
+    (`graft`)."""
 
     children: int = 0
     usage: dict[str, float] = field(default_factory=dict)  # tokens and cost spent
@@ -194,11 +195,7 @@ class Pool:
         the oldest."""
         mine = None if ahead_of is None else pool_order(ahead_of)
         first = next(
-            (
-                w
-                for w in self.waiters
-                if w is not ahead_of and w.launchable and (mine is None or pool_order(w) < mine)
-            ),
+            (w for w in self.waiters if w.launchable and (mine is None or pool_order(w) < mine)),
             None,
         )
         if first is not None:
