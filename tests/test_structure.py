@@ -143,8 +143,8 @@ def test_no_import_cycle_outside_the_registries() -> None:
 
 @pytest.mark.xfail(
     strict=True,
-    reason="three pairs name each other's types only (worker.runtime/handles, "
-    "cluster.agent/placement, cluster.driver/handles): the next step of the split",
+    reason="two pairs name each other's types only (cluster.agent/placement, "
+    "cluster.driver/handles): the next step of the split",
 )
 def test_no_cycle_of_types_either() -> None:
     cycles = _outside_registries(types=True)

@@ -91,12 +91,11 @@ class Admission:
             return False
         # Holders are read again here, after any refusal: one that ended meanwhile is gone.
         pool.holders = [r for r in pool.holders if not r.rec.state.terminal]
-        first = pool.first_waiter(run)
-        if len(pool.holders) < pool.capacity and first is not None:
+        free = len(pool.holders) < pool.capacity
+        if free and (first := pool.take_waiter(ahead_of=run)) is not None:
             # A place is free but an older run waits for it: that one starts first.
-            pool.waiters.remove(first)
             self.start_queue.appendleft(first)
-        elif len(pool.holders) < pool.capacity:
+        elif free:
             pool.holders.append(run)
             run.holds_pool = True
             if run in pool.waiters:
@@ -126,11 +125,8 @@ class Admission:
             return
         run.holds_pool = False
         pool.holders = [r for r in pool.holders if r is not run and not r.rec.state.terminal]
-        while pool.waiters and len(pool.holders) < pool.capacity:
-            waiter = pool.waiters.pop(0)
-            if waiter.launchable:
-                self.start_queue.appendleft(waiter)
-                break
+        if len(pool.holders) < pool.capacity and (first := pool.take_waiter()) is not None:
+            self.start_queue.appendleft(first)
         self.grant()
 
     def release(self, run: Run) -> None:

@@ -4,7 +4,7 @@ usage, the tree's spend, the journaled `model_call` event with its system prompt
 reference). The call itself is the gateway's (gateway.py); this room decides whether it
 may be made and counts what it cost.
 
-It owns each tree's spend and the waiters for its budget (fields of the tree's top run),
+It owns each tree's spend and the waiters for its budget (in the tree's record, `Tree`),
 and `budget_of` (what `budget_remaining()` reports). It ends a tree over its budget only
 through the kernel's `finish`.
 """
@@ -23,7 +23,7 @@ from brood.protocol import BUDGET_MARK, ModelReq, clip
 from brood.supervisor import frames
 from brood.supervisor.gateway import ModelGateway
 from brood.supervisor.kernel import Kernel
-from brood.supervisor.runs import FLOW_MODEL, RUN, Run
+from brood.supervisor.runs import FLOW_MODEL, RUN, Run, Tree
 
 
 class Budget:
@@ -56,6 +56,7 @@ class Budget:
         assert task is not None
         run.calls.add(task)
         root = k.top(run)
+        tree = root.tree  # counted in until it ends, even if its top is grafted meanwhile
         # Below a spread child the tree's budget is kept by the root's node: asked there.
         far = root.guest and self._budgeted()
         try:
@@ -67,7 +68,7 @@ class Budget:
         except BaseException:
             run.calls.discard(task)  # ended while it waited: no call was made
             raise
-        root.calls_in_flight += 1
+        tree.calls_in_flight += 1
         started = time.perf_counter()
         done: Completion | None = None
         error: str | None = None
@@ -87,7 +88,7 @@ class Budget:
             ) from exc
         finally:
             run.calls.discard(task)
-            root.calls_in_flight -= 1
+            tree.calls_in_flight -= 1
             self._account(
                 run,
                 kind=msg.kind,
@@ -98,7 +99,7 @@ class Budget:
                 request=request,
                 far=far,
             )
-            self._wake_budget(root)
+            _wake_budget(tree)
 
     def check_model(self, run: Run, name: str | None) -> None:
         """A model name model code passed (`llm_query` / `rlm_query` with model=): its own
@@ -127,27 +128,21 @@ class Budget:
         lim = self.kernel.limits
         return lim.token_budget is not None or lim.cost_budget is not None
 
-    def _wake_budget(self, root: Run) -> None:
-        waiting, root.budget_waiters = root.budget_waiters, []
-        for fut in waiting:  # the budget left and the calls in flight have changed
-            if not fut.done():
-                fut.set_result(None)
-
     async def budget_enter(self, root_id: str) -> None:
         """A model call below a spread child of tree `root_id` waits for the tree's budget
         here, as one of this node's own calls does."""
         root = self.kernel.tree_root(root_id)
         await self._budget_admits(root)
-        root.calls_in_flight += 1
+        root.tree.calls_in_flight += 1
 
     def budget_leave(self, root_id: str, tokens: int, cost: float, answered: bool) -> None:
         """That call ended, having spent `tokens` and `cost`."""
         root = self.kernel.runs.get(root_id)
         if root is None:
             return
-        root.calls_in_flight -= 1
+        root.tree.calls_in_flight -= 1
         self._spend(root, tokens, cost, answered)
-        self._wake_budget(root)
+        _wake_budget(root.tree)
 
     async def _budget_admits(self, root: Run) -> None:
         """Wait until the tree's budget left covers this call on top of those in flight,
@@ -155,31 +150,32 @@ class Budget:
         at most, not by as many as run at once. Until a call has been seen, one at a time."""
         while not self._budget_covers(root):
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            root.budget_waiters.append(fut)
+            root.tree.budget_waiters.append(fut)
             await fut
 
     def _budget_covers(self, root: Run) -> bool:
         if not self._budgeted():
             return True
-        if self._over_budget(root, 0) or root.ending is not None:
+        tree = root.tree
+        if self._over_budget(tree, 0) or root.ending is not None:
             return False  # spent: the tree is being cancelled, this call waits for that
-        if root.calls_in_flight == 0:
+        if tree.calls_in_flight == 0:
             return True  # the one call a budget may be overshot by
-        if root.calls_seen == 0:
+        if tree.calls_seen == 0:
             return False  # nothing to estimate by yet
-        return not self._over_budget(root, root.calls_in_flight + 1)
+        return not self._over_budget(tree, tree.calls_in_flight + 1)
 
-    def _over_budget(self, root: Run, calls: int) -> str | None:
+    def _over_budget(self, tree: Tree, calls: int) -> str | None:
         """Which budget the tree's usage breaks with `calls` more of its largest call."""
-        lim, t = self.kernel.limits, root.tree_usage
+        lim, t = self.kernel.limits, tree.usage
         if (
             lim.token_budget is not None
-            and t.get("tokens", 0) + calls * root.largest_tokens > lim.token_budget
+            and t.get("tokens", 0) + calls * tree.largest_tokens > lim.token_budget
         ):
             return "tokens"
         if (
             lim.cost_budget is not None
-            and t.get("cost", 0.0) + calls * root.largest_cost > lim.cost_budget
+            and t.get("cost", 0.0) + calls * tree.largest_cost > lim.cost_budget
         ):
             return "cost"
         return None
@@ -233,14 +229,15 @@ class Budget:
     def _spend(self, root: Run, tokens: int, cost: float, answered: bool) -> None:
         """A call of the tree under `root` spent `tokens` and `cost`: a tree over its budget
         is cancelled whole."""
-        t = root.tree_usage
+        tree = root.tree
+        t = tree.usage
         t["tokens"] = t.get("tokens", 0) + tokens
         t["cost"] = t.get("cost", 0.0) + cost
         if answered:
-            root.calls_seen += 1
-            root.largest_tokens = max(root.largest_tokens, tokens)
-            root.largest_cost = max(root.largest_cost, cost)
-        over = self._over_budget(root, 0)
+            tree.calls_seen += 1
+            tree.largest_tokens = max(tree.largest_tokens, tokens)
+            tree.largest_cost = max(tree.largest_cost, cost)
+        over = self._over_budget(tree, 0)
         if over and root.ending is None and not root.guest:
             k = self.kernel
             k.task(k.finish(root, RunState.CANCELLED, f"budget: {over}"))
@@ -254,10 +251,9 @@ class Budget:
             return request
         text, mark, rest = str(request[0].get("content", "")).partition(BUDGET_MARK)
         ref = hashlib.sha256(text.encode()).hexdigest()[:16]
-        root = self.kernel.top(run)
-        if ref not in root.prompts:
-            root.prompts.add(ref)
-            self.kernel.event(root, "prompt", {"ref": ref, "content": text})
+        if ref not in run.tree.prompts:
+            run.tree.prompts.add(ref)
+            self.kernel.event(self.kernel.top(run), "prompt", {"ref": ref, "content": text})
         head: dict[str, Any] = {"role": "system", "prompt_ref": ref}
         if mark:
             head["suffix"] = mark + rest
@@ -267,18 +263,25 @@ class Budget:
         """A run's place in the tree and the budgets left now (budget_remaining())."""
         k = self.kernel
         lim = k.limits
-        root = k.top(run)
-        tokens = root.tree_usage.get("tokens", 0)
-        cost = root.tree_usage.get("cost", 0.0)
+        tree = run.tree
+        tokens = tree.usage.get("tokens", 0)
+        cost = tree.usage.get("cost", 0.0)
         return {
             "depth": run.rec.depth,
             "max_depth": lim.max_depth,
-            "children_left": max(0, lim.max_children - root.tree_children),
+            "children_left": max(0, lim.max_children - tree.children),
             "children_left_for_this_run": max(0, lim.max_children_per_run - k.children_of(run)),
             "tokens_left": None if lim.token_budget is None else max(0, lim.token_budget - tokens),
             "cost_left": None if lim.cost_budget is None else max(0.0, lim.cost_budget - cost),
             "tokens_used": int(tokens),
         }
+
+
+def _wake_budget(tree: Tree) -> None:
+    waiting, tree.budget_waiters = tree.budget_waiters, []
+    for fut in waiting:  # the budget left and the calls in flight have changed
+        if not fut.done():
+            fut.set_result(None)
 
 
 __all__ = ["Budget"]

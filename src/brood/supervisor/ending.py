@@ -272,18 +272,14 @@ class Ending:
             old.retrying = False
             k.tell_parent(old)
             return
-        root = k.top(parent)
         try:  # an attempt is one more run of the tree: it counts against max_children
-            k.limits.admit_children(tree_total=root.tree_children, run_total=0, count=1)
-            if root.guest:  # the tree's own count is kept by its root's node
-                assert k.spreader is not None
-                await k.spreader.admit(root, 1)
+            await k.admit_to_tree(parent, 1)
         except Exception as exc:
             old.retrying = False
             k.event(old, "retry_refused", {"error": str(exc)})
             k.tell_parent(old)
             return
-        root.tree_children += 1
+        parent.tree.children += 1
         parent.children.append(new)
         old.next_attempt = new  # from now on its parent's handle stands for this attempt
         try:

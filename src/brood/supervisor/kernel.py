@@ -82,7 +82,8 @@ def unbound(*_: Any, **__: Any) -> Any:
 
 
 class Kernel:
-    """The registry of runs, move-and-journal, events, tasks, telling a parent, progress."""
+    """The registry of runs, move-and-journal, events, tasks, telling a parent, progress,
+    the tree's limits on new runs."""
 
     def __init__(
         self,
@@ -197,6 +198,17 @@ class Kernel:
         if self.closing:
             raise SupervisorClosed("the supervisor is closed; make a new one")
 
+    async def admit_to_tree(self, under: Run, count: int, run_total: int = 0) -> None:
+        """Refuse (LimitExceeded) `count` more runs below `under` unless they fit the tree's
+        max_children and, with the `run_total` runs their starter has started already,
+        max_children_per_run. Below a guest the tree's own count is kept by its root's
+        node: asked (and counted) there. The caller counts them here once they start."""
+        self.limits.admit_children(tree_total=under.tree.children, run_total=run_total, count=count)
+        top = self.top(under)
+        if top.guest and count:
+            assert self.spreader is not None
+            await self.spreader.admit(top, count)
+
     def children_of(self, run: Run) -> int:
         """The runs `run` started, for max_children_per_run: its children (every attempt)
         and every run of each flow its code started."""
@@ -307,7 +319,7 @@ class Kernel:
                 if parent is not None and run in parent.children:
                     parent.children.remove(run)
             if parent is not None:
-                self.top(parent).tree_children -= counted
+                parent.tree.children -= counted
             raise
 
     async def journal_new(self, runs: list[Run]) -> None:

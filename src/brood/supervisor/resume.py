@@ -22,7 +22,7 @@ from brood.protocol import Replay
 from brood.supervisor.admission import Admission
 from brood.supervisor.asks import Asks
 from brood.supervisor.kernel import Kernel
-from brood.supervisor.runs import CANCELLING, FLOW_MODEL, RUN, Run
+from brood.supervisor.runs import CANCELLING, FLOW_MODEL, RUN, Run, Tree, graft
 from brood.supervisor.spread import Spread
 
 
@@ -70,9 +70,9 @@ class Resume:
         root = runs[top_id]
         # A local child's tree keeps its counters here already (its root runs here).
         if top is None:
-            _count_usage(root, [r for i, r in runs.items() if i not in away])
-            root.tree_children = counted if top_id == root_id else len(runs) - 1
-            root.prompts = {e["data"]["ref"] for e in k.store.events(top_id, "prompt")}
+            _count_usage(root.tree, [r for i, r in runs.items() if i not in away])
+            root.tree.children = counted if top_id == root_id else len(runs) - 1
+            root.tree.prompts = {e["data"]["ref"] for e in k.store.events(top_id, "prompt")}
         k.runs.update(runs)
         followed = [runs[i] for i in away]
         runs = {i: r for i, r in runs.items() if i not in away}
@@ -127,9 +127,8 @@ class Resume:
                 continue
             where = away.get(rec.id)
             if isinstance(where, Run):  # placed here by the lost node: a local child now
-                where.guest, where.parent = False, parent
                 assert parent is not None
-                parent.children.append(where)
+                graft(where, parent)
                 if rec.key is not None:
                     parent.by_key[rec.key] = where
                 runs[rec.id] = where
@@ -299,9 +298,9 @@ def _record(row: dict[str, Any]) -> RunRecord:
     )
 
 
-def _count_usage(root: Run, runs: list[Run]) -> None:
-    """The tree's spend so far, from its runs' journaled usage, on its top run."""
-    t = root.tree_usage
+def _count_usage(tree: Tree, runs: list[Run]) -> None:
+    """The tree's spend so far, from its runs' journaled usage."""
+    t = tree.usage
     for run in runs:
         u = run.rec.usage
         t["tokens"] = t.get("tokens", 0) + u.get("input_tokens", 0) + u.get("output_tokens", 0)

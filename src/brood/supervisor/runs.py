@@ -1,7 +1,7 @@
-"""The supervisor's records of runs: `Run` (one run, as the supervisor holds it), `RunInfo`
-(what observers and handles see of it), `Pool` (a named capacity pool) and `StepWatch` (the
-supervisor's own clock of a step). Data and small rules on it; nothing here journals,
-signals or starts anything.
+"""The supervisor's records of runs: `Run` (one run, as the supervisor holds it), `Tree`
+(the counters its tree keeps), `RunInfo` (what observers and handles see of a run), `Pool`
+(a named capacity pool) and `StepWatch` (the supervisor's own clock of a step). Data and
+small rules on it; nothing here journals, signals or starts anything.
 """
 
 from __future__ import annotations
@@ -57,6 +57,31 @@ class RunInfo:
     usage: dict[str, Any]
 
 
+@dataclass(eq=False)
+class Tree:
+    """What one tree keeps in this supervisor, for its limits and budgets: the children
+    started in the whole tree (Limits.max_children), its spend, the system prompts it has
+    journaled (once per tree), and for its budgets the model calls in flight, those
+    answered, the largest of them, and the calls waiting for the budget.
+
+    The tree here is the subtree of its top run: its root, or a guest whose parent runs on
+    another node (whose own counts are then the root's node's). Every run holds its top's
+    record (`Run.tree`), taken from its parent when the run is made: the simplest way in
+    and the cheapest, one reference a run set once, where a record held by the top alone
+    would take a walk up the tree on every model call and every start, and be None on
+    every other run. The one run that changes tree is a guest adopted as a local child
+    (`graft`)."""
+
+    children: int = 0
+    usage: dict[str, float] = field(default_factory=dict)  # tokens and cost spent
+    prompts: set[str] = field(default_factory=set)  # refs of the system prompts journaled
+    calls_in_flight: int = 0
+    calls_seen: int = 0
+    largest_tokens: int = 0
+    largest_cost: float = 0.0
+    budget_waiters: list[asyncio.Future[None]] = field(default_factory=list)
+
+
 @dataclass(eq=False, kw_only=True)
 class Run:
     """One run as the supervisor holds it: its journaled record, its worker, its place in
@@ -89,19 +114,10 @@ class Run:
     seq: dict[int, int] = field(default_factory=dict)
     pending: dict[int, asyncio.Future[Any]] = field(default_factory=dict)
     last_line: str = ""
-    tree_children: int = 0  # roots only: children started in the whole tree
-    tree_usage: dict[str, float] = field(default_factory=dict)  # roots only
     replay: Replay | None = None  # a run resumed from the journal, until its worker starts
     by_key: dict[str, Run] = field(default_factory=dict)  # resumed: journaled children by key
     flows_started: int = 0  # flows its code started (their runs' keys: flow:N)
-    prompts: set[str] = field(default_factory=set)  # roots only: system prompts journaled
     calls: set[asyncio.Task[Any]] = field(default_factory=set)  # model calls under way
-    # Roots only, for budgets: calls of the tree in flight, answered, and the largest.
-    calls_in_flight: int = 0
-    calls_seen: int = 0
-    largest_tokens: int = 0
-    largest_cost: float = 0.0
-    budget_waiters: list[asyncio.Future[None]] = field(default_factory=list)
     # The supervisor's own clock of the step under way, paused while the run waits on the
     # supervisor (`holds`: requests being answered, and a block on children).
     watch: StepWatch | None = None
@@ -123,6 +139,10 @@ class Run:
     spreading: asyncio.Task[Any] | None = None
     remote: Any = None
     guest: bool = False  # the top of a subtree whose parent runs on another node
+    tree: Tree = field(init=False)  # its top's record: its parent's, or a new one
+
+    def __post_init__(self) -> None:
+        self.tree = Tree() if self.parent is None else self.parent.tree
 
     @property
     def launchable(self) -> bool:
@@ -168,14 +188,19 @@ class Pool:
     def wait(self, run: Run) -> None:
         bisect.insort(self.waiters, run, key=pool_order)
 
-    def first_waiter(self, run: Run) -> Run | None:
-        """The oldest run that can still start and waits ahead of `run`, if any: first
-        come, first served, so a newcomer never takes a place an older waiter is owed."""
-        mine = pool_order(run)
-        return next(
-            (w for w in self.waiters if w is not run and w.launchable and pool_order(w) < mine),
+    def take_waiter(self, ahead_of: Run | None = None) -> Run | None:
+        """The oldest waiter that can still start (given `ahead_of`, one that waits ahead
+        of that run), taken off the queue; None if there is none. First come, first served:
+        a newcomer never takes a place an older waiter is owed, and a freed place goes to
+        the oldest."""
+        mine = None if ahead_of is None else pool_order(ahead_of)
+        first = next(
+            (w for w in self.waiters if w.launchable and (mine is None or pool_order(w) < mine)),
             None,
         )
+        if first is not None:
+            self.waiters.remove(first)
+        return first
 
     def describe(self) -> str:
         held = ", ".join(r.id for r in self.holders) or "nobody"
@@ -214,6 +239,18 @@ class StepWatch:
             self.left -= asyncio.get_running_loop().time() - self.since
 
 
+def graft(run: Run, parent: Run) -> None:
+    """`run`, a guest (the top of a subtree another node placed here), becomes a child of
+    `parent`, which runs here: it and every run under it count in `parent`'s tree."""
+    run.guest, run.parent = False, parent
+    parent.children.append(run)
+    below = [run]
+    while below:
+        r = below.pop()
+        r.tree = parent.tree
+        below.extend(r.children)
+
+
 def child_update(run: Run) -> ChildUpdate:
     """A child's state, as its parent's worker hears it: under the id of the parent's handle
     (a later attempt goes on under its first attempt's id)."""
@@ -223,4 +260,14 @@ def child_update(run: Run) -> ChildUpdate:
     )
 
 
-__all__ = ["Pool", "Run", "RunInfo", "StepWatch", "child_update", "last_line", "new_run_id"]
+__all__ = [
+    "Pool",
+    "Run",
+    "RunInfo",
+    "StepWatch",
+    "Tree",
+    "child_update",
+    "graft",
+    "last_line",
+    "new_run_id",
+]

@@ -109,8 +109,8 @@ class Spread:
         limits are this node's to keep (the root runs here)."""
         k = self.kernel
         root = k.tree_root(root_id)
-        k.limits.admit_children(tree_total=root.tree_children, run_total=0, count=count)
-        root.tree_children += count
+        k.limits.admit_children(tree_total=root.tree.children, run_total=0, count=count)
+        root.tree.children += count
 
 
 __all__ = ["Spread", "Spreader"]

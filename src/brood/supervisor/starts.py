@@ -3,7 +3,7 @@ children a resumed parent's replay asks for again, by key), and the runs the sup
 own code drives (a flow's run and its instances). Each start is admitted against the
 tree's limits, journaled (or forgotten, if the journal refuses it), then queued.
 
-It owns no state of its own: the counters it checks are the tree's top run's, the queues
+It owns no state of its own: the counters it checks are the tree's (`Tree`), the queues
 admission's. It ends runs only through ending.py's attempts and the kernel's `finish`.
 """
 
@@ -107,18 +107,12 @@ class Starts:
             keys.append(f"{msg.step}:{seq}")
         adopted = self._adopt(parent, msg, keys)
         fresh = [(key, p) for key, p in zip(keys, msg.prompts, strict=True) if key not in adopted]
-        root = k.top(parent)
-        k.limits.admit_children(
-            tree_total=root.tree_children, run_total=k.children_of(parent), count=len(fresh)
-        )
-        if root.guest and fresh:  # the tree's own count is kept by its root's node
-            assert k.spreader is not None
-            await k.spreader.admit(root, len(fresh))
+        await k.admit_to_tree(parent, len(fresh), k.children_of(parent))
         # Each child's row holds its prompt and its own copy of the context.
         size = sum(len(p) + len(msg.context or b"") for _, p in fresh)
         if fresh and not k.charge(parent, size):
             raise BroodError(f"run {parent.id} is over its journal bytes; it starts no children")
-        root.tree_children += len(fresh)
+        parent.tree.children += len(fresh)
         spread = msg.placement == "spread" and k.spreader is not None
         timeout = msg.timeout if msg.timeout is not None else k.limits.child_timeout
         children = []
@@ -241,7 +235,7 @@ class Starts:
         if parent.parent is not None:  # counted by the admission
             await self._admit_for_flow(parent.parent)
         else:
-            k.top(parent).tree_children += 1
+            parent.tree.children += 1
         rec = k.child_record(parent, key, prompt, model_name or k.model_name)
         rec.pool = pool
         child = Run(
@@ -265,14 +259,8 @@ class Starts:
         k = self.kernel
         if not k.limits.can_start_child(starter.rec.depth):
             raise LimitExceeded("max_depth", starter.rec.depth + 2, k.limits.max_depth)
-        top = k.top(starter)
-        k.limits.admit_children(
-            tree_total=top.tree_children, run_total=k.children_of(starter), count=1
-        )
-        if top.guest:  # the tree's own count is kept by its root's node
-            assert k.spreader is not None
-            await k.spreader.admit(top, 1)
-        top.tree_children += 1
+        await k.admit_to_tree(starter, 1, k.children_of(starter))
+        starter.tree.children += 1
 
     def children_left(self, flow: Run) -> int | None:
         """How many more runs the tree limits leave to the flow whose run is `flow`: None
@@ -284,7 +272,7 @@ class Starts:
         if not k.limits.can_start_child(starter.rec.depth):
             return 0
         lim = k.limits
-        tree = lim.max_children - k.top(starter).tree_children
+        tree = lim.max_children - starter.tree.children
         return max(0, min(tree, lim.max_children_per_run - k.children_of(starter)))
 
     def adopt_child(

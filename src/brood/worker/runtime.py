@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from brood.errors import InvalidArgument, StaleHandle
 from brood.limits import Limits
@@ -23,9 +23,6 @@ from brood.worker.confine import BATCH_THREADS
 from brood.worker.link import Link, stalled
 from brood.worker.repl import ReplayStop, StepClock
 from brood.worker.threads import CallThreads
-
-if TYPE_CHECKING:
-    from brood.worker.handles import ChildHandle
 
 # True inside work started by `spawn` (and what that work starts in turn): nobody waits on
 # it as it goes, so the stall alarm is not its to raise; its waiter's rlm_await raises it.
@@ -37,6 +34,14 @@ def as_spawned(fn: Callable[..., Any], /, *args: Any, **kw: Any) -> Any:
     goes (`SPAWNED`)."""
     SPAWNED.set(True)  # in this job's own copy of the context
     return fn(*args, **kw)
+
+
+class ChildRef(Protocol):
+    """What the runtime keeps of a child handle (`handles.ChildHandle`, whose module is
+    built on this one): the child's id and the task it was given."""
+
+    id: str
+    prompt: str
 
 
 class Runtime:
@@ -71,7 +76,7 @@ class Runtime:
         self.turn_sent = 0  # messages of the conversation already journaled
         self.namespace: dict[str, Any] = {}
         self.closed: str | None = None  # why handles are stale, once they are
-        self.handles: dict[str, ChildHandle] = {}
+        self.handles: dict[str, ChildRef] = {}  # the code's child handles, by child id
         self.seen: set[str] = set()  # children whose outcome the code has already observed
         self.notes: list[str] = []  # one-time notes for the model, shown with step output
         self.depth_noted = False

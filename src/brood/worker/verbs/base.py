@@ -15,19 +15,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from brood.errors import (
-    AskCancelled,
-    BroodError,
-    ChildFailed,
-    ChildNotReady,
-    InvalidArgument,
-    InvalidSpec,
-    LimitExceeded,
-    ModelError,
-    RateLimited,
-    StaleHandle,
-    StallTimeout,
-)
+from brood import errors
+from brood.errors import InvalidArgument
 from brood.worker.runtime import Runtime
 
 # The helpers' names, as the model sees them, in the order the system prompt lists them.
@@ -84,17 +73,17 @@ HELPER_NAMES = frozenset(HELPER_ORDER)
 ERRORS: dict[str, type[BaseException]] = {
     e.__name__: e
     for e in (
-        AskCancelled,
-        BroodError,
-        ChildFailed,
-        ChildNotReady,
-        InvalidArgument,
-        InvalidSpec,
-        LimitExceeded,
-        ModelError,
-        RateLimited,
-        StaleHandle,
-        StallTimeout,
+        errors.AskCancelled,
+        errors.BroodError,
+        errors.ChildFailed,
+        errors.ChildNotReady,
+        errors.InvalidArgument,
+        errors.InvalidSpec,
+        errors.LimitExceeded,
+        errors.ModelError,
+        errors.RateLimited,
+        errors.StaleHandle,
+        errors.StallTimeout,
     )
 }
 

@@ -215,4 +215,4 @@ def rlm_children(*, rt: Runtime) -> list[ChildHandle]:
     """This run's child handles, newest last."""
     with rt.link.cond:
         ids = list(rt.link.children)
-    return [rt.handles[i] for i in ids if i in rt.handles]
+    return [h for i in ids if isinstance(h := rt.handles.get(i), ChildHandle)]
