@@ -1,5 +1,5 @@
 """Run states and the one table of legal moves between them; the other states brood keeps
-(a flow's, an ask's), each defined once here.
+(a flow's, an ask's) and the kinds of a run's failure, each defined once here.
 
 `move` is the only function that changes a run's state; the supervisor calls it and journals
 the move before anyone is told of it. Terminal states never change.
@@ -26,6 +26,7 @@ __all__ = [
     "TERMINAL_VALUES",
     "TRANSITIONS",
     "AskState",
+    "FailureKind",
     "FlowStatus",
     "IllegalTransition",
     "RunRecord",
@@ -86,6 +87,18 @@ class AskState(enum.StrEnum):
 # The journal's `ask` events: op "opened" opens an ask; the op of each later one is the
 # AskState the ask moved to (answered, cancelled).
 ASK_OPENED = "opened"
+
+
+class FailureKind(enum.StrEnum):
+    """Why a failed run failed, as the supervisor decided it (never from a worker's words):
+    its journal failed a write (`store`), its model call was refused by a rate limit and the
+    run then failed (`rate_limited`), its replay of the journal diverged (`diverged`), or
+    anything else (`error`). The reason's text says the rest."""
+
+    ERROR = "error"
+    STORE = "store"
+    RATE_LIMITED = "rate_limited"
+    DIVERGED = "diverged"
 
 
 TRANSITIONS: dict[RunState, frozenset[RunState]] = {

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from brood.errors import (
-    RATE_LIMITED_REASON,
     BackendError,
     BroodError,
     InvalidArgument,
@@ -38,7 +37,7 @@ from brood.flow.guards import evaluate
 from brood.flow.load import load_spec
 from brood.flow.machine import Machine, MachineState
 from brood.flow.render import OutputError, read_output, render_prompt
-from brood.lifecycle import FlowStatus, RunState
+from brood.lifecycle import FailureKind, FlowStatus, RunState
 
 STATUS_INSTANCES = 50  # instances per state that status() lists (counts cover them all)
 # A start refused for capacity or a rate limit, or a run whose first model call was rate
@@ -460,7 +459,7 @@ class FlowExecutor:
                 return
             await child.done.wait()
             rec = child.rec
-            if _rate_limited_at_first_call(rec) and self.ending is None:
+            if _rate_limited_at_first_call(child) and self.ending is None:
                 if await self._defer(inst, rec.reason):
                     continue  # a new run of the same attempt, under its next key
                 return
@@ -1173,12 +1172,13 @@ class FlowExecutor:
         return events
 
 
-def _rate_limited_at_first_call(rec: Any) -> bool:
-    """The run failed on a rate limit at its first model call (its start, in effect)."""
+def _rate_limited_at_first_call(run: Any) -> bool:
+    """The run failed on a rate limit at its first model call (its start, in effect), as
+    its host decided (`run.failure_kind`), never as its worker's words said."""
     return (
-        rec.state is RunState.FAILED
-        and (rec.reason or "").startswith(RATE_LIMITED_REASON)
-        and rec.usage.get("model_calls", 0) <= 1
+        run.rec.state is RunState.FAILED
+        and run.failure_kind is FailureKind.RATE_LIMITED
+        and run.rec.usage.get("model_calls", 0) <= 1
     )
 
 
