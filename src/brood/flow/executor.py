@@ -88,7 +88,9 @@ def _mark(d: dict[str, Any]) -> tuple[Any, ...]:
 
 
 class Host(Protocol):
-    """The supervisor, as the executor uses it (so this module needs no supervisor import)."""
+    """The supervisor, as the executor uses it (so this module needs no supervisor import).
+    A run it hands back has `id`, `rec` (its RunRecord), `children`, `done`, `ending`, and
+    `failure_kind`: why it failed (a FailureKind) as the supervisor decided it, once failed."""
 
     async def create_controller(
         self, prompt: str, parent: Any = None, run_id: str | None = None
