@@ -42,7 +42,7 @@ from hypothesis import strategies as st
 from brood.errors import RATE_LIMITED_REASON, BroodError, LimitExceeded, RateLimited
 from brood.flow import compile_spec, load_spec
 from brood.flow.executor import DERIVED, INPUTS, FlowExecutor
-from brood.lifecycle import RunState
+from brood.lifecycle import FailureKind, RunState
 
 FENCE = "```"
 MAX_ACTIONS = 40
@@ -138,6 +138,7 @@ class FakeRun:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     ending: Any = None
     children: list[FakeRun] = field(default_factory=list)
+    failure_kind: FailureKind | None = None  # as the host decided it, when it failed
 
 
 class FakeHost:
@@ -355,6 +356,7 @@ async def drive(
                 end(child, RunState.COMPLETED, "answered", answer("{not json", None))
             elif outcome == "rate_limited":  # at its first model call: the flow defers it
                 child.rec.usage["model_calls"] = 1
+                child.failure_kind = FailureKind.RATE_LIMITED
                 end(child, RunState.FAILED, f"{RATE_LIMITED_REASON}429 Too Many Requests")
             else:
                 end(child, RunState(outcome), f"{outcome} on purpose")

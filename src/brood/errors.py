@@ -181,8 +181,9 @@ class RateLimited(ModelError):
         self.retry_after = retry_after
 
 
-# The reason of a run that failed on a rate-limited model call of its own turn: what a flow
-# reads to back off and start the instance again (a reason is journaled; a class is not).
+# How the worker words the reason of a run that failed on a rate-limited model call. Text
+# for people only: whether a run failed on a rate limit is the supervisor's own decision
+# (`FailureKind.RATE_LIMITED`, from what its gateway answered), never read from this.
 RATE_LIMITED_REASON = "model error: rate limited: "
 
 

@@ -16,7 +16,7 @@ from brood.backends.local import own_memory
 from brood.backends.owners import proc_stat
 from brood.errors import BroodError, InvalidArgument
 from brood.lease import lease_holder_gone
-from brood.lifecycle import TERMINAL_VALUES
+from brood.lifecycle import ASK_OPENED, TERMINAL_VALUES, FlowStatus
 from brood.models.base import MODEL_SPEC
 from brood.protocol import CtlAnswer, CtlCancel, CtlFlow, CtlSend
 from brood.store.base import Store, open_store
@@ -297,7 +297,7 @@ class Journal:
     def ask_run(self, ask_id: str) -> str | None:
         """The run that opened an ask (None: the journal holds no such ask)."""
         for e in self.store.events(kind="ask"):
-            if e["data"].get("op") == "opened" and e["data"]["ask"] == ask_id:
+            if e["data"].get("op") == ASK_OPENED and e["data"]["ask"] == ask_id:
                 return str(e["run_id"])
         return None
 
@@ -370,8 +370,8 @@ class Journal:
         outside = next((e for e in ledger if e["kind"] == "run_ended"), None)
         if ended is None and (outside or run["state"] in TERMINAL_VALUES):
             # Its run was ended from outside (a cancel, the end of the run that started it).
-            ended = {"status": "stopped", "reason": (outside or run)["reason"]}
-        status = ended["status"] if ended else ("stale" if run["stale"] else "running")
+            ended = {"status": FlowStatus.STOPPED, "reason": (outside or run)["reason"]}
+        status = ended["status"] if ended else ("stale" if run["stale"] else FlowStatus.RUNNING)
         return {
             "run_id": run_id,
             "status": status,
@@ -397,7 +397,7 @@ def _still_open(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     event that opened it."""
     opened: dict[str, dict[str, Any]] = {}
     for e in events:
-        if e["data"].get("op") == "opened":
+        if e["data"].get("op") == ASK_OPENED:
             opened[e["data"]["ask"]] = e
         else:
             opened.pop(e["data"]["ask"], None)

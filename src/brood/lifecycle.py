@@ -1,7 +1,13 @@
-"""Run states and the one table of legal moves between them.
+"""Run states and the one table of legal moves between them; the other states brood keeps
+(a flow's, an ask's) and the kinds of a run's failure, each defined once here.
 
 `move` is the only function that changes a run's state; the supervisor calls it and journals
 the move before anyone is told of it. Terminal states never change.
+
+Every enum here is a `StrEnum`: a member is the very string the journal, the wire, the
+dashboard and the public API carry, so readers compare either. This module imports nothing
+heavier than `brood.errors`: the worker side, the journal's readers and `import brood` all
+import it.
 """
 
 from __future__ import annotations
@@ -14,9 +20,14 @@ from typing import Any
 from brood.errors import IllegalTransition
 
 __all__ = [
+    "ASK_OPENED",
+    "FLOW_ENDED",
     "TERMINAL",
     "TERMINAL_VALUES",
     "TRANSITIONS",
+    "AskState",
+    "FailureKind",
+    "FlowStatus",
     "IllegalTransition",
     "RunRecord",
     "RunState",
@@ -42,6 +53,53 @@ TERMINAL = frozenset({RunState.COMPLETED, RunState.FAILED, RunState.CANCELLED, R
 # The same states as the journal, the wire and the dashboard spell them. The one definition:
 # the worker side, the journal's readers and the cluster import it from here.
 TERMINAL_VALUES: frozenset[str] = frozenset(s.value for s in TERMINAL)
+
+
+class FlowStatus(enum.StrEnum):
+    """A flow's status (`FlowHandle.status()["status"]`, `wait()`, the `flow_ended` ledger
+    event). `stopping` is on the way to `stopped` or `failed`."""
+
+    RUNNING = "running"
+    PAUSED = "paused"
+    STOPPING = "stopping"
+    FINISHED = "finished"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+    @property
+    def ended(self) -> bool:
+        return self in FLOW_ENDED
+
+
+# The statuses a flow ends in: it never leaves one.
+FLOW_ENDED = frozenset({FlowStatus.FINISHED, FlowStatus.FAILED, FlowStatus.STOPPED})
+
+
+class AskState(enum.StrEnum):
+    """An ask to a person: open until answered (by someone, or its deadline's default) or
+    cancelled (withdrawn, its deadline passed with no default, or its run ended)."""
+
+    OPEN = "open"
+    ANSWERED = "answered"
+    CANCELLED = "cancelled"
+
+
+# The journal's `ask` events: op "opened" opens an ask; the op of each later one is the
+# AskState the ask moved to (answered, cancelled).
+ASK_OPENED = "opened"
+
+
+class FailureKind(enum.StrEnum):
+    """Why a failed run failed, as the supervisor decided it (never from a worker's words):
+    its journal failed a write (`store`), its model call was refused by a rate limit and the
+    run then failed (`rate_limited`), its replay of the journal diverged (`diverged`), or
+    anything else (`error`). The reason's text says the rest."""
+
+    ERROR = "error"
+    STORE = "store"
+    RATE_LIMITED = "rate_limited"
+    DIVERGED = "diverged"
+
 
 TRANSITIONS: dict[RunState, frozenset[RunState]] = {
     RunState.QUEUED: frozenset(

@@ -16,6 +16,7 @@ import msgspec
 
 from brood import errors
 from brood.errors import ProtocolError
+from brood.lifecycle import AskState
 from brood.limits import may_start_children
 
 if TYPE_CHECKING:
@@ -354,7 +355,7 @@ class AskUpdate(Msg):
     its deadline passed with no default; `reason` says which)."""
 
     ask_id: str
-    state: str
+    state: AskState
     result: dict[str, Any] | None = None
     reason: str | None = None
 

@@ -32,7 +32,7 @@ from brood.cli.interrupt import Interrupt, interruptible
 from brood.cli.terminal import Terminal, clean, echo, literal, plain, print_json
 from brood.cli.words import for_cli
 from brood.journal import Journal, default_store_url
-from brood.lifecycle import TERMINAL_VALUES
+from brood.lifecycle import FLOW_ENDED, TERMINAL_VALUES, FlowStatus
 from brood.models.demo import ROOT_TASK
 from brood.protocol import MAX_CONTEXT_BYTES
 
@@ -438,7 +438,8 @@ def resume(
             handle = sup.resume(run_id)
             if handle.id in sup.flows():  # a flow's own tree: say where it stands
                 status = sup.flow(handle.id).status()["status"]
-                hint = f"; `brood flow resume {handle.id}` lets it go on" * (status == "paused")
+                paused = status == FlowStatus.PAUSED
+                hint = f"; `brood flow resume {handle.id}` lets it go on" * paused
                 Terminal(stderr=True).print(f"flow {handle.id} resumed, {status}{hint}")
             result = _watch(handle, url, live, interrupt)
             try:
@@ -948,10 +949,10 @@ def flow_run(
                     _live_tree(
                         journal,
                         flow.id,
-                        lambda: flow.status()["status"] in ("finished", "failed", "stopped"),
+                        lambda: flow.status()["status"] in FLOW_ENDED,
                         interrupt,
                     )
-            while (status := _flow_wait(flow, interrupt)) == "paused":
+            while (status := _flow_wait(flow, interrupt)) == FlowStatus.PAUSED:
                 echo(
                     f"paused: {flow.status()['reason']}; `brood flow resume {flow.id}` goes on",
                     err=True,
@@ -970,7 +971,7 @@ def flow_run(
             + (f": {report['reason']}" if report["reason"] else "")
         )
         echo(json.dumps(report["outputs"], indent=2, default=str))
-    if status != "finished":
+    if status != FlowStatus.FINISHED:
         raise typer.Exit(1)
 
 

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from brood.errors import (
-    RATE_LIMITED_REASON,
     BackendError,
     BroodError,
     InvalidArgument,
@@ -38,7 +37,7 @@ from brood.flow.guards import evaluate
 from brood.flow.load import load_spec
 from brood.flow.machine import Machine, MachineState
 from brood.flow.render import OutputError, read_output, render_prompt
-from brood.lifecycle import RunState
+from brood.lifecycle import FailureKind, FlowStatus, RunState
 
 STATUS_INSTANCES = 50  # instances per state that status() lists (counts cover them all)
 # A start refused for capacity or a rate limit, or a run whose first model call was rate
@@ -72,7 +71,11 @@ INPUTS = frozenset(
         "run_ended",
     }
 )
-ENDS = {"finished": RunState.COMPLETED, "failed": RunState.FAILED, "stopped": RunState.CANCELLED}
+ENDS = {
+    FlowStatus.FINISHED: RunState.COMPLETED,
+    FlowStatus.FAILED: RunState.FAILED,
+    FlowStatus.STOPPED: RunState.CANCELLED,
+}
 # Limits of a tree a start can be refused for, when a run's code started the flow (its
 # instances are that run's children). The counts they compare never go down, so a start
 # refused for one would be refused again: the instance fails at once, not tried again.
@@ -85,7 +88,9 @@ def _mark(d: dict[str, Any]) -> tuple[Any, ...]:
 
 
 class Host(Protocol):
-    """The supervisor, as the executor uses it (so this module needs no supervisor import)."""
+    """The supervisor, as the executor uses it (so this module needs no supervisor import).
+    A run it hands back has `id`, `rec` (its RunRecord), `children`, `done`, `ending`, and
+    `failure_kind`: why it failed (a FailureKind) as the supervisor decided it, once failed."""
 
     async def create_controller(
         self, prompt: str, parent: Any = None, run_id: str | None = None
@@ -212,7 +217,7 @@ class FlowExecutor:
                 ) from None
         self.sleep = sleep  # how start retries wait (tests pass a fake clock)
         self.run: Any = None
-        self.status_value = "running"
+        self.status_value = FlowStatus.RUNNING
         self.reason: str | None = None
         self.outputs: dict[str, dict[str, Any]] = {}  # state -> its latest settled outputs
         self.entries: dict[str, int] = dict.fromkeys(machine.states, 0)
@@ -249,7 +254,7 @@ class FlowExecutor:
         self.foreach_cap: int | None = None
         self.started: list[str] = []  # the states the flow started with
         # Ending: (final status, reason, milestone) once the flow has begun to end.
-        self.ending: tuple[str, str, str | None] | None = None
+        self.ending: tuple[FlowStatus, str, str | None] | None = None
         self.ended_journaled = False  # flow_ended is in the ledger (a resume found it there)
         self.ended_outside = False  # the flow's run was ended from outside (run_ended)
         # While a resume replays the ledger: what the replay made of the derived kinds, and
@@ -373,7 +378,7 @@ class FlowExecutor:
     def try_waiting(self) -> None:
         """Start every waiting entry whose required inputs have settled; fail at binding
         every one that reads a required output of a state failed under `continue`."""
-        if self.status_value != "running":
+        if self.status_value is not FlowStatus.RUNNING:
             return
         for entry in list(self.waiting):
             if entry not in self.waiting:
@@ -387,7 +392,7 @@ class FlowExecutor:
                 entry.expected, entry.unexpanded = 0, True
                 where = {"state": entry.state, "entry": entry.number, "item": None, "attempt": 0}
                 self._entry_failed(entry, st, where, why)
-                if self.status_value != "running":
+                if self.status_value is not FlowStatus.RUNNING:
                     return
                 continue
             values = self.inputs_of(st)
@@ -434,7 +439,9 @@ class FlowExecutor:
         """Start queued instances while max_parallel allows."""
         limit = self.m.run.max_parallel
         while (
-            self.queue and self.status_value == "running" and (limit is None or self.active < limit)
+            self.queue
+            and self.status_value is FlowStatus.RUNNING
+            and (limit is None or self.active < limit)
         ):
             inst = self.queue.popleft()
             self.live[inst.slot] = inst
@@ -454,7 +461,7 @@ class FlowExecutor:
                 return
             await child.done.wait()
             rec = child.rec
-            if _rate_limited_at_first_call(rec) and self.ending is None:
+            if _rate_limited_at_first_call(child) and self.ending is None:
                 if await self._defer(inst, rec.reason):
                     continue  # a new run of the same attempt, under its next key
                 return
@@ -469,7 +476,7 @@ class FlowExecutor:
                     self._settled(inst, "failed", why, retry=False)
                     return
                 self._settled(inst, "completed", outputs=outputs)
-            elif rec.state is RunState.CANCELLED and self.status_value != "running":
+            elif rec.state is RunState.CANCELLED and self.status_value is not FlowStatus.RUNNING:
                 self._settled(inst, "cancelled")
             elif rec.state is RunState.TIMED_OUT and st.budget is not None:
                 # Over the state's budget: this attempt ends timed_out, and is not retried
@@ -499,7 +506,7 @@ class FlowExecutor:
         if inst.run is None:  # not in the ledger yet
             inst.run = child
             self.ledger("spawned", **inst.where, run_id=child.id)
-        if self.status_value in ("stopping", "stopped"):  # the start landed after stop
+        if self.status_value in (FlowStatus.STOPPING, FlowStatus.STOPPED):  # started after stop
             await self.host.finish(child, RunState.CANCELLED, "flow stopped")
         return child
 
@@ -529,12 +536,14 @@ class FlowExecutor:
         self.sleepers[inst.slot] = task
         try:
             await self.sleep(wait)
-            while self.status_value == "paused":
+            while self.status_value is FlowStatus.PAUSED:
                 await self.changed.wait()
                 self.changed.clear()
         finally:
             self.sleepers.pop(inst.slot, None)
-        return inst.outcome is None and self.ending is None and self.status_value == "running"
+        return (
+            inst.outcome is None and self.ending is None and self.status_value is FlowStatus.RUNNING
+        )
 
     def _cancel_sleepers(self) -> None:
         """The flow ends: instances waiting out a backoff are cancelled (they never run)."""
@@ -659,7 +668,7 @@ class FlowExecutor:
         """`source` settled (or, `failed`, failed under `continue`): enter `target`."""
         if self.fired >= self.m.run.max_transitions:
             self.held.append(target)
-            if self.status_value == "running":
+            if self.status_value is FlowStatus.RUNNING:
                 self.pause(
                     "max_transitions_exceeded",
                     f"max_transitions {self.m.run.max_transitions} reached",
@@ -687,8 +696,8 @@ class FlowExecutor:
         self.ended_outside = True
         self.ledger("run_ended", reason=reason)
         self._cancel_sleepers()
-        if self.status_value not in ("stopped", "finished", "failed"):
-            self.set_status("stopped")
+        if not self.status_value.ended:
+            self.set_status(FlowStatus.STOPPED)
             self.reason = reason
         self.done.set()
 
@@ -700,7 +709,7 @@ class FlowExecutor:
 
     def instance_failed(self, inst: Instance, why: str, *, retry: bool = True) -> None:
         st = self.m.states[inst.state]
-        if retry and inst.attempt < st.retries and self.status_value == "running":
+        if retry and inst.attempt < st.retries and self.status_value is FlowStatus.RUNNING:
             self.ledger(
                 "retry",
                 state=inst.state,
@@ -776,7 +785,7 @@ class FlowExecutor:
 
     # ---- quiescence, pause, stop ------------------------------------------------------------
     def check_quiescence(self) -> None:
-        if self.status_value != "running" or self.done.is_set():
+        if self.status_value is not FlowStatus.RUNNING or self.done.is_set():
             return
         if self.queue or self.active > self.residents or self.cascade:
             return  # work still going; residents alone do not hold the flow open
@@ -797,14 +806,14 @@ class FlowExecutor:
             failed = "; ".join(f"{state}: {why}" for state, why in self.continued.items())
             self.fail(f"states failed (failure_policy continue): {failed}")
             return
-        self.end_with("finished", "flow finished")
+        self.end_with(FlowStatus.FINISHED, "flow finished")
 
-    def set_status(self, value: str) -> None:
+    def set_status(self, value: FlowStatus) -> None:
         self.status_value = value
         self.changed.set()
 
     def pause(self, milestone: str, why: str) -> None:
-        self.set_status("paused")
+        self.set_status(FlowStatus.PAUSED)
         self.reason = why
         self.milestone(milestone, reason=why)
         if milestone != "paused":
@@ -813,7 +822,7 @@ class FlowExecutor:
     async def resume(self) -> None:
         """Go on after a pause: held fires fire (a max_transitions pause allows as many
         again), failed escalated entries run again."""
-        if self.status_value != "paused":
+        if self.status_value is not FlowStatus.PAUSED:
             raise BroodError(
                 f"flow {self.run.id} is {self.status_value}; only a paused flow resumes"
             )
@@ -821,7 +830,7 @@ class FlowExecutor:
         self._go_on()
 
     def _go_on(self) -> None:
-        self.set_status("running")
+        self.set_status(FlowStatus.RUNNING)
         self.reason = None
         self.milestones = [
             m
@@ -854,12 +863,12 @@ class FlowExecutor:
         self.try_waiting()
         self.check_quiescence()
 
-    async def wait(self, timeout: float | None = None) -> str:
+    async def wait(self, timeout: float | None = None) -> FlowStatus:
         """Until the flow ends (finished, failed, stopped) or pauses; returns that status.
         On timeout raises TimeoutError and the flow keeps going."""
 
         async def paused() -> None:
-            while self.status_value != "paused":
+            while self.status_value is not FlowStatus.PAUSED:
                 await self.changed.wait()
                 self.changed.clear()
 
@@ -877,12 +886,12 @@ class FlowExecutor:
             )
         return self.status_value
 
-    async def stop(self, reason: str = "stopped") -> str:
+    async def stop(self, reason: str = "stopped") -> FlowStatus:
         """Stop admitting, cancel every running instance (exit confirmed), end `stopped`.
         Idempotent: a second stop waits for the first."""
         if self.ending is None and not self.done.is_set():
             self.ledger("stopping", reason=reason)
-            self.end_with("stopped", reason)
+            self.end_with(FlowStatus.STOPPED, reason)
         await self.done.wait()
         return self.status_value
 
@@ -902,9 +911,9 @@ class FlowExecutor:
         }
 
     def fail(self, why: str) -> None:
-        self.end_with("failed", why, milestone="failed")
+        self.end_with(FlowStatus.FAILED, why, milestone="failed")
 
-    def end_with(self, final: str, reason: str, milestone: str | None = None) -> None:
+    def end_with(self, final: FlowStatus, reason: str, milestone: str | None = None) -> None:
         """Begin to end the flow as `final` (finished, failed or stopped). What is decided
         is decided now: a failing or stopping flow is `stopping` at once (it admits and
         finalizes nothing more); the cancelling and the journaling run as a task."""
@@ -912,11 +921,11 @@ class FlowExecutor:
             return
         self.ending = (final, reason, milestone)
         self.queue.clear()
-        if final == "finished":
-            self.set_status("finished")
+        if final is FlowStatus.FINISHED:
+            self.set_status(FlowStatus.FINISHED)
             self.milestone("finished")
         else:
-            self.set_status("stopping")
+            self.set_status(FlowStatus.STOPPING)
             if milestone is not None:
                 self.reason = reason
                 self.milestone(milestone, reason=reason)
@@ -926,14 +935,14 @@ class FlowExecutor:
     async def _complete_ending(self) -> None:
         assert self.ending is not None
         final, reason, _ = self.ending
-        if final == "finished":
+        if final is FlowStatus.FINISHED:
             why = "flow finished: its resident states are stopped"
         else:
-            why = "flow stopped" if final == "stopped" else f"flow failed: {reason}"
+            why = "flow stopped" if final is FlowStatus.STOPPED else f"flow failed: {reason}"
         self._cancel_sleepers()
         await self._cancel_all(why)
         self.set_status(final)
-        answer = json.dumps(self.outputs, default=str) if final == "finished" else None
+        answer = json.dumps(self.outputs, default=str) if final is FlowStatus.FINISHED else None
         await self._end(ENDS[final], reason, answer)
 
     async def _cancel_all(self, why: str) -> None:
@@ -943,7 +952,7 @@ class FlowExecutor:
         await asyncio.gather(*(self.host.finish(r, RunState.CANCELLED, why) for r in runs))
 
     def _budget_expired(self) -> None:
-        if self.status_value in ("running", "paused") and self.ending is None:
+        if self.status_value in (FlowStatus.RUNNING, FlowStatus.PAUSED) and self.ending is None:
             self.ledger("budget_expired", budget=self.m.run.budget)
             self._over_budget()
 
@@ -954,7 +963,7 @@ class FlowExecutor:
             f"budget: {self.m.run.budget:g} s of wall clock used; running instances finish, "
             "nothing new starts; resume to go on"
         )
-        if self.status_value == "running":
+        if self.status_value is FlowStatus.RUNNING:
             self.pause("budget_exceeded", why)
         else:  # already paused: say why too
             self.milestone("budget_exceeded", reason=why)
@@ -1021,7 +1030,7 @@ class FlowExecutor:
         elif kind == "resumed":
             self._go_on()
         elif kind == "stopping":
-            self.end_with("stopped", d.get("reason") or "stopped")
+            self.end_with(FlowStatus.STOPPED, d.get("reason") or "stopped")
         elif kind == "budget_expired":
             self._over_budget()
         elif kind == "run_ended":
@@ -1052,7 +1061,7 @@ class FlowExecutor:
         if self.run.rec.state.terminal or self.run.ending is not None:
             # The flow's run has ended: nothing more happens (a parent's replay may still
             # ask for the flow's status).
-            final = self.ending[0] if self.ending else "stopped"
+            final = self.ending[0] if self.ending else FlowStatus.STOPPED
             self.set_status(final)
             self.reason = self.reason or self.run.rec.reason
             self.done.set()
@@ -1165,12 +1174,13 @@ class FlowExecutor:
         return events
 
 
-def _rate_limited_at_first_call(rec: Any) -> bool:
-    """The run failed on a rate limit at its first model call (its start, in effect)."""
+def _rate_limited_at_first_call(run: Any) -> bool:
+    """The run failed on a rate limit at its first model call (its start, in effect), as
+    its host decided (`run.failure_kind`), never as its worker's words said."""
     return (
-        rec.state is RunState.FAILED
-        and (rec.reason or "").startswith(RATE_LIMITED_REASON)
-        and rec.usage.get("model_calls", 0) <= 1
+        run.rec.state is RunState.FAILED
+        and run.failure_kind is FailureKind.RATE_LIMITED
+        and run.rec.usage.get("model_calls", 0) <= 1
     )
 
 

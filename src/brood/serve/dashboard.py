@@ -31,7 +31,7 @@ from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from brood.lifecycle import TERMINAL_VALUES
+from brood.lifecycle import TERMINAL_VALUES, FlowStatus
 from brood.serve.bodies import int_param
 from brood.serve.caps import following
 from brood.serve.errors import ApiError
@@ -263,7 +263,7 @@ async def ui_flow(request: Request) -> Response:
         run=run,
         status=status,
         drawing=draw_machine(spec, status["states"]),
-        live=status["status"] in ("running", "paused"),
+        live=status["status"] in (FlowStatus.RUNNING, FlowStatus.PAUSED),
     )
 
 

@@ -18,11 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from brood.errors import BroodError, InvalidArgument, ReplayDiverged
+from brood.lifecycle import ASK_OPENED, AskState
 from brood.protocol import AskCancelReq, AskReq, AskUpdate
 from brood.supervisor.kernel import Kernel
 from brood.supervisor.runs import Run
-
-OPEN, ANSWERED, CANCELLED = "open", "answered", "cancelled"
 
 
 @dataclass(eq=False)
@@ -35,7 +34,7 @@ class Ask:
     default: str | None
     deadline_at: float | None  # epoch seconds
     opened_at: float
-    state: str = OPEN
+    state: AskState = AskState.OPEN
     result: dict[str, Any] | None = None
     reason: str | None = None
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
@@ -98,7 +97,7 @@ class Asks:
                     f"key {key} with question {known.question[:80]!r}; the replay asked "
                     f"{msg.question[:80]!r}"
                 )
-            if known.state != OPEN:
+            if known.state is not AskState.OPEN:
                 asyncio.get_running_loop().call_soon(self._tell, known)
             return known.id
         if msg.replaying:
@@ -126,15 +125,15 @@ class Asks:
             deadline_at=None if msg.deadline is None else now + msg.deadline,
             opened_at=now,
         )
-        await self._journal(ask, "opened", _opened(ask))
+        await self._journal(ask, ASK_OPENED, _opened(ask))
         self._keep(ask)
         return ask.id
 
-    async def withdraw(self, run: Run, msg: AskCancelReq) -> str:
+    async def withdraw(self, run: Run, msg: AskCancelReq) -> AskState:
         ask = self.by_id.get(msg.ask_id)
         if ask is None or ask.run is not run:
             raise InvalidArgument(f"{msg.ask_id} is not an ask of run {run.id}")
-        if ask.state == OPEN:
+        if ask.state is AskState.OPEN:
             await self.cancel(ask, f"withdrawn by run {run.id}")
         return ask.state
 
@@ -147,7 +146,7 @@ class Asks:
             raise InvalidArgument(
                 f"no ask {ask_id!r} in this supervisor; `brood asks` lists the open ones"
             )
-        if ask.state != OPEN:
+        if ask.state is not AskState.OPEN:
             why = f" ({ask.reason})" if ask.reason else ""
             raise InvalidArgument(f"ask {ask_id} is {ask.state}{why}; only an open ask is answered")
         if not isinstance(value, str) or not value.strip():
@@ -161,11 +160,11 @@ class Asks:
                 f"{value!r} is none of the options of ask {ask_id}: {labels}; answer with an "
                 "option id or label"
             )
-        await self._settle(ask, ANSWERED, result=result)
+        await self._settle(ask, AskState.ANSWERED, result=result)
         return result
 
     async def cancel(self, ask: Ask, reason: str) -> None:
-        await self._settle(ask, CANCELLED, reason=reason)
+        await self._settle(ask, AskState.CANCELLED, reason=reason)
 
     async def end_of(self, run: Run, why: str) -> None:
         """The run ends: its open asks are cancelled (journaled)."""
@@ -174,10 +173,12 @@ class Asks:
 
     def _deadline(self, ask: Ask) -> None:
         ask.timer = None
-        if ask.state != OPEN:
+        if ask.state is not AskState.OPEN:
             return
         if ask.default is not None:
-            work = self._settle(ask, ANSWERED, result=_result(ask, ask.default, "deadline"))
+            work = self._settle(
+                ask, AskState.ANSWERED, result=_result(ask, ask.default, "deadline")
+            )
         else:
             passed = (ask.deadline_at or ask.opened_at) - ask.opened_at
             work = self.cancel(
@@ -188,12 +189,12 @@ class Asks:
     async def _settle(
         self,
         ask: Ask,
-        state: str,
+        state: AskState,
         *,
         result: dict[str, Any] | None = None,
         reason: str | None = None,
     ) -> None:
-        if ask.state != OPEN:
+        if ask.state is not AskState.OPEN:
             return
         data: dict[str, Any] = {"result": result} if result is not None else {"reason": reason}
         ask.state = state  # at once: a second answer meanwhile is refused
@@ -220,9 +221,9 @@ class Asks:
     def _keep(self, ask: Ask) -> None:
         self.by_id[ask.id] = ask
         self.by_key[(ask.run.id, ask.key)] = ask
-        if ask.state == OPEN:
+        if ask.state is AskState.OPEN:
             self.open_by_run.setdefault(ask.run.id, {})[ask.id] = ask
-        if ask.state == OPEN and ask.deadline_at is not None:
+        if ask.state is AskState.OPEN and ask.deadline_at is not None:
             left = max(0.0, ask.deadline_at - time.time())
             ask.timer = asyncio.get_running_loop().call_later(left, self._deadline, ask)
 
@@ -237,7 +238,7 @@ class Asks:
         asks: dict[str, Ask] = {}
         for e in events:
             d = e["data"]
-            if d.get("op") == "opened":
+            if d.get("op") == ASK_OPENED:
                 asks[d["ask"]] = Ask(
                     id=d["ask"],
                     run=run,
@@ -250,7 +251,7 @@ class Asks:
                 )
             elif d["ask"] in asks:
                 ask = asks[d["ask"]]
-                ask.state = d["op"]
+                ask.state = AskState(d["op"])
                 ask.result, ask.reason = d.get("result"), d.get("reason")
         for ask in asks.values():
             self._keep(ask)

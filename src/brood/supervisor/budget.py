@@ -16,7 +16,7 @@ import hashlib
 import time
 from typing import Any
 
-from brood.errors import BroodError, InvalidArgument, ModelError
+from brood.errors import BroodError, InvalidArgument, ModelError, RateLimited
 from brood.lifecycle import RunState
 from brood.models.base import Completion
 from brood.protocol import BUDGET_MARK, ModelReq, clip
@@ -74,15 +74,19 @@ class Budget:
         error: str | None = None
         try:
             done = await self.gateway.complete(run.model, msg.messages, msg.model)
+            run.rate_limited = False
             return done.text
         except asyncio.CancelledError:
             error = "abandoned: the run ended while the call was under way"
             raise
         except ModelError as exc:
             error = f"ModelError: {exc}"
+            # What the gateway answered, which the run's failure kind is decided by.
+            run.rate_limited = isinstance(exc, RateLimited)
             raise
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
+            run.rate_limited = False
             raise ModelError(
                 f"model {run.model.describe()!r} raised {type(exc).__name__}: {exc}"
             ) from exc

@@ -20,7 +20,7 @@ from typing import Any
 
 from brood.backends.base import STATUS_UNKNOWN, WorkerConn
 from brood.errors import BroodError, ChildCleanupError, NodeLost, StoreError
-from brood.lifecycle import RunState, move
+from brood.lifecycle import FailureKind, RunState, move
 from brood.limits import Limits
 from brood.protocol import Stop
 from brood.supervisor.admission import Admission
@@ -64,8 +64,10 @@ class Ending:
         *,
         answer: str | None = None,
         error: str | None = None,
+        kind: FailureKind = FailureKind.ERROR,
     ) -> RunState:
         """End `run` (and its subtree) in `state`; returns the state it really ended in.
+        `kind` says why a run ending `failed` failed (Run.failure_kind).
 
         The first caller decides how a run ends; later callers wait for that ending. The
         work is shielded: a caller that is cancelled does not interrupt cleanup.
@@ -73,11 +75,17 @@ class Ending:
         if run.rec.state.terminal:
             return run.rec.state
         if run.ending is None:
-            run.ending = self.kernel.task(self._end(run, state, reason, answer, error))
+            run.ending = self.kernel.task(self._end(run, state, reason, answer, error, kind))
         return await asyncio.shield(run.ending)
 
     async def _end(
-        self, run: Run, state: RunState, reason: str, answer: str | None, error: str | None
+        self,
+        run: Run,
+        state: RunState,
+        reason: str,
+        answer: str | None,
+        error: str | None,
+        kind: FailureKind,
     ) -> RunState:
         k = self.kernel
         if run.spreading is not None and await self._ended_on_its_node(run, state, reason):
@@ -106,7 +114,9 @@ class Ending:
         self.admission.release(run)
         if not confirmed and run.conn is not None:
             self.quarantine(run, run.conn)
-        await k.move(run, state, reason)
+        if state is RunState.FAILED:
+            run.failure_kind = kind
+        await k.move(run, state, reason)  # a journal that fails it makes it kind store
         # Its pool place is given up once its end is journaled, so a pool's sections never
         # overlap in the journal's times.
         self.admission.pool_release(run)
@@ -153,6 +163,8 @@ class Ending:
         if rec.state is RUN and to is RunState.CANCELLED:
             move(rec, CANCELLING)
         move(rec, to, end["reason"] or "ended on its node")
+        if to is RunState.FAILED:  # as the supervisor of its node decided it
+            run.failure_kind = FailureKind(end.get("failure_kind") or FailureKind.ERROR)
         run.retrying = self.retries(run, to)
         if not run.retrying:  # else its parent hears of the next attempt instead
             k.tell_parent(run)

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from brood.backends.base import Backend
 from brood.errors import BroodError, StoreError, SupervisorClosed
-from brood.lifecycle import RunRecord, RunState, move
+from brood.lifecycle import FailureKind, RunRecord, RunState, move
 from brood.limits import Limits
 from brood.models.base import Model
 from brood.protocol import Deliver, Progress, WorkerLimits
@@ -42,6 +42,7 @@ class Finish(Protocol):
         *,
         answer: str | None = None,
         error: str | None = None,
+        kind: FailureKind = FailureKind.ERROR,
     ) -> Awaitable[RunState]: ...
 
 
@@ -147,6 +148,7 @@ class Kernel:
             self.store_failed(exc)  # every run is ending with the journal's error
             if to.terminal:  # an end the journal does not hold is not the end it says
                 run.rec.state, run.rec.reason = RunState.FAILED, f"{STORE_FAILED}{exc}"
+                run.failure_kind = FailureKind.STORE
         if not run.retrying:  # else its parent hears of the next attempt instead
             self.tell_parent(run)
         parent = run.parent
@@ -169,7 +171,7 @@ class Kernel:
         self.store_error = exc
         reason = f"{STORE_FAILED}{exc}"
         for root in self.live_roots():
-            self.task(self.finish(root, RunState.FAILED, reason))
+            self.task(self.finish(root, RunState.FAILED, reason, kind=FailureKind.STORE))
 
     def top(self, run: Run) -> Run:
         """The top of `run`'s tree in this supervisor, which holds the tree's counters: its

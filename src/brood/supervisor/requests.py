@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from brood.errors import BroodError, InvalidArgument, LimitExceeded
-from brood.lifecycle import RunState
+from brood.lifecycle import FailureKind, RunState
 from brood.protocol import (
     FAILURE_TEXT_CAP,
     MAX_REMEMBER_BYTES,
@@ -220,13 +220,14 @@ class Requests:
 
     def _failed(self, run: Run, msg: Failed) -> None:
         """The worker says its run cannot go on. What it says is data: kept (capped) as the
-        reason, never a decision. Only a run the supervisor is replaying can diverge."""
+        reason, never a decision; the failure's kind is the supervisor's (`_failure_kind`)."""
         reason, error = clip(msg.reason, FAILURE_TEXT_CAP), clip(msg.error, FAILURE_TEXT_CAP)
         if reason.startswith(STORE_FAILED):  # that reason is the journal's, said only here
             reason = f"worker error: {reason}"
+        kind = _failure_kind(run, msg)
         k = self.kernel
-        k.task(k.finish(run, RunState.FAILED, reason, error=error))
-        if msg.kind == "diverged" and run.steps.replaying:
+        k.task(k.finish(run, RunState.FAILED, reason, error=error, kind=kind))
+        if kind is FailureKind.DIVERGED:
             self.resume.stop_resume(run, reason)
 
     # ---- the supervisor's clock of each step ---------------------------------------------
@@ -347,6 +348,15 @@ class Requests:
 
 async def _now(value: Any) -> Any:
     return value
+
+
+def _failure_kind(run: Run, msg: Failed) -> FailureKind:
+    """Why the run whose worker sent `msg` failed, from what the supervisor knows: diverged
+    only while it replays the run, rate limited only when its gateway refused the run's
+    last model call for a rate limit. The worker's words decide neither."""
+    if msg.kind == "diverged" and run.steps.replaying:
+        return FailureKind.DIVERGED
+    return FailureKind.RATE_LIMITED if run.rate_limited else FailureKind.ERROR
 
 
 # Each frame a worker may send (protocol.WorkerMsg), and the one handler it has.

@@ -22,7 +22,7 @@ from brood.protocol import Replay
 from brood.supervisor.admission import Admission
 from brood.supervisor.asks import Asks
 from brood.supervisor.kernel import Kernel
-from brood.supervisor.runs import CANCELLING, FLOW_MODEL, RUN, Run, Tree, graft
+from brood.supervisor.runs import CANCELLING, FLOW_MODEL, RUN, Run, Tree, graft, journaled_kind
 from brood.supervisor.spread import Spread
 
 
@@ -148,6 +148,7 @@ class Resume:
                 if rec.key is not None:
                     parent.by_key[rec.key] = run
             if rec.state.terminal:
+                run.failure_kind = journaled_kind(rec)
                 run.started.set()
                 run.done.set()
             runs[rec.id] = run

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from brood.backends.base import WorkerConn
-from brood.lifecycle import RunRecord, RunState
+from brood.lifecycle import FailureKind, RunRecord, RunState
 from brood.models.base import Model
 from brood.protocol import ChildUpdate, Replay
 from brood.supervisor.frames import Conversation, Steps
@@ -22,6 +22,17 @@ from brood.supervisor.frames import Conversation, Steps
 Q, RUN, CANCELLING = RunState.QUEUED, RunState.RUNNING, RunState.CANCELLING
 FLOW_MODEL = "flow"  # the model column of a flow's own run (it has no worker)
 STORE_FAILED = "StoreError: "  # how the reason of a run ended by a failed journal begins
+
+
+def journaled_kind(rec: RunRecord) -> FailureKind | None:
+    """The failure kind of a run the journal holds as ended (a resume's), from what the
+    supervisor alone wrote there: a reason beginning with STORE_FAILED is the journal's own
+    (a worker's reason that begins so is kept as "worker error: ..."). A rate limit is not
+    journaled: after a resume such a run is an ordinary failure."""
+    if rec.state is not RunState.FAILED:
+        return None
+    store = (rec.reason or "").startswith(STORE_FAILED)
+    return FailureKind.STORE if store else FailureKind.ERROR
 
 
 def new_run_id() -> str:
@@ -139,6 +150,11 @@ class Run:
     spreading: asyncio.Task[Any] | None = None
     remote: Any = None
     guest: bool = False  # the top of a subtree whose parent runs on another node
+    # Why it failed, as the supervisor decided it (None until it has failed), and whether
+    # its last model call was refused by a rate limit (what the gateway answered, not what
+    # the worker says): a run that then fails failed on that rate limit.
+    failure_kind: FailureKind | None = None
+    rate_limited: bool = False
     tree: Tree = field(init=False)  # its top's record: its parent's, or a new one
 
     def __post_init__(self) -> None:
@@ -268,6 +284,7 @@ __all__ = [
     "Tree",
     "child_update",
     "graft",
+    "journaled_kind",
     "last_line",
     "new_run_id",
 ]

@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from brood.errors import AskCancelled, ChildFailed, ChildNotReady, InvalidArgument
-from brood.lifecycle import TERMINAL_VALUES
+from brood.lifecycle import TERMINAL_VALUES, AskState
 from brood.protocol import AskCancelReq, AskUpdate, CancelReq, SendReq
 from brood.worker.link import Link
 from brood.worker.runtime import Runtime, as_spawned
@@ -195,22 +195,23 @@ class AskHandle:
 
     @property
     def done(self) -> bool:
-        return self.status() != "open"
+        return self.status() != AskState.OPEN
 
     def status(self) -> str:
+        """Its state, as plain text (what model code prints is the word, not an enum)."""
         self._rt.check_open()
-        return self._update().state
+        return self._update().state.value
 
     def result(self) -> dict[str, Any]:
         """The ask's result once answered; ChildNotReady while open; AskCancelled once it
         ended without an answer."""
         self._rt.check_open()
         u = self._update()
-        if u.state == "open":
+        if u.state is AskState.OPEN:
             raise ChildNotReady(
                 f"ask {self.id} is still open; rlm_wait(h) blocks until someone answers"
             )
-        if u.state != "answered" or u.result is None:
+        if u.state is not AskState.ANSWERED or u.result is None:
             raise AskCancelled(f"ask {self.id} was cancelled: {u.reason}", ask=self.id)
         return dict(u.result)
 
@@ -219,7 +220,9 @@ class AskHandle:
 
     def wait_done(self, timeout: float | None) -> bool:
         self._rt.check_open()
-        return self._rt.wait_for(lambda: self._rt.link.asks[self.id].state != "open", timeout)
+        return self._rt.wait_for(
+            lambda: self._rt.link.asks[self.id].state is not AskState.OPEN, timeout
+        )
 
     def wait(self, timeout: float | None = None) -> dict[str, Any]:
         timeout = check_timeout(timeout, "AskHandle.wait")
@@ -345,7 +348,7 @@ def wait_handles(
         if isinstance(h, Task):
             return h._future.done()
         if isinstance(h, AskHandle):
-            return rt.link.asks[h.id].state != "open"
+            return rt.link.asks[h.id].state is not AskState.OPEN
         return rt.link.children[h.id].state in TERMINAL_VALUES
 
     below = [h.id for h in handles if not isinstance(h, AskHandle)]

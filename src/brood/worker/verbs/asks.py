@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 from brood.errors import InvalidArgument
+from brood.lifecycle import AskState
 from brood.protocol import AskOption, AskReq, AskUpdate
 from brood.worker.handles import AskHandle, collect
 from brood.worker.runtime import Runtime
@@ -44,7 +45,7 @@ def open_ask(
         )
     )
     with rt.link.cond:  # an update may have come first (a replayed, answered ask)
-        rt.link.asks.setdefault(ask_id, AskUpdate(ask_id, "open"))
+        rt.link.asks.setdefault(ask_id, AskUpdate(ask_id, AskState.OPEN))
     return AskHandle(rt, ask_id, question)
 
 
