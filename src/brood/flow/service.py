@@ -4,7 +4,9 @@ resumed, their milestones told to the run that started them.
 
 `FlowService` is built by the supervisor's engine on a flow's first use (this package
 imports pydantic and PyYAML, which a supervisor that runs no flow never pays for). It
-reaches the supervisor only through `ServiceHost`, so it depends on no supervisor type.
+reaches the supervisor only through `ServiceHost`, and a worker's request only through
+`FlowRequest`: like the rest of the package, it imports nothing of the supervisor, the
+journal or the protocol.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from concurrent.futures import Future
+from typing import Any, Protocol
 
 from brood.errors import InvalidArgument, LimitExceeded, ReplayDiverged
 from brood.flow.compile import compile_spec
@@ -21,28 +24,59 @@ from brood.flow.host import FlowHost
 from brood.flow.load import load_spec_text
 from brood.flow.schema import FlowSpec
 from brood.limits import Limits
-from brood.models.base import MODEL_SPEC
-from brood.protocol import FlowReq, Notice
-from brood.store.base import Store
-
-if TYPE_CHECKING:
-    from brood.supervisor.runs import Run
 
 # A spec as journaled (and as a resumed run's replay compares it).
 SPEC_DUMP: dict[str, Any] = {"mode": "json", "exclude_unset": True, "by_alias": True}
 
 
+class Ledgers(Protocol):
+    """The journal, as the service reads it: a flow's ledger, and the commit of what is
+    queued."""
+
+    def events(self, run_id: str | None = None, kind: str | None = None) -> list[dict[str, Any]]:
+        """The events of `run_id` of that kind, oldest first."""
+
+    def committed(self) -> Future[Any]:
+        """Done once everything written so far is committed."""
+
+
 class ServiceHost(FlowHost, Protocol):
     """The supervisor's core as the service uses it: the executor's calls, and the limits,
-    the journal and the adoption of a flow a resumed run's replay starts again."""
+    the journal, the adoption of a flow a resumed run's replay starts again and a notice to
+    a run's code (`Core` is one)."""
 
     @property
     def limits(self) -> Limits: ...
 
     @property
-    def store(self) -> Store: ...
+    def store(self) -> Ledgers: ...
 
     def adopt_flow(self, parent: Any) -> Any: ...
+
+    def notice(self, run: Any, line: str) -> None:
+        """Tell `run`'s code `line` before its next turn, while its worker is live."""
+
+
+class FlowRequest(Protocol):
+    """A worker's request about a flow (brood.protocol's FlowReq), as the service reads it."""
+
+    @property
+    def op(self) -> str: ...
+
+    @property
+    def ref(self) -> str | None: ...
+
+    @property
+    def spec(self) -> str | None: ...
+
+    @property
+    def inputs(self) -> str | None: ...
+
+    @property
+    def timeout(self) -> float | None: ...
+
+    @property
+    def replaying(self) -> bool: ...
 
 
 def flow_title(executor: FlowExecutor) -> str:
@@ -51,12 +85,12 @@ def flow_title(executor: FlowExecutor) -> str:
 
 
 class FlowService:
-    """Every flow of one supervisor by its run id; `model_record` is the model a flow
-    started from the API is journaled with (for a resume)."""
+    """Every flow of one supervisor by its run id. `model_event` (kind, data) is journaled
+    with a flow started from the API: the model its tree goes on with when resumed."""
 
-    def __init__(self, host: ServiceHost, model_record: dict[str, Any]) -> None:
+    def __init__(self, host: ServiceHost, model_event: tuple[str, dict[str, Any]]) -> None:
         self.host = host
-        self.model_record = model_record
+        self.model_event = model_event
         self.executors: dict[str, FlowExecutor] = {}  # flow run id -> its executor
         self.spec_turn = asyncio.Lock()  # specs from model code, parsed one at a time
 
@@ -64,7 +98,7 @@ class FlowService:
         self,
         loaded: FlowSpec,
         inputs: dict[str, Any] | None,
-        parent: Run | None = None,
+        parent: Any = None,
         run_id: str | None = None,
     ) -> FlowExecutor:
         """Start a validated flow (a child of `parent` when a run's code starts it, whose
@@ -74,27 +108,27 @@ class FlowService:
             self.host.limits.check_pool(st.pool, where=f"flow state {st.id!r}: pool")
         executor = FlowExecutor(self.host, machine, inputs)
         if parent is not None:
-            executor.on_milestone = notifier(parent)
+            executor.on_milestone = self.notifier(parent)
         spec = loaded.model_dump(**SPEC_DUMP)
         await executor.start(flow_title(executor), parent, spec=spec, run_id=run_id)
         if parent is None:
-            self.host.event(executor.run, MODEL_SPEC, self.model_record)
+            self.host.event(executor.run, *self.model_event)
         self.executors[executor.run.id] = executor
         # Its ledger's head (spec and inputs) is what a resume rebuilds it from: the start
         # is answered once that is committed, so a host lost right after still has it.
         await asyncio.wrap_future(self.host.store.committed())
         return executor
 
-    def rebuild(self, run: Run) -> None:
+    def rebuild(self, run: Any) -> None:
         """Rebuild a flow from its ledger while its tree is resumed, and let it go on."""
         events = self.host.store.events(run.id, "flow")
         executor = FlowExecutor.from_ledger(self.host, run, events)
         if run.parent is not None:
-            executor.on_milestone = notifier(run.parent)
+            executor.on_milestone = self.notifier(run.parent)
         self.executors[run.id] = executor
         executor.go_live()
 
-    async def request(self, run: Run, msg: FlowReq) -> Any:
+    async def request(self, run: Any, msg: FlowRequest) -> Any:
         """A run's code starts or steers a flow (the REPL's flow_* helpers)."""
         if msg.op == "run":
             return await self._run(run, msg)
@@ -114,7 +148,7 @@ class FlowService:
             return found.status_value
         raise InvalidArgument(f"flow op must be run, status, wait, stop or resume, not {msg.op!r}")
 
-    async def _run(self, run: Run, msg: FlowReq) -> dict[str, Any]:
+    async def _run(self, run: Any, msg: FlowRequest) -> dict[str, Any]:
         """A flow started by `run`'s code, or (in a resumed run's replay) adopted again."""
         limits = self.host.limits
         if not msg.replaying and not limits.can_start_child(run.rec.depth):
@@ -150,12 +184,10 @@ class FlowService:
         executor = await self.start(loaded, inputs, parent=run)
         return {"id": executor.run.id, "started": executor.started}
 
+    def notifier(self, run: Any) -> Callable[[str], None]:
+        """Milestones of a flow `run`'s code started, as notices for its next turn."""
 
-def notifier(run: Run) -> Callable[[str], None]:
-    """Milestones of a flow `run`'s code started, as notices for its next turn."""
+        def notify(line: str) -> None:
+            self.host.notice(run, line)
 
-    def notify(line: str) -> None:
-        if run.conn is not None and not run.rec.state.terminal:
-            run.conn.send(Notice(line))
-
-    return notify
+        return notify

@@ -25,6 +25,7 @@ from brood.limits import Limits
 from brood.models.base import Model
 from brood.protocol import (
     Exec,
+    Notice,
     SpawnReq,
     Start,
     StepResult,
@@ -296,6 +297,12 @@ class Core:
     def top(self, run: Run) -> Run:
         """The top of `run`'s tree here (its root, or the guest its subtree hangs from)."""
         return self.kernel.top(run)
+
+    def notice(self, run: Run, line: str) -> None:
+        """Tell `run`'s code `line` before its next turn (a flow's milestone), while its
+        worker is live."""
+        if run.conn is not None and not run.rec.state.terminal:
+            run.conn.send(Notice(line))
 
     async def send_message(self, run: Run, message: str) -> None:
         await self.kernel.send_message(run, message)

@@ -257,7 +257,7 @@ class Engine:
         if self._flows is None:
             from brood.flow.service import FlowService
 
-            self._flows = FlowService(self.core, self.model_record)
+            self._flows = FlowService(self.core, (MODEL_SPEC, self.model_record))
         return self._flows
 
     def start_flow(
