@@ -1,4 +1,8 @@
-"""The Python API: `Supervisor` and the `RunHandle` it returns (DESIGN.md section 4)."""
+"""The Python API: `Supervisor` and the `RunHandle` it returns (DESIGN.md section 4).
+
+`Supervisor` is a thin facade over the supervisor's engine (brood.supervisor.engine), and
+the handles wrap that engine: what is here is the API users call, its checks and words.
+"""
 
 from __future__ import annotations
 
@@ -174,7 +178,6 @@ class Supervisor:
         """Answer an open ask: an option id or label, or free text when it has no options;
         `by` names who answers (default: the OS user). Returns the ask's result. Refused
         with InvalidArgument: an unknown ask, an ended one, a value none of its options."""
-        self._engine.check_open()
         return self._engine.answer(ask_id, value, by or os_user())
 
     # ---- introspection -----------------------------------------------------------------

@@ -5,7 +5,8 @@ It owns the loop thread, the journal, the backend, the `Core` and its rooms, the
 socket, the lease on its trees, the observers, the model record journaled with each tree,
 the flows (brood.flow's `FlowService`, built on a flow's first use) and closing, with its
 own lifecycle (`EngineState`). The wrappers hold an engine and use only its public methods
-and attributes; what they add is their own API (handles, steps, a node's calls).
+and attributes (`core`, `store`, `backend`, `control`, `limits`); what they add is their
+own API (handles, steps, a node's calls).
 """
 
 from __future__ import annotations
@@ -99,11 +100,11 @@ class Engine:
                 "no model: pass Supervisor(model=chat_fn or 'openai:MODEL@URL'), or set BROOD_MODEL"
             )
         resolved = resolve_model(model)
-        self.model_record = spec_record(model)  # journaled with each tree, for a resume
+        self._model_record = spec_record(model)  # journaled with each tree, for a resume
         settings = worker_settings(self.limits, worker_env, keep_scratch)
         self.store = open_store(store)
-        self.observers = Observers(on_start, on_end)
-        self.loop = LoopThread()
+        self._observers = Observers(on_start, on_end)
+        self._loop = LoopThread()
         self.state = EngineState.OPEN
         self._lease: asyncio.Future[None] | None = None
         self._flows: FlowService | None = None  # built on a flow's first use
@@ -115,7 +116,7 @@ class Engine:
                 limits=self.limits,
                 store=self.store,
                 backend=self.backend,
-                observers=self.observers,
+                observers=self._observers,
                 owner=owner_token(),
                 flows=self,
                 unenforced=unenforced(settings),
@@ -125,17 +126,17 @@ class Engine:
             self.control = ControlServer(self.core)
             self.store.on_failure = self._store_failed
             announce(self.core.unenforced)
-            self.loop.call(self._start())
+            self._loop.call(self._start())
         except BaseException:
             with contextlib.suppress(Exception):
-                self.loop.call(self.backend.close())
+                self._loop.call(self.backend.close())
             self._shutdown()
             raise
 
     def _store_failed(self, exc: StoreError) -> None:
         """From the journal's writer thread: the supervisor's loop ends the runs."""
         with contextlib.suppress(RuntimeError):  # the loop is closed: nothing runs any more
-            self.loop.loop.call_soon_threadsafe(self.core.store_failed, exc)
+            self._loop.loop.call_soon_threadsafe(self.core.store_failed, exc)
 
     async def _start(self) -> None:
         await self.backend.start()
@@ -191,7 +192,7 @@ class Engine:
 
     def call(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run `coro` on the supervisor's loop and return its value (from another thread)."""
-        return self.loop.call(coro)
+        return self._loop.call(coro)
 
     # ---- trees -------------------------------------------------------------------------
     async def create_root(
@@ -218,7 +219,7 @@ class Engine:
             pool=pool,
             run_id=run_id,
         )
-        record = self.model_record if model is None else spec_record(model)
+        record = self._model_record if model is None else spec_record(model)
         self.core.event(run, MODEL_SPEC, record)
         return run
 
@@ -248,23 +249,23 @@ class Engine:
 
     async def _resume_tree(self, root_id: str) -> Run:
         run = await self.core.resume_tree(root_id)
-        self.core.event(run, MODEL_SPEC, self.model_record)  # the model it goes on with
+        self.core.event(run, MODEL_SPEC, self._model_record)  # the model it goes on with
         return run
 
     # ---- flows -------------------------------------------------------------------------
-    def flow_service(self) -> FlowService:
+    def _flow_service(self) -> FlowService:
         """The flows this supervisor runs; brood.flow is imported on the first call."""
         if self._flows is None:
             from brood.flow.service import FlowService
 
-            self._flows = FlowService(self.core, (MODEL_SPEC, self.model_record))
+            self._flows = FlowService(self.core, (MODEL_SPEC, self._model_record))
         return self._flows
 
     def start_flow(
         self, loaded: FlowSpec, inputs: dict[str, Any] | None, run_id: str | None = None
     ) -> FlowExecutor:
         """Start a validated flow from the API (trusted: its own settings bound it)."""
-        return self.call(self.flow_service().start(loaded, inputs, run_id=run_id))
+        return self.call(self._flow_service().start(loaded, inputs, run_id=run_id))
 
     def flow_ids(self) -> list[str]:
         """The ids of the flows this supervisor runs (started or resumed), oldest first."""
@@ -286,11 +287,11 @@ class Engine:
 
     async def answer_flow(self, run: Run, msg: FlowReq) -> Any:
         """A run's code starts or steers a flow (its FlowReq, from the core's requests)."""
-        return await self.flow_service().request(run, msg)
+        return await self._flow_service().request(run, msg)
 
     def rebuild_flow(self, run: Run) -> None:
         """Rebuild flow `run` from its ledger (the core's resume of its tree)."""
-        self.flow_service().rebuild(run)
+        self._flow_service().rebuild(run)
 
     # ---- asks to a person --------------------------------------------------------------
     def asks(self) -> list[dict[str, Any]]:
@@ -371,6 +372,6 @@ class Engine:
             await asyncio.wrap_future(self.store.close_supervisor(self.core.owner))
 
     def _shutdown(self) -> None:
-        self.loop.stop()
-        self.observers.drain()
+        self._loop.stop()
+        self._observers.drain()
         self.store.close()
