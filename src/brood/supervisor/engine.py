@@ -254,7 +254,8 @@ class Engine:
 
     # ---- flows -------------------------------------------------------------------------
     def _flow_service(self) -> FlowService:
-        """The flows this supervisor runs; brood.flow is imported on the first call."""
+        """The flows this supervisor runs; brood.flow is imported on the first call, which
+        is made on the loop (so one service is ever built)."""
         if self._flows is None:
             from brood.flow.service import FlowService
 
@@ -265,7 +266,12 @@ class Engine:
         self, loaded: FlowSpec, inputs: dict[str, Any] | None, run_id: str | None = None
     ) -> FlowExecutor:
         """Start a validated flow from the API (trusted: its own settings bound it)."""
-        return self.call(self._flow_service().start(loaded, inputs, run_id=run_id))
+        return self.call(self._start_flow(loaded, inputs, run_id))
+
+    async def _start_flow(
+        self, loaded: FlowSpec, inputs: dict[str, Any] | None, run_id: str | None
+    ) -> FlowExecutor:
+        return await self._flow_service().start(loaded, inputs, run_id=run_id)
 
     def flow_ids(self) -> list[str]:
         """The ids of the flows this supervisor runs (started or resumed), oldest first."""
