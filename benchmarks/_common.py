@@ -116,7 +116,7 @@ def run_completed(sup: brood.Supervisor, prompt: str) -> brood.RunResult:
 
 def idle_worker_pids(sup: brood.Supervisor) -> list[int]:
     """Pids of the warm workers waiting in the local backend's pool."""
-    return list(sup._backend.idle_pids())
+    return list(sup._engine.backend.idle_pids())
 
 
 def zygote_pid(sup: brood.Supervisor) -> int:

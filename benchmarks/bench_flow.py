@@ -280,17 +280,17 @@ def rebuild_times(sup: brood.Supervisor, flow_id: str) -> tuple[float, float, in
     t0 = time.perf_counter()
     events = sup.store.events(flow_id, "flow")
     read = time.perf_counter() - t0
-    core = sup._core
+    core = sup._engine.core
 
     async def rebuild() -> float:
         t0 = time.perf_counter()
         rebuilt = FlowExecutor.from_ledger(core, core.runs[flow_id], events)
         took = time.perf_counter() - t0
-        if rebuilt.outputs != core.flows[flow_id].outputs:
+        if rebuilt.outputs != sup._engine.flow(flow_id).outputs:
             raise RuntimeError("the flow rebuilt from its ledger differs from the live one")
         return took
 
-    return read, sup._loop.call(rebuild()), len(events)
+    return read, sup._engine.call(rebuild()), len(events)
 
 
 def growth(samples: list[float]) -> tuple[float, float]:

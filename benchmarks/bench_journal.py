@@ -24,7 +24,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import brood
-import brood.api as brood_api
+import brood.supervisor.engine as brood_engine
 from _common import Row, finish, median, no_leftovers, parse_args, run_completed
 
 BENCH = "journal"
@@ -83,8 +83,8 @@ def fan_out(store: str | None) -> tuple[float, dict[str, float]]:
 
 
 def null_fan_out() -> float:
-    real = brood_api.open_store
-    brood_api.open_store = lambda url, **kw: NullStore()  # type: ignore[assignment]
+    real = brood_engine.open_store
+    brood_engine.open_store = lambda url, **kw: NullStore()  # type: ignore[assignment]
     try:
         with brood.Supervisor(MODEL, limits=LIMITS) as sup:
             t0 = time.perf_counter()
@@ -92,7 +92,7 @@ def null_fan_out() -> float:
             wall = time.perf_counter() - t0
             assert res.answer == str(CHILDREN), res
     finally:
-        brood_api.open_store = real
+        brood_engine.open_store = real
     return wall
 
 

@@ -803,7 +803,7 @@ class Soak:
         sampler = threading.Thread(target=self.sample_rss, name="soak-rss", daemon=True)
         sup = brood.Supervisor(self.chat, limits=limits, store=self.url)
         self.sup = sup
-        self.journal_id = sup._core.owner
+        self.journal_id = sup._engine.core.owner
         self.mark = self.find_mark()
         closed = False
         try:
@@ -921,7 +921,7 @@ class Soak:
         may carry the supervisor's mark, and no escapee marker may be running."""
         deadline = time.monotonic() + QUIESCE_S
         while True:
-            idle = set(sup._backend.idle_pids())
+            idle = set(sup._engine.backend.idle_pids())
             strays = [
                 p for p in self.our_processes() if p not in idle and ppid_of(p) != os.getpid()
             ]
@@ -953,7 +953,7 @@ class Soak:
         except brood.ChildCleanupError as exc:
             self.failures.fail(f"close() could not confirm every exit: {exc} (pids {exc.pids})")
         print(f"close() took {time.monotonic() - t:.2f} s", flush=True)
-        escaped = list(getattr(sup._backend, "escaped", []))
+        escaped = list(getattr(sup._engine.backend, "escaped", []))
         if escaped:
             self.failures.fail(
                 f"close() had to sweep {len(escaped)} process(es) that outlived their runs: "

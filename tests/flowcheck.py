@@ -51,7 +51,8 @@ def assert_flows_replay(sup: brood.Supervisor) -> int:
     """Rebuild every flow `sup` ran to its end and compare; returns how many."""
     sup.store.flush()
     checked = 0
-    for flow_id, live in list(sup._core.flows.items()):
+    for flow_id in sup._engine.flow_ids():
+        live = sup._engine.flow(flow_id)
         if not live.done.is_set():
             continue
         rebuilt, written = rebuild(sup.store, flow_id)
@@ -72,7 +73,7 @@ def replay_checked(monkeypatch: pytest.MonkeyPatch) -> Any:
     real_close = brood.Supervisor.close
 
     def close(self: brood.Supervisor) -> None:
-        if not self._closed:
+        if not self._engine.closed:
             assert_flows_replay(self)
         real_close(self)
 

@@ -142,7 +142,7 @@ def test_sigkill_of_a_worker_fails_its_run_and_cancels_its_subtree(tmp_path):
         os.kill(read_pids(pidfile)[0], signal.SIGKILL)
         obs = env.step("try:\n    rlm_wait(h)\nexcept ChildFailed as e:\n    print(e.reason)")
         assert obs.stdout.strip() == "worker exited with signal 9"
-        store = env._sup.store
+        store = env._engine.store
         (grandchild,) = [r for r in store.runs(env.run_id) if r["depth"] == 2]
         assert grandchild["state"] == "cancelled"
         assert grandchild["reason"] == "parent failed"
@@ -198,7 +198,7 @@ def test_a_stuck_worker_is_quarantined_loudly_and_other_trees_are_still_served(
     sup = brood.Supervisor(model, limits=FAST, store=url)
     h = sup.spawn("stuck")
     started.wait()
-    zygote = sup._backend._zygote
+    zygote = sup._engine.backend._zygote
     os.kill(zygote.pid, signal.SIGSTOP)  # nothing can be reaped, so no exit is confirmed
     try:
         assert h.cancel() == "cancelled"  # the run ends; its cleanup failed
@@ -236,7 +236,7 @@ def test_child_cleanup_error_keeps_the_answer(tmp_path, monkeypatch):
     monkeypatch.setattr(ending, "KILL_CONFIRM_S", 0.3)
     model = brood.ScriptedModel({"root": [repl("FINAL('the answer')")]})
     sup = brood.Supervisor(model, limits=FAST)
-    zygote = sup._backend._zygote
+    zygote = sup._engine.backend._zygote
     os.kill(zygote.pid, signal.SIGSTOP)
     try:
         result = sup.run("root")
@@ -269,7 +269,7 @@ def test_startup_sweep_kills_processes_of_a_dead_supervisor(tmp_path):
                                           + {Gate(tmp_path, "never").wait_code!r} + "\\n```"]}})
         sup = brood.Supervisor(m, limits=brood.Limits(fs_write=[{str(tmp_path)!r}]))
         sup.spawn("root")
-        print(sup._backend._zygote.pid, flush=True)
+        print(sup._engine.backend._zygote.pid, flush=True)
         signal.pause()
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)

@@ -67,10 +67,10 @@ def test_an_unreachable_ray_address_is_named_as_the_ray_flag(tmp_path):
 
 
 def test_the_python_api_names_of_limits_become_flags_where_a_flag_sets_them():
-    from brood.cluster import _check_address
+    from brood.cluster import check_address
 
     with pytest.raises(brood.InvalidArgument) as bad_address:
-        _check_address("nowhere")
+        check_address("nowhere")
     assert for_cli(str(bad_address.value)).startswith("--ray must be HOST:PORT")
     exceeded = str(brood.LimitExceeded("max_children", 5, 4))
     assert for_cli(exceeded).endswith("; raise --max-children or do with fewer")

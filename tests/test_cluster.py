@@ -448,7 +448,7 @@ def test_brood_flow_run_with_ray_runs_the_flow_on_the_cluster(ray_cluster, fresh
 
 
 def test_close_names_the_node_and_pids_an_agent_could_not_confirm(ray_cluster, fresh_pg_url):
-    from brood.cluster import _Agent
+    from brood.cluster import AgentRef
 
     class StuckAgent:  # a node agent whose workers would not die: its close() says so
         def ping(self):
@@ -461,7 +461,7 @@ def test_close_names_the_node_and_pids_an_agent_could_not_confirm(ray_cluster, f
     pids = agent_pids(cluster)
     stuck = ray.remote(num_cpus=0)(StuckAgent).remote()
     info = {"token": "t", "pid": 99999, "host": "node-x", "node_id": "n-stuck-0123456789"}
-    cluster._agents.append(_Agent(stuck, info))
+    cluster._agents.append(AgentRef(stuck, info))
     with pytest.raises(brood.ChildCleanupError) as caught:
         cluster.close()
     message = str(caught.value)

@@ -664,7 +664,7 @@ def test_fork_bomb_in_model_code_ends_and_leaves_nothing() -> None:
 
     limits = brood.Limits(worker_processes=20, shutdown_grace=0.3, term_grace=0.3)
     with brood.Supervisor(chat_fn, limits=limits) as sup:
-        zygote = sup._backend._zygote.pid  # type: ignore[attr-defined]
+        zygote = sup._engine.backend._zygote.pid  # type: ignore[attr-defined]
         assert f"brood-{zygote}" in os.listdir(SUPPORT.cgroup_dir)
         result = sup.run("fork bomb")
     assert result.state == "completed", result

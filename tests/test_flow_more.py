@@ -217,7 +217,7 @@ def test_a_run_budget_pauses_admission_lets_running_work_finish_then_resume_goes
         paused = flow.status()
         go.open()
         (slow,) = children(sup, flow.id)
-        sup._loop.call(sup._core.runs[slow["id"]].done.wait())  # in flight: it finishes
+        sup._engine.call(sup._engine.core.runs[slow["id"]].done.wait())  # in flight: it finishes
         assert [r["prompt"] for r in children(sup, flow.id)] == ["Slow"]  # nothing new
         flow.resume()
         assert flow.wait(timeout=60) == "finished", flow.status()

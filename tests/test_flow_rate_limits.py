@@ -139,7 +139,7 @@ def test_a_backoff_that_wakes_in_a_stopped_flow_does_nothing(monkeypatch):
     chat_fn, refused = limited_first_calls(None)
     with brood.Supervisor(chat_fn, limits=LIMITS) as sup:
         flow = sup.flow_run(one_state())
-        ex = sup._core.flows[flow.id]
+        ex = sup._engine.flow(flow.id)
         assert deferred.wait(timeout=60)
         report = flow.stop()
         events = ledger(sup, flow.id)

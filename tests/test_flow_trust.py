@@ -110,7 +110,7 @@ def test_a_spec_path_outside_scratch_is_refused_by_the_workers_confinement(
     monkeypatch.chdir(project)
     with sup_of(store) as sup:
         require(sup.limits, "files")
-        ctl_key = key_path(sup._control.path)  # the control socket's secret
+        ctl_key = key_path(sup._engine.control.path)  # the control socket's secret
         with open(ctl_key) as f:
             control_secret = f.read().strip()
         assert len(control_secret) >= 16

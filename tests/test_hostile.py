@@ -457,7 +457,7 @@ def test_a_zygote_that_cannot_be_replaced_fails_new_runs_saying_so(store, monkey
             raise BackendError("no zygote today")
 
         monkeypatch.setattr(LocalBackend, "_start_zygote", refuse)
-        zygote = sup._backend._zygote
+        zygote = sup._engine.backend._zygote
         os.kill(zygote.pid, signal.SIGKILL)
         zygote.wait()
         result = sup.run("trivial task")  # never a hang

@@ -121,7 +121,7 @@ def blocked_sibling(
     started, go = Signal(tmp_path, "sibling-started"), Gate(tmp_path, "sibling-go")
     handle = sup.spawn(task(f"{started.code}\n{go.wait_code}\n{after}\nFINAL('sibling done')"))
     started.wait()
-    return handle, go, sup._core.runs[handle.id].rec.pid
+    return handle, go, sup._engine.core.runs[handle.id].rec.pid
 
 
 # ---- other processes: rlimits ----------------------------------------------------------------
@@ -134,7 +134,7 @@ def test_prlimit_of_the_supervisor_zygote_and_a_sibling_is_refused(store, tmp_pa
     with sup_of(store, limits(fs_write=[str(tmp_path)])) as sup:
         require(sup.limits, "other processes")
         sibling, go, sib = blocked_sibling(sup, tmp_path, SIBLING_USES_LIMITS)
-        zygote = sup._backend._zygote.pid
+        zygote = sup._engine.backend._zygote.pid
         sibling_before, zygote_before = state_of(sib), state_of(zygote)
         nofile = resource.getrlimit(resource.RLIMIT_NOFILE)
         # On the supervisor, values that would do no harm should the refusal fail (it does
@@ -175,7 +175,7 @@ def test_prlimit_of_the_supervisor_zygote_and_a_sibling_is_refused(store, tmp_pa
         assert state_of(sib) == sibling_before and state_of(zygote) == zygote_before
         go.open()
         assert sibling.wait(timeout=60) == "sibling done"  # it can still write and open files
-        assert sup._backend._zygote.pid == zygote
+        assert sup._engine.backend._zygote.pid == zygote
         still_serves(sup, store, result.run_id, sibling.id)
 
 
@@ -478,7 +478,7 @@ def test_a_watched_scratch_past_worker_disk_fails_its_run(store, tmp_path):
     never = Gate(tmp_path, "never")  # the attacker waits here until the watch stops it
     lim = limits(worker_disk=8 * MIB, fs_write=[str(tmp_path)])
     sup = sup_of(store, lim, keep_scratch=True)
-    root = sup._backend.scratch_root
+    root = sup._engine.backend.scratch_root
     try:
         with sup:
             healthy, go, _ = blocked_sibling(sup, tmp_path, HEALTHY_WRITE)

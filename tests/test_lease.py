@@ -49,7 +49,7 @@ def quick_lease(monkeypatch):
 def test_a_supervisor_holds_a_lease_and_renews_it(tmp_path, quick_lease):
     url = f"sqlite:///{tmp_path}/j.db"
     with brood.Supervisor(brood.ScriptedModel([]), store=url, limits=FAST) as sup:
-        token = sup._core.owner
+        token = sup._engine.core.owner
         first = supervisor_row(url, token)["lease_until"]
         assert first > time.time()
         until(lambda: supervisor_row(url, token)["lease_until"] > first)
@@ -75,7 +75,7 @@ def test_a_supervisor_whose_lease_is_revoked_is_fenced_and_writes_nothing_more(
         with Journal(url) as journal:
             written = len(journal.store.events(root_id=h.id))
         revoker = open_store(url)
-        revoker.revoke_lease(sup._core.owner).result()  # another node resumes its trees
+        revoker.revoke_lease(sup._engine.core.owner).result()  # another node resumes its trees
         revoker.close()
         result = h.wait_result(timeout=30)
         assert result.state == "failed" and "fenced" in (result.error or result.reason or "")
@@ -89,7 +89,7 @@ def test_a_supervisor_whose_lease_is_revoked_is_fenced_and_writes_nothing_more(
     with Journal(url) as journal:
         assert len(journal.store.events(root_id=h.id)) == written  # nothing after the fence
         assert journal.store.get_run(h.id)["state"] == "running"  # left for its new owner
-        assert not journal.supervisor_alive(sup._core.owner)
+        assert not journal.supervisor_alive(sup._engine.core.owner)
 
 
 def test_a_tree_of_another_host_is_resumed_only_once_its_lease_is_gone(tmp_path):

@@ -52,7 +52,7 @@ def test_a_start_at_capacity_waits_queued_and_starts_when_the_holder_ends(tmp_pa
         assert waiter.status() == "queued"
         stats = sup.statistics()["pools"]["deploy"]
         assert stats == {"capacity": 1, "holders": [holder.id], "waiting": [waiter.id]}
-        reason = sup._core.runs[waiter.id].rec.reason
+        reason = sup._engine.core.runs[waiter.id].rec.reason
         assert reason == f"waiting for pool 'deploy' (1 of 1 held by {holder.id})"
         # Waiting in a pool holds no concurrency slot: only the holder has one.
         assert sup.statistics()["free_slots"] == limits.max_concurrency - 1
@@ -97,9 +97,9 @@ def test_a_holder_that_ended_before_the_re_read_still_lets_the_waiter_start():
     limits = fast(pools={"deploy": 1})
     with brood.Supervisor(lambda m: final("done"), limits=limits) as sup:
         first = sup.run("first", pool="deploy")
-        ended = sup._core.runs[first.run_id]
+        ended = sup._engine.core.runs[first.run_id]
         assert ended.rec.state is RunState.COMPLETED
-        sup._core.pools["deploy"].holders.append(ended)  # as if its release had not run
+        sup._engine.core.pools["deploy"].holders.append(ended)  # as if its release had not run
         second = sup.spawn("second", pool="deploy")
         assert second.wait(timeout=60) == "done"
         assert sup.statistics()["pools"]["deploy"]["holders"] == []

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.ray
 import cloudpickle  # noqa: E402
 
 import brood  # noqa: E402
-from brood.cluster import _AgentLost  # noqa: E402
+from brood.cluster import AgentLost  # noqa: E402
 from brood.journal import Journal  # noqa: E402
 from brood.models.scripted import read_log  # noqa: E402
 from brood.store.base import open_store  # noqa: E402
@@ -201,7 +201,7 @@ def test_a_tree_journaled_by_an_agent_that_died_before_answering_is_resumed_not_
             if name == method and not died:  # the tree is journaled and started there
                 died.append(agent)
                 ray.kill(agent.actor)
-                raise _AgentLost(agent)
+                raise AgentLost(agent)
             return value
 
         monkeypatch.setattr(cluster, "_call", dies_after_starting)

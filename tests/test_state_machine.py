@@ -300,7 +300,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         # A child has no public handle outside its parent's REPL; wrap the supervisor's
         # own record of it so the machine can wait for its end without polling.
         assert self.sup is not None and self.row_of(node) is not None
-        return brood.RunHandle(self.sup, self.sup._core.runs[node.run_id])
+        return brood.RunHandle(self.sup._engine, self.sup._engine.core.runs[node.run_id])
 
     def open_roots(self) -> list[Node]:
         return [n for n in self.nodes if n.depth == 0 and n.open]

@@ -11,8 +11,6 @@ import importlib
 import pkgutil
 from pathlib import Path
 
-import pytest
-
 import brood
 from brood import errors
 
@@ -141,11 +139,6 @@ def test_no_import_cycle_outside_the_registries() -> None:
     assert not cycles, f"modules that import each other: {cycles}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="two pairs name each other's types only (cluster.agent/placement, "
-    "cluster.driver/handles): the next step of the split",
-)
 def test_no_cycle_of_types_either() -> None:
     cycles = _outside_registries(types=True)
     assert not cycles, f"modules that name each other's types: {cycles}"
@@ -188,3 +181,82 @@ def test_every_error_of_the_supervisor_is_in_the_error_tree() -> None:
 
 def test_every_brood_error_is_defined_in_errors_and_exported() -> None:
     assert _outside_the_tree("brood") == []
+
+
+# Privates of the standard library (and of every namedtuple) that brood may use.
+STDLIB_PRIVATES = frozenset({"os._exit", "sys._getframe"})
+NAMEDTUPLE_PRIVATES = frozenset({"_asdict", "_replace", "_fields", "_make"})
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _defined_in(tree: ast.AST) -> set[str]:
+    """The names a module defines: its functions and classes, the attributes it assigns
+    (`self._x = ...`, `obj._x: T = ...`) and the names it binds."""
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            found.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            found.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            found.add(node.id)
+    return found
+
+
+def _reaches(path: Path, where: str) -> list[str]:
+    """Where the module at `path` reaches another module's private names: `x._name` with
+    `x` not self or cls and `_name` not defined here, or an import of a private name."""
+    tree = ast.parse(path.read_text())
+    defined = _defined_in(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            text = ast.unparse(node)
+            if node.attr in defined or node.attr in NAMEDTUPLE_PRIVATES:
+                continue
+            if text not in STDLIB_PRIVATES:
+                found.append(f"{where}:{node.lineno} {text}")
+        elif isinstance(node, ast.ImportFrom) and (
+            node.level or (node.module or "").split(".")[0] == "brood"
+        ):
+            names = [a.name for a in node.names if _private(a.name)]
+            found += [f"{where}:{node.lineno} from {node.module} import {n}" for n in names]
+        elif isinstance(node, ast.Import):
+            found += [
+                f"{where}:{node.lineno} import {a.name}"
+                for a in node.names
+                if a.name.startswith("brood.") and any(map(_private, a.name.split(".")))
+            ]
+    return found
+
+
+def test_no_module_reaches_another_modules_private_names() -> None:
+    reached = [
+        line
+        for path in sorted(MODULES.values())
+        for line in _reaches(path, str(path.relative_to(SRC)))
+    ]
+    assert not reached, "private names reached from another module:\n" + "\n".join(reached)
+
+
+def test_the_private_name_finder_finds_a_reach(tmp_path: Path) -> None:
+    module = tmp_path / "probe.py"
+    code = (
+        "from brood.api import _hidden\n"
+        "import os\n"
+        "class A:\n"
+        "    def __init__(self, other):\n"
+        "        self._mine = 1\n"
+        "        other._mine, other._theirs, os._exit, self._anything\n"
+    )
+    module.write_text(code)
+    found = _reaches(module, "probe.py")
+    assert [line.split(" ", 1)[1] for line in found] == [
+        "from brood.api import _hidden",
+        "other._theirs",
+    ]

@@ -107,7 +107,7 @@ print(json.dumps(scan()))"""
         assert found == [] and models == [] and in_env is False
         obs = env.step("FINAL('done')")
         assert obs.done and obs.answer == "done"
-        still_serves(env._sup, store, env.run_id)
+        still_serves(env._engine, store, env.run_id)
 
 
 # ---- 3-8: other processes -------------------------------------------------------------------
@@ -165,7 +165,7 @@ def test_06_kill_of_zygote_refused(store):
             sup, "R['parent'] = os.getppid()\ntr('kill', lambda: os.kill(os.getppid(), 9))"
         )
         refused(got["kill"])
-        assert got["parent"] == sup._backend._zygote.pid
+        assert got["parent"] == sup._engine.backend._zygote.pid
         assert pid_alive(got["parent"])
         still_serves(sup, store, result.run_id)
         still_serves(sup, store, result.run_id)
@@ -183,8 +183,8 @@ def test_07_kill_minus_one_hits_only_the_attackers_own_processes(store, tmp_path
     with sup_of(store, limits(fs_write=[str(tmp_path)])) as sup:
         require(sup.limits, "signals")
         sibling, go = _blocked_sibling(sup, tmp_path)
-        sibling_pid = sup._core.runs[sibling.id].rec.pid
-        zygote = sup._backend._zygote.pid
+        sibling_pid = sup._engine.core.runs[sibling.id].rec.pid
+        zygote = sup._engine.backend._zygote.pid
         # The attacker starts a process of its own first: kill(-1) reaches it (so the signal
         # really went out), and nothing outside the run's Landlock signal scope.
         attack, got = outcome(
@@ -204,7 +204,7 @@ def test_08_kill_of_sibling_worker_refused(store, tmp_path):
     with sup_of(store, limits(fs_write=[str(tmp_path)])) as sup:
         require(sup.limits, "signals")
         sibling, go = _blocked_sibling(sup, tmp_path)
-        pid = sup._core.runs[sibling.id].rec.pid
+        pid = sup._engine.core.runs[sibling.id].rec.pid
         assert pid and pid_alive(pid)
         result, got = outcome(
             sup, f"tr('probe', lambda: os.kill({pid}, 0))\ntr('kill', lambda: os.kill({pid}, 9))"
@@ -253,7 +253,7 @@ def test_10_other_runs_scratch_dir_refused(tmp_path):
         obs = run_a.step("import os\nopen('secret.txt', 'w').write('S3CRET')\nprint(os.getcwd())")
         scratch_a = obs.stdout.strip()
         # Scratch may be a tmpfs in run A's own mount namespace: look through its worker.
-        seen_by_a = as_seen_by(run_a._sup, run_a.run_id, scratch_a)
+        seen_by_a = as_seen_by(run_a._engine, run_a.run_id, scratch_a)
         assert os.path.exists(os.path.join(seen_by_a, "secret.txt"))
         run_b.reset("b")
         obs = run_b.step(
@@ -272,8 +272,8 @@ def test_10_other_runs_scratch_dir_refused(tmp_path):
         assert got["own"] != scratch_a
         assert "S3CRET" not in obs.answer
         assert not os.path.exists(os.path.join(seen_by_a, "planted"))
-        still_serves(run_b._sup, store_b, run_b.run_id)
-        still_serves(run_a._sup, store_a)
+        still_serves(run_b._engine, store_b, run_b.run_id)
+        still_serves(run_a._engine, store_a)
 
 
 def test_11a_default_files(store, tmp_path):
@@ -401,7 +401,7 @@ def test_13_other_supervisors_control_socket(tmp_path):
     ):
         require(sup1.limits, "files")
         victim, go = _blocked_sibling(sup2, tmp_path)
-        path = sup2._control.path
+        path = sup2._engine.control.path
         result, got = outcome(
             sup1,
             "import socket\nfrom brood.protocol import CtlCancel, encode\n"
@@ -439,7 +439,7 @@ def _unanswered(path: str, *frames: bytes) -> bytes:
 def test_14_control_socket_needs_the_secret(store, tmp_path):
     with sup_of(store, limits(fs_write=[str(tmp_path)])) as sup:
         victim, _go = _blocked_sibling(sup, tmp_path)
-        path = sup._control.path
+        path = sup._engine.control.path
         cancel = encode(CtlCancel(req_id=1, run_id=victim.id))
         assert _unanswered(path, cancel) == b""
         assert _unanswered(path, encode(CtlAuth("not-the-secret")), cancel) == b""
@@ -488,12 +488,12 @@ def test_15_only_control_sockets_are_path_bound(store, tmp_path):
         sibling, go = _blocked_sibling(sup, tmp_path)
         brood_pids = [os.getpid()]
         for s in (sup, other):
-            zygote = psutil.Process(s._backend._zygote.pid)
+            zygote = psutil.Process(s._engine.backend._zygote.pid)
             brood_pids += [zygote.pid, *(c.pid for c in zygote.children(recursive=True))]
-        assert sup._core.runs[sibling.id].rec.pid in brood_pids
+        assert sup._engine.core.runs[sibling.id].rec.pid in brood_pids
         bound = _bound_unix_sockets(brood_pids)
         listeners = {path for flags, path in bound if flags & listening}
-        assert listeners == {sup._control.path, other._control.path}, bound
+        assert listeners == {sup._engine.control.path, other._engine.control.path}, bound
         # Accepted connections show their listener's path; none is anything but ctl.sock.
         assert all(os.path.basename(path) == "ctl.sock" for _, path in bound), bound
         go.open()
@@ -704,7 +704,7 @@ def test_22a_huge_print_is_truncated_in_a_step(store):
         assert "characters of output dropped" in obs.stdout
         obs = env.step("FINAL('still here')")
         assert obs.done and obs.answer == "still here"
-        still_serves(env._sup, store, env.run_id)
+        still_serves(env._engine, store, env.run_id)
 
 
 def test_22b_huge_print_is_truncated_for_the_model(store):
@@ -765,7 +765,7 @@ def test_25_worker_memory(store):
         assert obs.error is not None and "MemoryError" in obs.error, obs
         obs = env.step("small = bytearray(2**20)\nFINAL(str(len(small)))")
         assert obs.done and obs.answer == str(2**20)
-        still_serves(env._sup, store, env.run_id)
+        still_serves(env._engine, store, env.run_id)
 
 
 def test_26a_worker_cpu_seconds(store):
@@ -814,7 +814,7 @@ def test_28a_blocked_builtins_pi_rlm(store):
         assert obs.error is not None and "turned off for this run" in obs.error, obs
         obs = env.step("FINAL('ok')")
         assert obs.done and obs.answer == "ok"
-        still_serves(env._sup, store, env.run_id)
+        still_serves(env._engine, store, env.run_id)
 
 
 def test_28b_read_only(store):
@@ -830,7 +830,7 @@ def test_28b_read_only(store):
         )
         got = json.loads(obs.answer)
         refused(got["os_open"])
-        still_serves(env._sup, store, env.run_id)
+        still_serves(env._engine, store, env.run_id)
 
 
 def test_29_confine_false_is_trusted_and_loud(store, tmp_path, caplog):

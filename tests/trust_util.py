@@ -12,6 +12,7 @@ import pytest
 import brood
 from brood.backends.confinement import unenforced, worker_settings
 from brood.journal import Journal
+from brood.supervisor.engine import Engine
 
 FENCE = "```"
 GRACE: dict[str, Any] = dict(shutdown_grace=0.3, term_grace=0.3)
@@ -89,10 +90,14 @@ def refused(entry: list[Any], *types: str) -> None:
     assert entry[0] in types, f"expected {' or '.join(types)}, got {entry}"
 
 
-def still_serves(sup: brood.Supervisor, store: str, *run_ids: str) -> None:
-    """The supervisor completes a trivial run, and the journal opens and lists `run_ids`
-    (with the trivial run)."""
-    result = sup.run("trivial task", model=coder)
+def still_serves(sup: brood.Supervisor | Engine, store: str, *run_ids: str) -> None:
+    """The supervisor (or a Session's engine) completes a trivial run, and the journal
+    opens and lists `run_ids` (with the trivial run)."""
+    if isinstance(sup, Engine):
+        run = sup.call(sup.create_root("trivial task", None, None, coder, driven=False))
+        result = brood.RunHandle(sup, run).wait_result()
+    else:
+        result = sup.run("trivial task", model=coder)
     assert (result.state, result.answer) == ("completed", "alive"), result
     with Journal(store) as journal:
         listed = {r["id"] for r in journal.roots(1000)}
@@ -109,8 +114,8 @@ def require(lim: brood.Limits, *prefixes: str) -> None:
         pytest.skip("; ".join(lines))
 
 
-def as_seen_by(sup: brood.Supervisor, run_id: str, path: str) -> str:
+def as_seen_by(engine: Engine, run_id: str, path: str) -> str:
     """`path` as the live worker of run `run_id` sees it: its scratch may be a tmpfs in a
     mount namespace of its own, which only its processes (and /proc/PID/root) see."""
-    pid = sup._core.runs[run_id].rec.pid
+    pid = engine.core.runs[run_id].rec.pid
     return f"/proc/{pid}/root{path}"

@@ -89,6 +89,14 @@ def is_duration(value: object) -> bool:
     )
 
 
+def check_timeout(timeout: object) -> None:
+    """Refuse a wait's or a run's `timeout` that is neither None (no limit) nor a duration."""
+    if timeout is not None and not is_duration(timeout):
+        raise InvalidArgument(
+            f"timeout must be a number of seconds > 0, or None for no limit; got {timeout!r}"
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
 class Limits:
     """Bounds on a whole tree of runs (DESIGN.md section 5).

@@ -12,12 +12,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from brood.api import RunHandle, Supervisor
+from brood.api import RunHandle
 from brood.errors import BroodError, InvalidArgument
 from brood.lifecycle import RunState
 from brood.limits import Limits, is_duration
 from brood.models.base import Model
 from brood.supervisor.core import Run
+from brood.supervisor.engine import Engine
 
 __all__ = ["Observation", "Session"]
 
@@ -46,7 +47,7 @@ class Session:
         worker_env: Mapping[str, str] | Iterable[str] | None = None,
         keep_scratch: bool = False,
     ) -> None:
-        self._sup = Supervisor(
+        self._engine = Engine(
             model, limits=limits, store=store, worker_env=worker_env, keep_scratch=keep_scratch
         )
         self._root: Run | None = None
@@ -64,11 +65,11 @@ class Session:
         self._check_open()
         self._end_episode("session reset")
         self._episode += 1
-        self._root = self._sup._loop.call(self._start(prompt, context))
+        self._root = self._engine.call(self._start(prompt, context))
         return Observation()
 
     async def _start(self, prompt: str, context: Any) -> Run:
-        run = await self._sup._create(prompt, context, None, None, driven=True)
+        run = await self._engine.create_root(prompt, context, None, None, driven=True)
         await run.started.wait()
         return run
 
@@ -93,7 +94,7 @@ class Session:
             raise BroodError(
                 f"the episode has ended ({root.rec.state.value}: {root.rec.reason}); call reset()"
             )
-        core = self._sup._core
+        core = self._engine.core
 
         async def step() -> Any:
             try:
@@ -107,7 +108,7 @@ class Session:
                 await root.done.wait()
             return res
 
-        res = self._sup._loop.call(step())
+        res = self._engine.call(step())
         if res is None:
             r = root.rec
             why = f"the episode ended {r.state.value}: {r.reason}"
@@ -124,12 +125,12 @@ class Session:
         """The open asks of the session's runs (a trainer that plays the person reads
         them here; callable from another thread while a step waits on an ask)."""
         self._check_open()
-        return self._sup.asks()
+        return self._engine.asks()
 
     def answer(self, ask_id: str, value: str, *, by: str = "trainer") -> dict[str, Any]:
         """Answer an open ask (an option id or label, or text); returns its result."""
         self._check_open()
-        return self._sup.answer(ask_id, value, by=by)
+        return self._engine.answer(ask_id, value, by)
 
     def handle(self) -> RunHandle:
         """A handle on this episode's root; stale after the next reset or close."""
@@ -138,7 +139,7 @@ class Session:
             raise BroodError("no episode: call reset(prompt) first")
         episode = self._episode
         return RunHandle(
-            self._sup,
+            self._engine,
             self._root,
             lambda: (
                 "its session was reset"
@@ -152,7 +153,7 @@ class Session:
     def _end_episode(self, reason: str) -> None:
         root = self._root
         if root is not None and not root.rec.state.terminal:
-            self._sup._loop.call(self._sup._core.finish(root, RunState.CANCELLED, reason))
+            self._engine.call(self._engine.core.finish(root, RunState.CANCELLED, reason))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -163,7 +164,7 @@ class Session:
         if self._closed:
             return
         self._closed = True
-        self._sup.close()
+        self._engine.close()
 
     def __enter__(self) -> Session:
         return self

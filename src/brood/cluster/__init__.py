@@ -1,11 +1,11 @@
 """Past one machine: trees placed on the nodes of a Ray cluster (DESIGN.md section 13).
 
 `Cluster` has the `Supervisor` API. On each Ray node it starts one node agent, a Ray actor
-pinned to that node, which hosts an ordinary `Supervisor`: a tree is placed whole on the
-least loaded agent and its children start locally there, with the local spawn latency,
-limits and confirmed cleanup. Ray is used for what it is good at (membership, placement,
-failure detection), not for children: an actor costs ~300 ms of CPU to start, a local
-child ~3 ms.
+pinned to that node, which hosts a supervisor's engine (as a `Supervisor` does): a tree
+is placed whole on the least loaded agent and its children start locally there, with the
+local spawn latency, limits and confirmed cleanup. Ray is used for what it is good at
+(membership, placement, failure detection), not for children: an actor costs ~300 ms of
+CPU to start, a local child ~3 ms.
 
 The journal is one store shared by every node (Postgres; a SQLite file only on a single
 node). When an agent dies (Ray reports the actor or its node dead), the cluster revokes
@@ -24,22 +24,19 @@ Ray is imported only when a `Cluster` is made: `import brood` never imports it.
 The package, by what each module does:
 - `driver`: `Cluster`, in the process that drives Ray (agents started and watched, trees
   placed, a lost agent's trees resumed elsewhere);
-- `agent`: `NodeAgent`, the Ray actor on each node that hosts a `Supervisor`;
+- `agent`: `NodeAgent`, the Ray actor on each node that hosts a supervisor's `Engine`;
 - `placement`: an agent's load, and `Spreader`, the agents' side of placement="spread";
-- `handles`: `ClusterHandle` and `ClusterFlowHandle`, which follow their tree;
+- `handles`: `ClusterHandle` and `ClusterFlowHandle`, which follow their tree (they reach
+  the cluster through its `TreeRouter`);
 - `nodes`: Ray's import, the checks made before agents start, the driver's view of one
   agent, and the bounds on calls to agents.
 """
 
-# Every name this package had as one module stays importable from here (tests reach some of
-# the private ones). Ray finds NodeAgent by its module, brood.cluster.agent.
+# Ray finds NodeAgent by its module, brood.cluster.agent.
 from brood.cluster.agent import NodeAgent as NodeAgent
-from brood.cluster.agent import _end_of as _end_of
-from brood.cluster.agent import _now as _now
 from brood.cluster.driver import Cluster
-from brood.cluster.handles import _ERRORS as _ERRORS
-from brood.cluster.handles import ClusterFlowHandle, ClusterHandle, Ended
-from brood.cluster.handles import _Followed as _Followed
+from brood.cluster.handles import ClusterFlowHandle, ClusterHandle
+from brood.cluster.handles import Ended as Ended
 from brood.cluster.nodes import ADDRESS_CHECK_S as ADDRESS_CHECK_S
 from brood.cluster.nodes import AGENT_CONCURRENCY as AGENT_CONCURRENCY
 from brood.cluster.nodes import AGENT_START_S as AGENT_START_S
@@ -50,27 +47,13 @@ from brood.cluster.nodes import JOIN_EVERY as JOIN_EVERY
 from brood.cluster.nodes import MONITOR_S as MONITOR_S
 from brood.cluster.nodes import PING_S as PING_S
 from brood.cluster.nodes import WAIT_SLACK_S as WAIT_SLACK_S
-from brood.cluster.nodes import (
-    AgentLost,
-    AgentRef,
-    check_address,
-    import_ray,
-    ray_cause,
-    shared_store,
-)
-from brood.cluster.placement import Peer, Spreader
-from brood.lifecycle import TERMINAL_VALUES
-
-# Renamed when the module became this package; the old names stay importable.
-_Ended = Ended
-_AgentLost = AgentLost
-_Agent = AgentRef
-_check_address = check_address
-_import_ray = import_ray
-_cause = ray_cause
-_shared_store = shared_store
-_Peer = Peer
-_Spreader = Spreader
-TERMINAL = TERMINAL_VALUES  # the name this package gave the set before brood.lifecycle had it
+from brood.cluster.nodes import AgentLost as AgentLost
+from brood.cluster.nodes import AgentRef as AgentRef
+from brood.cluster.nodes import check_address as check_address
+from brood.cluster.nodes import import_ray as import_ray
+from brood.cluster.nodes import ray_cause as ray_cause
+from brood.cluster.nodes import shared_store as shared_store
+from brood.cluster.placement import Peer as Peer
+from brood.cluster.placement import Spreader as Spreader
 
 __all__ = ["Cluster", "ClusterFlowHandle", "ClusterHandle"]

@@ -1,4 +1,4 @@
-"""The node agent: a Ray actor pinned to one node, hosting an ordinary `Supervisor`.
+"""The node agent: a Ray actor pinned to one node, hosting a supervisor's engine.
 
 It holds the handles of the trees the cluster placed on it and the guests other nodes'
 agents placed here (placement="spread"); errors go back as values, not as Ray's wrappers.
@@ -21,12 +21,14 @@ from brood.lifecycle import RunRecord, RunState
 from brood.limits import Limits
 
 if TYPE_CHECKING:
-    from brood.api import RunHandle, Supervisor
+    from brood.api import FlowHandle, RunHandle
     from brood.supervisor.core import Run
+    from brood.supervisor.engine import Engine
 
 
 class NodeAgent:
-    """One per Ray node: an ordinary `Supervisor` and the handles of its trees by run id.
+    """One per Ray node: a supervisor's `Engine` (as a `Supervisor` has) and the handles of
+    its trees by run id.
 
     Runs as a threaded Ray actor: a blocked `wait` holds one thread, so spawns, statuses
     and cancels go on beside it. Errors are returned as values, not raised, so the cluster
@@ -34,22 +36,22 @@ class NodeAgent:
     """
 
     def __init__(self, model_blob: bytes, store: str, limits: Limits | None) -> None:
-        from brood.api import Supervisor
+        from brood.supervisor.engine import Engine
 
-        self.sup: Supervisor = Supervisor(cloudpickle.loads(model_blob), store=store, limits=limits)
         self.handles: dict[str, RunHandle] = {}
         self.lock = threading.Lock()
-        self.token = self.sup._core.owner
         self.peers: list[Peer] = []  # every agent of the cluster, this one too
         self.guests: dict[str, Run] = {}  # children placed here by other nodes, by id
         self.guest_roots: dict[str, str] = {}  # guest id -> the token of its root's agent
-        self.sup._core.spreader = Spreader(self)
+        model = cloudpickle.loads(model_blob)
+        self.engine: Engine = Engine(model, store=store, limits=limits, spreader=Spreader(self))
+        self.token = self.engine.owner
 
     def info(self) -> dict[str, Any]:
         import ray
 
         return {
-            "token": self.sup._core.owner,
+            "token": self.engine.owner,
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "node_id": ray.get_runtime_context().get_node_id(),
@@ -64,19 +66,22 @@ class NodeAgent:
         journal already held that one)."""
         from brood.api import RunHandle
 
-        self.sup._check_live("spawn")
-        run = self.sup._loop.call(
-            self.sup._create(prompt, context, timeout, None, driven=False, run_id=run_id)
+        engine = self.engine
+        engine.check_live("spawn")
+        run = engine.call(
+            engine.create_root(prompt, context, timeout, None, driven=False, run_id=run_id)
         )
         with self.lock:
-            self.handles[run.id] = RunHandle(self.sup, run)
+            self.handles[run.id] = RunHandle(engine, run)
         return (run.id,)
 
     def resume(self, root_id: str) -> str:
-        handle = self.sup.resume(root_id)
+        from brood.api import RunHandle
+
+        run = self.engine.resume(root_id)
         with self.lock:
-            self.handles[handle.id] = handle
-        return handle.id
+            self.handles[run.id] = RunHandle(self.engine, run)
+        return run.id
 
     def _handle(self, run_id: str) -> RunHandle:
         with self.lock:
@@ -105,7 +110,7 @@ class NodeAgent:
         self._handle(run_id).send(message)
 
     def statistics(self) -> dict[str, Any]:
-        return self.sup.statistics()
+        return self.engine.statistics()
 
     # ---- children placed here by other nodes (placement="spread") -----------------------
     def set_peers(self, peers: list[Peer]) -> None:
@@ -115,7 +120,7 @@ class NodeAgent:
         import ray
 
         note = {"node_id": ray.get_runtime_context().get_node_id(), "host": socket.gethostname()}
-        run = self.sup._loop.call(self.sup._core.host_guest(rec, data, note))
+        run = self.engine.call(self.engine.core.host_guest(rec, data, note))
         with self.lock:
             self.guests[run.id] = run
             self.guest_roots[run.id] = root_token
@@ -127,7 +132,7 @@ class NodeAgent:
     def guest_started(self, run_id: str) -> None:
         """Returns once the guest runs (or ended without running)."""
         run = self._guest(run_id)
-        if self.sup._closed:
+        if self.engine.closed:
             return
 
         async def either() -> None:
@@ -136,42 +141,42 @@ class NodeAgent:
             for w in pending:
                 w.cancel()
 
-        self.sup._loop.call(either())
+        self.engine.call(either())
 
     def guest_ended(self, run_id: str) -> dict[str, Any]:
         run = self._guest(run_id)
-        if not self.sup._closed:
-            self.sup._loop.call(run.done.wait())
+        if not self.engine.closed:
+            self.engine.call(run.done.wait())
         return _end_of(run)
 
     def guest_end(self, run_id: str, state: str, reason: str) -> dict[str, Any]:
         """End the guest and its subtree; returns once every exit is confirmed here."""
         run = self._guest(run_id)
-        if not self.sup._closed:
-            self.sup._loop.call(self.sup._core.finish(run, RunState(state), reason))
+        if not self.engine.closed:
+            self.engine.call(self.engine.core.finish(run, RunState(state), reason))
         return _end_of(run)
 
     def guest_send(self, run_id: str, message: str) -> None:
         run = self._guest(run_id)
-        self.sup._check_live(f"run {run_id}")
-        self.sup._loop.call(self.sup._core.send_message(run, message))
+        self.engine.check_live(f"run {run_id}")
+        self.engine.call(self.engine.core.send_message(run, message))
 
     def admit_remote(self, root_id: str, count: int) -> None:
         """Admit `count` children of a subtree of `root_id` (whose root runs here) that
         runs on another node, against the tree-wide limits."""
-        self.sup._check_live(f"tree {root_id}")
-        self.sup._loop.call(_now(self.sup._core.admit_remote, root_id, count))
+        self.engine.check_live(f"tree {root_id}")
+        self.engine.call(_now(self.engine.core.admit_remote, root_id, count))
 
     def budget_enter(self, root_id: str) -> None:
         """A model call of that subtree waits here for the tree's budget."""
-        self.sup._check_live(f"tree {root_id}")
-        self.sup._loop.call(self.sup._core.budget_enter(root_id))
+        self.engine.check_live(f"tree {root_id}")
+        self.engine.call(self.engine.core.budget_enter(root_id))
 
     def budget_leave(self, root_id: str, tokens: int, cost: float, answered: bool) -> None:
-        self.sup._check_live(f"tree {root_id}")
-        self.sup._loop.call(_now(self.sup._core.budget_leave, root_id, tokens, cost, answered))
+        self.engine.check_live(f"tree {root_id}")
+        self.engine.call(_now(self.engine.core.budget_leave, root_id, tokens, cost, answered))
 
-    # Flows are looked up in the supervisor by id, not kept here: a flow this agent resumed
+    # Flows are looked up in the engine by id, not kept here: a flow this agent resumed
     # for a lost node (`resume` of its tree) is rebuilt there from its ledger.
     def flow_run(
         self, spec: dict[str, Any], inputs: dict[str, Any] | None, run_id: str
@@ -179,43 +184,50 @@ class NodeAgent:
         """Start a flow under the id the cluster chose, as `spawn` does a tree."""
         from brood.flow.load import load_spec
 
-        self.sup._check_live("flow_run")
-        executor = self.sup._loop.call(self.sup._start_flow(load_spec(spec), inputs, None, run_id))
+        self.engine.check_live("flow_run")
+        executor = self.engine.start_flow(load_spec(spec), inputs, run_id)
         return executor.run.id, executor.started
 
+    def _flow(self, run_id: str) -> FlowHandle:
+        """A handle on flow `run_id` of this agent's engine (InvalidArgument if none)."""
+        from brood.api import FlowHandle
+
+        executor = self.engine.flow(run_id)
+        return FlowHandle(self.engine, executor, executor.started)
+
     def flow_started(self, run_id: str) -> list[str]:
-        return self.sup.flow(run_id).started
+        return self._flow(run_id).started
 
     def flow_status(self, run_id: str) -> dict[str, Any]:
-        return self.sup.flow(run_id).status()
+        return self._flow(run_id).status()
 
     def flow_wait(self, run_id: str, timeout: float | None) -> tuple[str, str]:
         """("timeout", message) or ("ended", the status it ended or paused with)."""
         try:
-            return ("ended", self.sup.flow(run_id).wait(timeout))
+            return ("ended", self._flow(run_id).wait(timeout))
         except TimeoutError as exc:
             return ("timeout", str(exc))
 
     def flow_wait_change(self, run_id: str) -> None:
-        self.sup.flow(run_id).wait_change()
+        self._flow(run_id).wait_change()
 
     def flow_outputs(self, run_id: str) -> dict[str, dict[str, Any]]:
-        return self.sup.flow(run_id).outputs()
+        return self._flow(run_id).outputs()
 
     def flow_stop(self, run_id: str) -> dict[str, Any]:
-        return self.sup.flow(run_id).stop()
+        return self._flow(run_id).stop()
 
     def flow_resume(self, run_id: str) -> None:
-        self.sup.flow(run_id).resume()
+        self._flow(run_id).resume()
 
     def close(self) -> dict[str, Any]:
-        """Close the supervisor; report what could not be confirmed gone (pids, error)."""
+        """Close the engine; report what could not be confirmed gone (pids, error)."""
         from brood.backends.owners import processes_owned
 
-        mark = getattr(self.sup._backend, "owner", None)
+        mark = getattr(self.engine.backend, "owner", None)
         error, pids = None, []
         try:
-            self.sup.close()
+            self.engine.close()
         except ChildCleanupError as exc:
             error, pids = str(exc), list(exc.pids)
         except BroodError as exc:
@@ -234,6 +246,7 @@ def _end_of(run: Run) -> dict[str, Any]:
         "error": r.error,
         "products": r.products,
         "usage": dict(r.usage),
+        "failure_kind": run.failure_kind,
     }
 
 

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
-from brood.api import RunResult, _check_timeout
+from brood.api import RunResult
 from brood.cluster.agent import NodeAgent
-from brood.cluster.handles import ClusterFlowHandle, ClusterHandle, Ended
+from brood.cluster.handles import ClusterFlowHandle, ClusterHandle, running_flow
 from brood.cluster.nodes import (
     AGENT_CONCURRENCY,
     AGENT_START_S,
@@ -34,16 +34,40 @@ from brood.errors import (
     BackendError,
     ChildCleanupError,
     InvalidArgument,
+    StaleHandle,
     SupervisorClosed,
     UnknownRun,
 )
 from brood.lifecycle import TERMINAL_VALUES
-from brood.limits import Limits
+from brood.limits import Limits, check_timeout
 from brood.store.base import open_store, redact
 from brood.supervisor.core import new_run_id
 
 if TYPE_CHECKING:
     from brood.models.base import Model
+
+
+class TreeRouter:
+    """How the cluster's handles reach it (their `Router`): where a tree runs now, a call
+    to an agent, the recovery of a lost one. The cluster's own methods stay its own."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+
+    @property
+    def store_url(self) -> str:
+        return self.cluster._store_url
+
+    def agent_of(self, root_id: str, what: str) -> AgentRef | None:
+        if self.cluster._closed:
+            raise StaleHandle(f"{what} belongs to a cluster that was closed")
+        return self.cluster._agent_of(root_id)
+
+    def call(self, agent: AgentRef, method: str, *args: Any, timeout: float | None) -> Any:
+        return self.cluster._call(agent, method, *args, timeout=timeout)
+
+    def recover(self, agent: AgentRef) -> None:
+        self.cluster._recover(agent)
 
 
 class Cluster:
@@ -89,6 +113,7 @@ class Cluster:
         self._ray = ray
         self._store_url = store
         self._closed = False
+        self._router = TreeRouter(self)
         self._lock = threading.RLock()
         self._agents: list[AgentRef] = []
         self._trees: dict[str, AgentRef] = {}  # root id -> the agent running it now
@@ -323,13 +348,13 @@ class Cluster:
         """Place a new tree on the least loaded node and return its handle at once.
         `timeout` is the root's wall-clock seconds (a number > 0, or None)."""
         self._check_open()
-        _check_timeout(timeout)
+        check_timeout(timeout)
         if context is not None:
             try:
                 cloudpickle.dumps(context)
             except Exception as exc:
                 raise InvalidArgument(f"context cannot be pickled: {exc}") from exc
-        return ClusterHandle(self, self._start_tree("spawn", prompt, context, timeout)[0])
+        return ClusterHandle(self._router, self._start_tree("spawn", prompt, context, timeout)[0])
 
     def _start_tree(self, method: str, *args: Any) -> tuple[str, tuple[Any, ...] | None]:
         """Start a tree (a run, or a flow) on the least loaded agent: `method(*args, id)`,
@@ -382,7 +407,7 @@ class Cluster:
         with self._lock:
             self._trees[root_id] = agent
             agent.placed += 1
-        return ClusterHandle(self, root_id)
+        return ClusterHandle(self._router, root_id)
 
     def flow_run(self, spec: Any, *, inputs: dict[str, Any] | None = None) -> ClusterFlowHandle:
         """Validate a flow spec (a path, YAML/JSON text or a dict) here and start the flow on
@@ -390,8 +415,8 @@ class Cluster:
         `handle.started`. An invalid spec raises InvalidSpec listing every problem, and
         nothing starts. A path is read here, not on the node (an agent's working directory
         is Ray's). When the node is lost, the flow is resumed from its ledger on another."""
-        from brood.api import SPEC_DUMP
         from brood.flow.load import load_spec
+        from brood.flow.service import SPEC_DUMP
 
         self._check_open()
         # The agent gets the validated spec as journaled: JSON values, which pickle, and
@@ -408,7 +433,7 @@ class Cluster:
         run_id, answer = self._start_tree("flow_run", dumped, inputs)
         if answer is None:  # resumed on another node: its states are read from there
             return self.flow(run_id)
-        return ClusterFlowHandle(self, run_id, answer[1])
+        return ClusterFlowHandle(self._router, run_id, answer[1])
 
     def flow(self, run_id: str) -> ClusterFlowHandle:
         """A handle on a flow this cluster runs: one `flow_run` started, or one whose tree
@@ -421,10 +446,7 @@ class Cluster:
                 f"{run_id!r} is not a flow this cluster runs; start one with flow_run, or "
                 "resume its tree with resume(run_id) first"
             )
-        handle = ClusterFlowHandle(self, run_id, [])
-        with contextlib.suppress(Ended):  # ended with a lost node: nothing is started
-            handle.started = list(handle._on_agent("flow_started"))
-        return handle
+        return running_flow(self._router, run_id)
 
     def statistics(self) -> dict[str, Any]:
         """A snapshot: `nodes` = {node id: the agent's `Supervisor.statistics()` plus its

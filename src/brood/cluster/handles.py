@@ -1,11 +1,16 @@
-"""The handles of a cluster's trees and flows, which follow them from agent to agent."""
+"""The handles of a cluster's trees and flows, which follow them from agent to agent.
+
+A handle reaches its cluster only through a `Router` (the cluster's `TreeRouter`): the
+agent running its tree now, a call to that agent, the recovery of a lost one, the journal.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from brood.api import RunResult, _check_timeout
+from brood.api import RunResult
 from brood.cluster.nodes import CALL_S, CLOSE_S, WAIT_SLACK_S, AgentLost, AgentRef
 from brood.errors import (
     BroodError,
@@ -16,10 +21,8 @@ from brood.errors import (
     StoreError,
 )
 from brood.lifecycle import TERMINAL_VALUES, RunState
+from brood.limits import check_timeout
 from brood.store.base import open_store
-
-if TYPE_CHECKING:
-    from brood.cluster.driver import Cluster
 
 _ERRORS: dict[str, type[BroodError]] = {
     "ReplayDiverged": ReplayDiverged,
@@ -32,22 +35,39 @@ class Ended(Exception):
     """The tree ended on an agent that was lost since: the journal holds how it ended."""
 
 
+class Router(Protocol):
+    """What a handle needs of its cluster: where its tree runs now, and calls to agents."""
+
+    @property
+    def store_url(self) -> str:
+        """The journal every node writes to (a tree that ended with a lost node is read
+        there)."""
+
+    def agent_of(self, root_id: str, what: str) -> AgentRef | None:
+        """The agent running tree `root_id` now (None: it ended with a lost agent);
+        StaleHandle, naming `what`, once the cluster is closed."""
+
+    def call(self, agent: AgentRef, method: str, *args: Any, timeout: float | None) -> Any:
+        """`method(*args)` of `agent`; AgentLost when it died."""
+
+    def recover(self, agent: AgentRef) -> None:
+        """`agent` died: its trees are resumed elsewhere (once, whoever asks first)."""
+
+
 class _Followed:
     """A handle on a tree of a cluster, which follows it to the agent running it now."""
 
     what = "tree"
 
-    def __init__(self, cluster: Cluster, run_id: str) -> None:
-        self._cluster = cluster
+    def __init__(self, router: Router, run_id: str) -> None:
+        self._router = router
         self.id = run_id
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.id}>"
 
     def _agent(self) -> AgentRef | None:
-        if self._cluster._closed:
-            raise StaleHandle(f"{self.what} {self.id} belongs to a cluster that was closed")
-        return self._cluster._agent_of(self.id)
+        return self._router.agent_of(self.id, f"{self.what} {self.id}")
 
     @property
     def node_id(self) -> str | None:
@@ -63,15 +83,15 @@ class _Followed:
             if agent is None:
                 raise Ended
             try:
-                return self._cluster._call(agent, method, self.id, *args, timeout=timeout)
+                return self._router.call(agent, method, self.id, *args, timeout=timeout)
             except AgentLost:
-                self._cluster._recover(agent)
+                self._router.recover(agent)
 
     def _bounded(self, method: str, timeout: float | None) -> tuple[Any, ...] | None:
         """The answer of the agent's blocking `method` ("ended", ...), waited for at most
         `timeout` s (TimeoutError after; the work goes on). It follows the tree to the
         agent resuming it when one is lost; None when it ended with a lost node."""
-        _check_timeout(timeout)
+        check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             agent = self._agent()
@@ -79,7 +99,7 @@ class _Followed:
                 return None
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                answer = self._cluster._call(
+                answer = self._router.call(
                     agent,
                     method,
                     self.id,
@@ -87,7 +107,7 @@ class _Followed:
                     timeout=None if left is None else left + WAIT_SLACK_S,
                 )
             except AgentLost:
-                self._cluster._recover(agent)  # it goes on elsewhere: wait there
+                self._router.recover(agent)  # it goes on elsewhere: wait there
                 continue
             if answer[0] == "timeout":
                 raise TimeoutError(answer[1])
@@ -102,7 +122,7 @@ class ClusterHandle(_Followed):
     what = "handle"
 
     def _journaled(self) -> RunResult:
-        store = open_store(self._cluster._store_url, readonly=True)
+        store = open_store(self._router.store_url, readonly=True)
         try:
             row = store.get_run(self.id)
         finally:
@@ -175,15 +195,15 @@ class ClusterFlowHandle(_Followed):
 
     what = "flow"
 
-    def __init__(self, cluster: Cluster, run_id: str, started: list[str]) -> None:
-        super().__init__(cluster, run_id)
+    def __init__(self, router: Router, run_id: str, started: list[str]) -> None:
+        super().__init__(router, run_id)
         self.started = started
 
     def _journaled(self) -> dict[str, Any]:
         """The status of a flow that ended on a lost node, from its ledger."""
         from brood.journal import Journal
 
-        with Journal(self._cluster._store_url) as journal:
+        with Journal(self._router.store_url) as journal:
             return journal.flow_status(self.id)
 
     def status(self) -> dict[str, Any]:
@@ -210,9 +230,9 @@ class ClusterFlowHandle(_Followed):
         if agent is None:
             return
         try:
-            self._cluster._call(agent, "flow_wait_change", self.id, timeout=None)
+            self._router.call(agent, "flow_wait_change", self.id, timeout=None)
         except AgentLost:
-            self._cluster._recover(agent)
+            self._router.recover(agent)
 
     def outputs(self) -> dict[str, dict[str, Any]]:
         """Each state's latest settled outputs. Of a flow that ended on a node lost since,
@@ -223,7 +243,7 @@ class ClusterFlowHandle(_Followed):
             return dict(self._on_agent("flow_outputs"))
         except Ended:
             pass
-        store = open_store(self._cluster._store_url, readonly=True)
+        store = open_store(self._router.store_url, readonly=True)
         try:
             row = store.get_run(self.id)
         finally:
@@ -249,3 +269,12 @@ class ClusterFlowHandle(_Followed):
         except Ended:
             status = self._journaled()["status"]
             raise BroodError(f"flow {self.id} is {status}; only a paused flow resumes") from None
+
+
+def running_flow(router: Router, run_id: str) -> ClusterFlowHandle:
+    """A handle on flow `run_id`, with the states it started as its agent has them (none
+    when it ended with a lost node)."""
+    handle = ClusterFlowHandle(router, run_id, [])
+    with contextlib.suppress(Ended):
+        handle.started = list(handle._on_agent("flow_started"))
+    return handle

@@ -12,15 +12,15 @@ import contextlib
 import copy
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from brood.cluster.nodes import ray_cause
 from brood.errors import BackendError, BroodError, NodeLost
 from brood.lifecycle import TERMINAL_VALUES, RunState
 
 if TYPE_CHECKING:
-    from brood.cluster.agent import NodeAgent
     from brood.supervisor.core import Run
+    from brood.supervisor.engine import Engine
 
 
 def load_of(stats: dict[str, Any]) -> int:
@@ -38,12 +38,22 @@ class Peer:
     actor: Any
 
 
+class Agent(Protocol):
+    """The node agent, as its `Spreader` uses it (`NodeAgent` is one): its engine, its
+    owner token, the other agents, and the agent holding each guest's root."""
+
+    engine: Engine
+    token: str
+    peers: list[Peer]
+    guest_roots: dict[str, str]
+
+
 class Spreader:
     """The node agent's side of placement="spread": it hands a child to another node's
     agent, follows it there, and asks the agent running a tree's root to admit children
     started below a child placed here. Runs on the supervisor's loop (Core.spreader)."""
 
-    def __init__(self, agent: NodeAgent) -> None:
+    def __init__(self, agent: Agent) -> None:
         self.agent = agent
 
     @staticmethod
@@ -73,7 +83,7 @@ class Spreader:
         load, peer = min(zip(loads, others, strict=True), key=lambda t: t[0])
         if load == math.inf:
             return None
-        top = self.agent.sup._core._top(run)
+        top = self.agent.engine.core.top(run)
         root_token = self.agent.guest_roots.get(top.id, self.agent.token)
         data = {
             "context": run.context_blob,
@@ -100,7 +110,7 @@ class Spreader:
     async def lost(self, run: Run) -> None:
         """Its agent can renew no more; revoking its lease makes the runs it held this
         node's to claim now (and fences that supervisor if it was only unreachable)."""
-        store = self.agent.sup._store
+        store = self.agent.engine.store
         await asyncio.wrap_future(store.revoke_lease(run.remote.token))
 
     def holder(self, token: str) -> Peer | None:
@@ -114,7 +124,7 @@ class Spreader:
         for _ in range(2):
             token = self.agent.guest_roots[top.id]
             if token == self.agent.token:
-                value = getattr(self.agent.sup._core, method)(root_id, *args)
+                value = getattr(self.agent.engine.core, method)(root_id, *args)
                 return await value if asyncio.iscoroutine(value) else value
             peer = self.holder(token)
             try:
@@ -122,7 +132,7 @@ class Spreader:
                     return await self._get(getattr(peer.actor, method).remote(root_id, *args))
             except NodeLost:
                 pass
-            self.agent.guest_roots[top.id] = self.agent.sup._store.get_run(root_id)["supervisor"]
+            self.agent.guest_roots[top.id] = self.agent.engine.store.get_run(root_id)["supervisor"]
         raise BackendError(f"the node running tree {root_id} cannot be reached from here")
 
     async def admit(self, top: Run, count: int) -> None:

@@ -3,7 +3,7 @@ told the way a spec author wrote the spec, the checks that span fields (ids, ref
 templates, guards, reachability, cycles), and the `InvalidSpec` that lists them in the
 order of the spec.
 
-A state that fails the schema is checked from what passes of it (`_view_from_raw`), so it
+A state that fails the schema is checked from what passes of it (`view_from_raw`), so it
 causes no follow-on problems.
 
 Each problem is told two ways (`Problem`): with the values and names involved, for the
@@ -30,17 +30,17 @@ from pydantic import BaseModel, ValidationError
 from brood.errors import InvalidSpec
 from brood.flow.guards import NUMERIC_OPS, parse_path
 from brood.flow.schema import (
-    _NAME,
-    _NAME_RULE,
     MAX_STATES,
+    NAME_PATTERN,
+    NAME_RULE,
     FlowSpec,
     Input,
     Node,
+    SpecModel,
     State,
     SubAgent,
     Transition,
     ValueType,
-    _Spec,
 )
 from brood.flow.template import parse_template, placeholders
 
@@ -87,7 +87,7 @@ def _place(problem: Problem) -> tuple[int, int]:
     return (_SECTIONS.index(m.group(1)), int(m.group(2) or -1))
 
 
-def _raise(label: str, problems: list[Problem], *, quote: bool = True) -> None:
+def raise_problems(label: str, problems: list[Problem], *, quote: bool = True) -> None:
     """InvalidSpec listing `problems` in the order of the spec, at most MAX_SHOWN of them;
     with `quote` False, each in the schema's own words (problems that then read alike are
     listed once)."""
@@ -107,7 +107,7 @@ def _raise(label: str, problems: list[Problem], *, quote: bool = True) -> None:
 def check_spec(spec: FlowSpec) -> list[str]:
     """Every problem of a schema-valid spec that spans fields, as `path: message` lines
     (empty when the spec is valid)."""
-    return [p.told(True) for p in _Checker(_view_from_spec(spec)).run()]
+    return [p.told(True) for p in Checker(view_from_spec(spec)).run()]
 
 
 # ---- schema problems -----------------------------------------------------------------------
@@ -118,14 +118,14 @@ def _format_path(loc: Iterable[Any]) -> str:
     for part in loc:
         if isinstance(part, int):
             path += f"[{part}]"
-        elif _NAME.fullmatch(str(part)):
+        elif NAME_PATTERN.fullmatch(str(part)):
             path += f".{part}" if path else str(part)
         else:
             path += f"[{json.dumps(str(part))}]"
     return path or TOP
 
 
-def _kind(value: Any) -> str:
+def kind_of(value: Any) -> str:
     """`string`, `number`, `null`, `list`, `mapping`: a value's JSON-ish kind, no more."""
     if value is None:
         return "null"
@@ -134,14 +134,14 @@ def _kind(value: Any) -> str:
     return "mapping" if isinstance(value, dict) else kind
 
 
-def _describe(value: Any) -> str:
+def describe_value(value: Any) -> str:
     """`string 'x'`, `float nan`, `null`, `list [1, 2]`: a value with its JSON-ish kind."""
     if value is None:
         return "null"
     shown = json.dumps(value) if isinstance(value, bool) else repr(value)
     if len(shown) > 60:
         shown = shown[:57] + "..."
-    return f"{_kind(value)} {shown}"
+    return f"{kind_of(value)} {shown}"
 
 
 def _unwrap(annotation: Any) -> Any:
@@ -289,14 +289,15 @@ _MUST: Final = {
 }
 
 
-def _schema_problems(exc: ValidationError) -> list[Problem]:
+def schema_problems(exc: ValidationError) -> list[Problem]:
+    """The schema's errors as problems, each with the path it is at."""
     problems: list[Problem] = []
     for error in exc.errors()[:MAX_KEPT]:
         loc = tuple(error["loc"])
         kind = error["type"]
         ctx = error.get("ctx") or {}
         where = _schema_path(loc)
-        got = f", got {_describe(error.get('input'))}"
+        got = f", got {describe_value(error.get('input'))}"
         if kind == "missing":
             what, got = "required, but missing", ""
         elif kind == "extra_forbidden":  # the key itself is the spec's: told at its mapping
@@ -324,7 +325,7 @@ def _schema_problems(exc: ValidationError) -> list[Problem]:
         elif kind == "value_error":  # the schema's only check of its own: the name rule
             message = str(error["msg"]).removeprefix("Value error, ")
             problems.append(
-                Problem(_format_path(loc), message, f"not a valid name; {_NAME_RULE}", where)
+                Problem(_format_path(loc), message, f"not a valid name; {NAME_RULE}", where)
             )
             continue
         else:  # pydantic's own words name the schema's bounds, never the value
@@ -368,7 +369,8 @@ class _View:
     has_transitions: bool
 
 
-def _view_from_spec(spec: FlowSpec) -> _View:
+def view_from_spec(spec: FlowSpec) -> _View:
+    """A view of a spec that passed the schema, for the checks that span fields."""
     form: Literal["states", "nodes"] = "nodes" if spec.nodes is not None else "states"
     steps: list[State | Node] = [*(spec.nodes or [])] if form == "nodes" else [*(spec.states or [])]
     items = [
@@ -392,7 +394,7 @@ def _view_from_spec(spec: FlowSpec) -> _View:
     )
 
 
-def _validated(model: type[_Spec], raw: Any) -> tuple[Any, frozenset[str]]:
+def _validated(model: type[SpecModel], raw: Any) -> tuple[Any, frozenset[str]]:
     """`raw` validated as `model`, leaving out the keys that fail the schema (their problems
     are reported by the whole-spec validation), so the rest can still be checked; with the
     left-out keys. (None, ...) when even the rest does not pass (a required key is bad)."""
@@ -409,7 +411,7 @@ def _validated(model: type[_Spec], raw: Any) -> tuple[Any, frozenset[str]]:
             return None, broken
 
 
-def _view_from_raw(data: Mapping[str, Any]) -> _View:
+def view_from_raw(data: Mapping[str, Any]) -> _View:
     """A view of a spec that failed the schema: the parts that pass it, and the raw ids of
     those that do not, so that references to them are not reported as unknown."""
     has_nodes = "nodes" in data and data["nodes"] is not None
@@ -427,7 +429,7 @@ def _view_from_raw(data: Mapping[str, Any]) -> _View:
             items.append(
                 _Item(
                     f"{form}[{i}]",
-                    raw_id if isinstance(raw_id, str) and _NAME.fullmatch(raw_id) else None,
+                    raw_id if isinstance(raw_id, str) and NAME_PATTERN.fullmatch(raw_id) else None,
                     step,
                     entry,
                     broken,
@@ -494,7 +496,7 @@ def _json_problems(value: Any, path: str) -> list[Problem]:
                     )
                 )
                 continue
-            step = f".{key}" if _NAME.fullmatch(key) else f"[{json.dumps(key)}]"
+            step = f".{key}" if NAME_PATTERN.fullmatch(key) else f"[{json.dumps(key)}]"
             problems.extend(_json_problems(item, path + step))
         return problems
     if isinstance(value, tuple | set | frozenset):
@@ -521,7 +523,7 @@ def _inner(path: str, message: str) -> Problem:
     )
 
 
-class _Checker:
+class Checker:
     """Runs every cross-field check over a view, collecting problems instead of stopping at
     the first; `_Compiler` (brood.flow.compile) then builds the machine from the same
     resolved view."""
@@ -551,13 +553,13 @@ class _Checker:
         for name, sub in view.subagents.items():
             path = _format_path(["subagents", name])
             where = f"subagents{NAMED}"
-            if not _NAME.fullmatch(name):
+            if not NAME_PATTERN.fullmatch(name):
                 self._keep(
                     [
                         Problem(
                             path,
-                            f"{name!r} is not a valid name; {_NAME_RULE}",
-                            f"a subagent's name is not a valid name; {_NAME_RULE}",
+                            f"{name!r} is not a valid name; {NAME_RULE}",
+                            f"a subagent's name is not a valid name; {NAME_RULE}",
                             where,
                         )
                     ]
@@ -810,7 +812,7 @@ class _Checker:
     ) -> None:
         source_ref = inp.from_ or ""
         source, dot, output = source_ref.partition(".")
-        if not dot or not _NAME.fullmatch(source) or not _NAME.fullmatch(output):
+        if not dot or not NAME_PATTERN.fullmatch(source) or not NAME_PATTERN.fullmatch(output):
             fix = f"write the source {self.noun}'s id and one of its outputs, e.g. 'draft.text'"
             self._add(
                 f"{where}.from",
@@ -946,8 +948,8 @@ class _Checker:
         ):
             self._add(
                 f"{where}.value",
-                f"op {guard.op} compares numbers, got {_describe(guard.value)}; give a number",
-                f"op {guard.op} compares numbers, got {_kind(guard.value)}; give a number",
+                f"op {guard.op} compares numbers, got {describe_value(guard.value)}; give a number",
+                f"op {guard.op} compares numbers, got {kind_of(guard.value)}; give a number",
             )
         if guard.path is not None:
             try:
@@ -990,9 +992,10 @@ class _Checker:
                 self._add(
                     f"{where}.value",
                     f"output {ref} is text, so op {guard.op} compares it with a string, got "
-                    f"{_describe(guard.value)}; quote the value or declare the output type: json",
+                    f"{describe_value(guard.value)}; quote the value or declare the output "
+                    "type: json",
                     f"the output is text, so op {guard.op} compares it with a string, got "
-                    f"{_kind(guard.value)}; quote the value or declare the output type: json",
+                    f"{kind_of(guard.value)}; quote the value or declare the output type: json",
                 )
 
     # -- the machine as a whole

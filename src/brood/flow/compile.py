@@ -9,7 +9,7 @@ only a view the checks found no problem in.
 
 from __future__ import annotations
 
-from brood.flow.check import _Checker, _raise, _view_from_spec
+from brood.flow.check import Checker, raise_problems, view_from_spec
 from brood.flow.guards import Condition
 from brood.flow.machine import (
     AgentSettings,
@@ -33,13 +33,13 @@ def compile_spec(spec: FlowSpec) -> Machine:
     Re-runs `check_spec` first and raises `InvalidSpec` listing every problem, so a spec
     built without `load_spec` cannot compile into a broken machine.
     """
-    view = _view_from_spec(spec)
+    view = view_from_spec(spec)
     checker = _Compiler(view)
-    _raise(f"(FlowSpec {spec.name!r})" if spec.name else "(FlowSpec)", checker.run())
+    raise_problems(f"(FlowSpec {spec.name!r})" if spec.name else "(FlowSpec)", checker.run())
     return checker.compile(spec)
 
 
-class _Compiler(_Checker):
+class _Compiler(Checker):
     """The checker that can also build the machine, once `run` found no problem."""
 
     def compile(self, spec: FlowSpec) -> Machine:

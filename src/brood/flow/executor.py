@@ -22,7 +22,7 @@ import json
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from brood.errors import (
     BackendError,
@@ -34,6 +34,7 @@ from brood.errors import (
 )
 from brood.flow.compile import compile_spec
 from brood.flow.guards import evaluate
+from brood.flow.host import FlowHost
 from brood.flow.load import load_spec
 from brood.flow.machine import Machine, MachineState
 from brood.flow.render import OutputError, read_output, render_prompt
@@ -85,49 +86,6 @@ TREE_LIMITS = frozenset({"max_depth", "max_children", "max_children_per_run"})
 def _mark(d: dict[str, Any]) -> tuple[Any, ...]:
     """What identifies a derived ledger event when a replay compares it."""
     return (d["kind"], d.get("state"), d.get("target"), d.get("milestone"))
-
-
-class Host(Protocol):
-    """The supervisor, as the executor uses it (so this module needs no supervisor import).
-    A run it hands back has `id`, `rec` (its RunRecord), `children`, `done`, `ending`, and
-    `failure_kind`: why it failed (a FailureKind) as the supervisor decided it, once failed."""
-
-    async def create_controller(
-        self, prompt: str, parent: Any = None, run_id: str | None = None
-    ) -> Any: ...
-
-    async def start_child(
-        self,
-        parent: Any,
-        prompt: str,
-        *,
-        key: str,
-        model_name: str | None = None,
-        timeout: float | None = None,
-        pool: str | None = None,
-    ) -> Any: ...
-
-    async def finish(
-        self,
-        run: Any,
-        state: RunState,
-        reason: str,
-        *,
-        answer: str | None = None,
-        error: str | None = None,
-    ) -> RunState: ...
-
-    def event(self, run: Any, kind: str, data: dict[str, Any]) -> None: ...
-
-    def adopt_child(
-        self, parent: Any, key: str, timeout: float | None = None, *, launch: bool = True
-    ) -> Any: ...
-
-    def run_of(self, run_id: str) -> Any: ...
-
-    def children_left(self, run: Any) -> int | None:
-        """How many more runs the tree's limits leave to the flow whose run is `run` (None:
-        no bound but the flow's own settings)."""
 
 
 @dataclass
@@ -186,7 +144,7 @@ class Entry:
 class FlowExecutor:
     def __init__(
         self,
-        host: Host,
+        host: FlowHost,
         machine: Machine,
         params: dict[str, Any] | None = None,
         *,
@@ -980,7 +938,7 @@ class FlowExecutor:
     # ---- after a crash -----------------------------------------------------------------------
     @classmethod
     def from_ledger(
-        cls, host: Host, run: Any, events: list[dict[str, Any]], *, sleep: Any = asyncio.sleep
+        cls, host: FlowHost, run: Any, events: list[dict[str, Any]], *, sleep: Any = asyncio.sleep
     ) -> FlowExecutor:
         """Rebuild the flow whose run is `run` from its journaled ledger (`events`, in
         order): the same code decides again from the same inputs, with the ledger muted.

@@ -22,14 +22,14 @@ from pydantic import ValidationError
 
 from brood.errors import InvalidSpec
 from brood.flow.check import (
+    Checker,
     Problem,
-    _Checker,
-    _describe,
-    _kind,
-    _raise,
-    _schema_problems,
-    _view_from_raw,
-    _view_from_spec,
+    describe_value,
+    kind_of,
+    raise_problems,
+    schema_problems,
+    view_from_raw,
+    view_from_spec,
 )
 from brood.flow.schema import FlowSpec
 from brood.spec_text import MAX_SPEC_BYTES, looks_like_path, over_bound, read_bounded
@@ -358,7 +358,7 @@ def _validated(label: str, data: Any, *, quote: bool) -> FlowSpec:
     if data is None:
         raise InvalidSpec(f"invalid flow spec {label}: it is empty; write states or nodes")
     if not isinstance(data, Mapping):
-        got = _describe(data) if quote else f"a {_kind(data)}"
+        got = describe_value(data) if quote else f"a {kind_of(data)}"
         raise InvalidSpec(
             f"invalid flow spec {label}: the spec must be a mapping with states (the state "
             f"form) or nodes (the DAG form), got {got}"
@@ -368,9 +368,9 @@ def _validated(label: str, data: Any, *, quote: bool) -> FlowSpec:
     try:
         spec = FlowSpec.model_validate(data)
     except ValidationError as exc:
-        problems = _schema_problems(exc) + _Checker(_view_from_raw(data)).run()
+        problems = schema_problems(exc) + Checker(view_from_raw(data)).run()
     else:
-        problems = _Checker(_view_from_spec(spec)).run()
-    _raise(label, problems, quote=quote)
+        problems = Checker(view_from_spec(spec)).run()
+    raise_problems(label, problems, quote=quote)
     assert spec is not None  # no problem means the schema passed
     return spec

@@ -36,8 +36,8 @@ DEFAULT_PARALLEL: Final = 8
 MAX_STATES: Final = 1024
 FOREACH_MAX: Final = 64  # Limits.max_children_per_run's default: one instance per child run
 
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
-_NAME_RULE = "use letters, digits, '_' and '-', starting with a letter or '_'"
+NAME_PATTERN = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
+NAME_RULE = "use letters, digits, '_' and '-', starting with a letter or '_'"
 
 ValueType = Literal["text", "json"]
 FailurePolicy = Literal["fail_fast", "continue", "escalate"]
@@ -45,21 +45,23 @@ Lifecycle = Literal["task", "resident"]
 
 
 def _check_name(value: str) -> str:
-    if not _NAME.fullmatch(value):
-        raise ValueError(f"{value!r} is not a valid name; {_NAME_RULE}")
+    if not NAME_PATTERN.fullmatch(value):
+        raise ValueError(f"{value!r} is not a valid name; {NAME_RULE}")
     return value
 
 
 Name = Annotated[str, AfterValidator(_check_name)]
 
 
-class _Spec(BaseModel):
+class SpecModel(BaseModel):
+    """The base of every part of a spec: no unknown fields, no coercion, frozen."""
+
     # strict: YAML's "3" is a string, not a number; allow_inf_nan: a budget of .inf or NaN
     # is a mistake, not "no limit".
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
 
 
-class _AgentFields(_Spec):
+class _AgentFields(SpecModel):
     """Model settings a sub-agent run may set; None means the supervisor's default."""
 
     model: str | None = Field(default=None, min_length=1)
@@ -76,7 +78,7 @@ class SubAgent(_AgentFields):
     description: str | None = None
 
 
-class Input(_Spec):
+class Input(SpecModel):
     """A state input. `from: STATE.OUTPUT` reads another state's output; without `from` it is
     a flow input given when the flow starts. `type` defaults to the source output's type
     (`text` for a flow input). A required input (the default) holds the state until the
@@ -88,14 +90,14 @@ class Input(_Spec):
     optional: bool = False
 
 
-class Output(_Spec):
+class Output(SpecModel):
     """A declared output: `name` and `type` (`text`: the answer, `json`: parsed JSON)."""
 
     name: Name
     type: ValueType = "text"
 
 
-class Foreach(_Spec):
+class Foreach(SpecModel):
     """Run one instance of the state per element of the json input `over` (a list), at
     most `max` of them; in the prompt, `{over}` is the current element."""
 
@@ -156,7 +158,7 @@ class Node(_Step):
     depends_on: list[Name] = []
 
 
-class Guard(_Spec):
+class Guard(SpecModel):
     """A transition's condition on the source state's output `output`, optionally at `path`
     inside it (`a.b[0].c`), compared JSON-strictly (see `brood.flow.guards`)."""
 
@@ -166,7 +168,7 @@ class Guard(_Spec):
     value: Any = None
 
 
-class Transition(_Spec):
+class Transition(SpecModel):
     """`from` -> `to`, fired when `from` settles and `when` (if any) passes."""
 
     from_: Name = Field(alias="from")
@@ -174,7 +176,7 @@ class Transition(_Spec):
     when: Guard | None = None
 
 
-class RunSettings(_Spec):
+class RunSettings(SpecModel):
     """Whole-flow settings, with the factory executor's defaults and bounds: `max_parallel`
     state instances at once (1..64, default 8), `budget` wall-clock seconds for the flow,
     the default `failure_policy` of its states (`escalate`), and `max_transitions` fired in
@@ -186,7 +188,7 @@ class RunSettings(_Spec):
     max_transitions: int | None = Field(default=None, ge=1, le=MAX_TRANSITIONS)
 
 
-class FlowSpec(_Spec):
+class FlowSpec(SpecModel):
     """A whole flow spec: `states` + `transitions` (the state form) or `nodes` (the DAG
     form), `subagents` by name, and `run` settings. Build it with `load_spec`, which also
     runs the checks that span fields; `FlowSpec.model_validate` alone checks only the

@@ -77,7 +77,7 @@ class ControlServer:
         if isinstance(msg, CtlAnswer):
             return await self.core.asks.answer(msg.ask_id, msg.value, msg.by)
         if isinstance(msg, CtlFlow):
-            flow = self.core.flows.get(msg.run_id)
+            flow = self.core.flows.flow_executor(msg.run_id)
             if flow is None:
                 raise BroodError(f"run {msg.run_id} is not a flow this supervisor runs")
             if msg.op == "stop":

@@ -6,15 +6,16 @@ state, `Kernel.move`) and hands it to each room: admission (slots, pools, queues
 (finish, the one escalation, attempts), budget (a model call's budget and accounting),
 spread (other nodes), resume (the journal back into runs), starts (new runs), requests
 (a worker's frames, one handler each) and asks. It binds the few calls that go up from one
-room to another, wires each new worker to its rooms (`_launch`), and is what the public
-facade (`Supervisor`, `Session`, a cluster's node agent) and the flow executor call.
+room to another, wires each new worker to its rooms (`_launch`), and is what the engine
+(engine.py, which `Supervisor`, `Session` and a cluster's node agent wrap), the flow
+executor and the flow service call. What it needs of the flows (brood.flow) and of other
+nodes comes in at construction, as `Flows` and `Spreader`.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from brood.backends.base import Backend
@@ -24,7 +25,7 @@ from brood.limits import Limits
 from brood.models.base import Model
 from brood.protocol import (
     Exec,
-    FlowReq,
+    Notice,
     SpawnReq,
     Start,
     StepResult,
@@ -37,11 +38,11 @@ from brood.supervisor.budget import Budget
 from brood.supervisor.ending import Ending, exit_reason
 from brood.supervisor.frames import Conversation, Steps
 from brood.supervisor.gateway import ModelGateway
-from brood.supervisor.kernel import Kernel, Spreader
+from brood.supervisor.kernel import Flows, Kernel, Spreader
 from brood.supervisor.observers import Observers
 from brood.supervisor.requests import Requests
 from brood.supervisor.resume import Resume
-from brood.supervisor.runs import FLOW_MODEL, RUN, STORE_FAILED, Pool, Run, RunInfo, new_run_id
+from brood.supervisor.runs import FLOW_MODEL, RUN, Pool, Run, RunInfo, new_run_id
 from brood.supervisor.spread import Spread
 from brood.supervisor.starts import Starts
 
@@ -57,6 +58,10 @@ class Core:
         backend: Backend,
         observers: Observers,
         owner: str,
+        flows: Flows,
+        unenforced: list[str],
+        keep_scratch: bool = False,
+        spreader: Spreader | None = None,
     ) -> None:
         k = self.kernel = Kernel(
             model=model,
@@ -66,16 +71,20 @@ class Core:
             backend=backend,
             observers=observers,
             owner=owner,
+            unenforced=unenforced,
+            keep_scratch=keep_scratch,
+            spreader=spreader,
         )
+        self.flows = flows
         self.asks = Asks(k)
         self.admission = Admission(k, self.asks, self._launch)
         self.ending = Ending(k, self.admission, self.asks)
         self.budget = Budget(k)
         self.spread = Spread(k, self.admission, self.ending)
-        self.resume = Resume(k, self.admission, self.asks, self.spread)
+        self.resume = Resume(k, self.admission, self.asks, self.spread, flows)
         self.starts = Starts(k, self.admission, self.budget, self.ending, self.spread)
         self.requests = Requests(
-            k, self.admission, self.budget, self.asks, self.resume, self.starts
+            k, self.admission, self.budget, self.asks, self.resume, self.starts, flows
         )
         # The calls that go up from a room to one built on it, bound once here.
         k.finish = self.ending.finish
@@ -84,7 +93,6 @@ class Core:
         self.ending.adopt_lost = self.spread.adopt_lost
         self.spread.resume_subtree = self.resume.resume_subtree
         backend.on_lost = self.ending.zygote_lost
-        self.flows: dict[str, Any] = {}  # flow run id -> its executor (brood.flow)
 
     # ---- a worker, wired to the rooms ------------------------------------------------------
     async def _launch(self, run: Run) -> None:
@@ -290,7 +298,11 @@ class Core:
         """The top of `run`'s tree here (its root, or the guest its subtree hangs from)."""
         return self.kernel.top(run)
 
-    _top = top  # cluster.py's name for it until its split gives it the public one
+    def notice(self, run: Run, line: str) -> None:
+        """Tell `run`'s code `line` before its next turn (a flow's milestone), while its
+        worker is live."""
+        if run.conn is not None and not run.rec.state.terminal:
+            run.conn.send(Notice(line))
 
     async def send_message(self, run: Run, message: str) -> None:
         await self.kernel.send_message(run, message)
@@ -336,7 +348,7 @@ class Core:
     def _exit_reason(self, status: int, cpu_used: float, oom_kills: int = 0) -> str:
         return exit_reason(self.limits, status, cpu_used, oom_kills)
 
-    # ---- the rooms' state, as the facade and a node agent read and set it -------------------
+    # ---- the rooms' state, as the engine and a node agent read it --------------------------
     @property
     def model(self) -> Model:
         return self.kernel.model
@@ -385,41 +397,13 @@ class Core:
     def unenforced(self) -> list[str]:
         return self.kernel.unenforced
 
-    @unenforced.setter
-    def unenforced(self, value: list[str]) -> None:
-        self.kernel.unenforced = value
-
     @property
     def keep_scratch(self) -> bool:
         return self.kernel.keep_scratch
 
-    @keep_scratch.setter
-    def keep_scratch(self, value: bool) -> None:
-        self.kernel.keep_scratch = value
-
     @property
     def spreader(self) -> Spreader | None:
         return self.kernel.spreader
-
-    @spreader.setter
-    def spreader(self, value: Spreader | None) -> None:
-        self.kernel.spreader = value
-
-    @property
-    def flow_handler(self) -> Callable[[Run, FlowReq], Awaitable[Any]] | None:
-        return self.requests.flow_handler
-
-    @flow_handler.setter
-    def flow_handler(self, value: Callable[[Run, FlowReq], Awaitable[Any]] | None) -> None:
-        self.requests.flow_handler = value
-
-    @property
-    def flow_resumer(self) -> Callable[[Run], None] | None:
-        return self.resume.flow_resumer
-
-    @flow_resumer.setter
-    def flow_resumer(self, value: Callable[[Run], None] | None) -> None:
-        self.resume.flow_resumer = value
 
     @property
     def diverged(self) -> dict[str, str]:
@@ -446,10 +430,9 @@ class Core:
         return self.admission.start_queue
 
 
-# Names other modules import from here (cluster.py until its split, api.py).
+# Names other modules import from here.
 __all__ = [
     "FLOW_MODEL",
-    "STORE_FAILED",
     "Core",
     "NodeLost",
     "Run",

@@ -21,7 +21,7 @@ from brood.errors import BroodError, StoreError, SupervisorClosed
 from brood.lifecycle import FailureKind, RunRecord, RunState, move
 from brood.limits import Limits
 from brood.models.base import Model
-from brood.protocol import Deliver, Progress, WorkerLimits
+from brood.protocol import Deliver, FlowReq, Progress, WorkerLimits
 from brood.store.base import Store
 from brood.supervisor.observers import Observers
 from brood.supervisor.runs import FLOW_MODEL, RUN, STORE_FAILED, Run, child_update, new_run_id
@@ -78,6 +78,20 @@ class Spreader(Protocol):
         """The other node whose supervisor has owner token `token` (None if unknown)."""
 
 
+class Flows(Protocol):
+    """The flows a supervisor runs, as its rooms reach them (the engine answers, with
+    brood.flow's FlowService, imported on a flow's first use)."""
+
+    def flow_executor(self, run_id: str) -> Any:
+        """The executor of flow `run_id` this supervisor runs, or None."""
+
+    async def answer_flow(self, run: Run, msg: FlowReq) -> Any:
+        """A run's code starts or steers a flow (its FlowReq)."""
+
+    def rebuild_flow(self, run: Run) -> None:
+        """Rebuild flow `run` from its ledger while its tree is resumed."""
+
+
 def unbound(*_: Any, **__: Any) -> Any:
     raise RuntimeError("the supervisor's rooms are not bound to its kernel yet (Core binds them)")
 
@@ -96,6 +110,9 @@ class Kernel:
         backend: Backend,
         observers: Observers,
         owner: str,
+        unenforced: list[str],
+        keep_scratch: bool,
+        spreader: Spreader | None,
     ) -> None:
         self.model = model
         self.model_name = model_name
@@ -107,13 +124,13 @@ class Kernel:
         self.observers = observers
         self.owner = owner
         self.runs: dict[str, Run] = {}
-        self.unenforced: list[str] = []  # what confinement this machine does not enforce
-        self.keep_scratch = False  # runs' scratch directories outlive them (journaled)
+        self.unenforced = unenforced  # what confinement this machine does not enforce
+        self.keep_scratch = keep_scratch  # runs' scratch directories outlive them (journaled)
         self.closing = False
         self.store_error: StoreError | None = None  # the journal failed: no new work
-        # Set by a cluster's node agent: starts children placed with placement="spread" on
+        # A cluster's node agent's: starts children placed with placement="spread" on
         # other nodes, and asks a tree's root node to admit its children (Spreader).
-        self.spreader: Spreader | None = None
+        self.spreader = spreader
         self.tasks: set[asyncio.Task[Any]] = set()
         self._deliveries = itertools.count(1 << 30)  # Deliver ids, apart from Exec ids
         # Bound by the composition root (core.py) to the rooms above the kernel.

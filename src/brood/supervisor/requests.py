@@ -46,7 +46,7 @@ from brood.supervisor.admission import Admission
 from brood.supervisor.asks import Asks
 from brood.supervisor.budget import Budget
 from brood.supervisor.frames import Violation
-from brood.supervisor.kernel import Kernel
+from brood.supervisor.kernel import Flows, Kernel
 from brood.supervisor.resume import Resume
 from brood.supervisor.runs import STORE_FAILED, Run, StepWatch, last_line
 from brood.supervisor.starts import Starts
@@ -61,6 +61,7 @@ class Requests:
         asks: Asks,
         resume: Resume,
         starts: Starts,
+        flows: Flows,
     ) -> None:
         self.kernel = kernel
         self.admission = admission
@@ -68,8 +69,7 @@ class Requests:
         self.asks = asks
         self.resume = resume
         self.starts = starts
-        # Set by the API (which knows brood.flow): answers a run's FlowReq.
-        self.flow_handler: Callable[[Run, FlowReq], Awaitable[Any]] | None = None
+        self.flows = flows
 
     def on_msg(self, run: Run, msg: Msg) -> None:
         """A frame from `run`'s worker, handled by the one handler of its type."""
@@ -341,9 +341,7 @@ class Requests:
         await self.kernel.send_message(child, msg.message)
 
     async def _flow_request(self, run: Run, msg: FlowReq) -> Any:
-        if self.flow_handler is None:
-            raise BroodError("this supervisor runs no flows")
-        return await self.flow_handler(run, msg)
+        return await self.flows.answer_flow(run, msg)
 
 
 async def _now(value: Any) -> Any:

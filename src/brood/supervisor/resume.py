@@ -3,16 +3,15 @@ counted again, and the decision for each run that had not ended (cancelled, fail
 poison step, replayed in a new worker, or queued again); flows are rebuilt from their
 ledgers; a divergence of a replay stops the resume of the whole tree.
 
-It owns `diverged` (root id -> why its resume stopped) and the `flow_resumer` the API
-gives it. It reads the journal; it writes only through the kernel (events, claims) and
-ends runs only through the kernel's `finish`.
+It owns `diverged` (root id -> why its resume stopped); flows are rebuilt by the
+supervisor's `Flows`, given at construction. It reads the journal; it writes only through
+the kernel (events, claims) and ends runs only through the kernel's `finish`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-from collections.abc import Callable
 from typing import Any
 
 from brood.errors import BroodError
@@ -21,20 +20,21 @@ from brood.lifecycle import RunRecord, RunState
 from brood.protocol import Replay
 from brood.supervisor.admission import Admission
 from brood.supervisor.asks import Asks
-from brood.supervisor.kernel import Kernel
+from brood.supervisor.kernel import Flows, Kernel
 from brood.supervisor.runs import CANCELLING, FLOW_MODEL, RUN, Run, Tree, graft, journaled_kind
 from brood.supervisor.spread import Spread
 
 
 class Resume:
-    def __init__(self, kernel: Kernel, admission: Admission, asks: Asks, spread: Spread) -> None:
+    def __init__(
+        self, kernel: Kernel, admission: Admission, asks: Asks, spread: Spread, flows: Flows
+    ) -> None:
         self.kernel = kernel
         self.admission = admission
         self.asks = asks
         self.spread = spread
+        self.flows = flows
         self.diverged: dict[str, str] = {}  # root id -> why its resume stopped
-        # Set by the API (which knows brood.flow): rebuilds a flow from its ledger.
-        self.flow_resumer: Callable[[Run], None] | None = None
 
     async def resume_tree(self, root_id: str) -> Run:
         """Rebuild the tree under `root_id` from the journal and start its root again.
@@ -257,9 +257,7 @@ class Resume:
 
     def _resume_flow(self, run: Run) -> None:
         try:
-            if self.flow_resumer is None:
-                raise BroodError("this supervisor runs no flows")
-            self.flow_resumer(run)
+            self.flows.rebuild_flow(run)
         except BroodError as exc:
             why = f"could not resume flow {run.id}: {exc}"
             self.stop_resume(run, why)
