@@ -28,7 +28,7 @@ from tests.util import Gate, Signal
 
 def run_of(sup: brood.Supervisor, run_id: str) -> Run:
     """The supervisor's own record of a run (where its failure kind is kept)."""
-    return sup._core.runs[run_id]
+    return sup._engine.core.runs[run_id]
 
 
 def children(sup: brood.Supervisor, flow_id: str) -> list[Run]:
