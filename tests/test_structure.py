@@ -192,34 +192,33 @@ def _private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
 
 
-def _defined_in(tree: ast.AST) -> set[str]:
-    """The names a module defines: its functions and classes, the attributes it assigns
-    (`self._x = ...`, `obj._x: T = ...`) and the names it binds."""
+def _defined_in(tree: ast.Module) -> set[str]:
+    """The names a module defines at its top level: its functions and classes and the
+    names it assigns (not the names it imports: those are another module's)."""
     found: set[str] = set()
-    for node in ast.walk(tree):
+    for node in tree.body:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             found.add(node.name)
-        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-            found.add(node.attr)
-        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-            found.add(node.id)
+        elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            found.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
     return found
 
 
 def _reaches(path: Path, where: str) -> list[str]:
     """Where the module at `path` reaches another module's private names: `x._name` with
-    `x` not self or cls and `_name` not defined here, or an import of a private name."""
+    `x` neither `self`/`cls` nor a name this module defines, or an import of a private
+    name. The standard library's few privates brood uses, and a namedtuple's, are allowed."""
     tree = ast.parse(path.read_text())
     defined = _defined_in(tree)
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and _private(node.attr):
-            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            owner = node.value
+            if isinstance(owner, ast.Name) and (owner.id in ("self", "cls") or owner.id in defined):
                 continue
             text = ast.unparse(node)
-            if node.attr in defined or node.attr in NAMEDTUPLE_PRIVATES:
-                continue
-            if text not in STDLIB_PRIVATES:
+            if node.attr not in NAMEDTUPLE_PRIVATES and text not in STDLIB_PRIVATES:
                 found.append(f"{where}:{node.lineno} {text}")
         elif isinstance(node, ast.ImportFrom) and (
             node.level or (node.module or "").split(".")[0] == "brood"
@@ -248,15 +247,21 @@ def test_the_private_name_finder_finds_a_reach(tmp_path: Path) -> None:
     module = tmp_path / "probe.py"
     code = (
         "from brood.api import _hidden\n"
+        "from brood.api import Supervisor\n"
         "import os\n"
+        "_TABLE = {}\n"
         "class A:\n"
         "    def __init__(self, other):\n"
         "        self._mine = 1\n"
-        "        other._mine, other._theirs, os._exit, self._anything\n"
+        "        other._mine, self.peer._mine, super()._base, Supervisor._engine\n"
+        "        os._exit, self._anything, A._table, _TABLE._x, other._asdict\n"
     )
     module.write_text(code)
     found = _reaches(module, "probe.py")
     assert [line.split(" ", 1)[1] for line in found] == [
         "from brood.api import _hidden",
-        "other._theirs",
+        "other._mine",
+        "self.peer._mine",
+        "super()._base",
+        "Supervisor._engine",
     ]

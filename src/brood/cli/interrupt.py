@@ -34,7 +34,7 @@ class Interrupt:
     def hit(self) -> bool:
         return self.count > 0
 
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+    def on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.count += 1
         self.wake.set()
         if self.cleaning:
@@ -79,7 +79,7 @@ def interruptible() -> Iterator[Interrupt]:
     if threading.current_thread() is not threading.main_thread():
         yield interrupt
         return
-    previous = signal.signal(signal.SIGINT, interrupt._on_signal)
+    previous = signal.signal(signal.SIGINT, interrupt.on_signal)
     try:
         yield interrupt
     finally:

@@ -12,7 +12,7 @@ import cloudpickle
 
 from brood.api import RunResult
 from brood.cluster.agent import NodeAgent
-from brood.cluster.handles import ClusterFlowHandle, ClusterHandle, running_flow
+from brood.cluster.handles import ClusterFlowHandle, ClusterHandle
 from brood.cluster.nodes import (
     AGENT_CONCURRENCY,
     AGENT_START_S,
@@ -49,25 +49,30 @@ if TYPE_CHECKING:
 
 class TreeRouter:
     """How the cluster's handles reach it (their `Router`): where a tree runs now, a call
-    to an agent, the recovery of a lost one. The cluster's own methods stay its own."""
+    to an agent, the recovery of a lost one. The cluster hands it those of its own parts
+    (`Cluster._router`), so its methods stay its own."""
 
-    def __init__(self, cluster: Cluster) -> None:
-        self.cluster = cluster
-
-    @property
-    def store_url(self) -> str:
-        return self.cluster._store_url
+    def __init__(
+        self,
+        store_url: str,
+        closed: Callable[[], bool],
+        agent_of: Callable[[str], AgentRef | None],
+        call: Callable[..., Any],
+        recover: Callable[[AgentRef], None],
+    ) -> None:
+        self.store_url = store_url
+        self.closed, self.find, self.calls, self.recovers = closed, agent_of, call, recover
 
     def agent_of(self, root_id: str, what: str) -> AgentRef | None:
-        if self.cluster._closed:
+        if self.closed():
             raise StaleHandle(f"{what} belongs to a cluster that was closed")
-        return self.cluster._agent_of(root_id)
+        return self.find(root_id)
 
     def call(self, agent: AgentRef, method: str, *args: Any, timeout: float | None) -> Any:
-        return self.cluster._call(agent, method, *args, timeout=timeout)
+        return self.calls(agent, method, *args, timeout=timeout)
 
     def recover(self, agent: AgentRef) -> None:
-        self.cluster._recover(agent)
+        self.recovers(agent)
 
 
 class Cluster:
@@ -113,7 +118,13 @@ class Cluster:
         self._ray = ray
         self._store_url = store
         self._closed = False
-        self._router = TreeRouter(self)
+        self._router = TreeRouter(
+            store,
+            lambda: self._closed,
+            self._agent_of,
+            lambda *args, **kw: self._call(*args, **kw),  # looked up at each call
+            self._recover,
+        )
         self._lock = threading.RLock()
         self._agents: list[AgentRef] = []
         self._trees: dict[str, AgentRef] = {}  # root id -> the agent running it now
@@ -446,7 +457,7 @@ class Cluster:
                 f"{run_id!r} is not a flow this cluster runs; start one with flow_run, or "
                 "resume its tree with resume(run_id) first"
             )
-        return running_flow(self._router, run_id)
+        return ClusterFlowHandle(self._router, run_id)
 
     def statistics(self) -> dict[str, Any]:
         """A snapshot: `nodes` = {node id: the agent's `Supervisor.statistics()` plus its

@@ -195,9 +195,16 @@ class ClusterFlowHandle(_Followed):
 
     what = "flow"
 
-    def __init__(self, router: Router, run_id: str, started: list[str]) -> None:
+    def __init__(self, router: Router, run_id: str, started: list[str] | None = None) -> None:
+        """`started`: the states it entered first; None asks its agent (none when it ended
+        with a lost node)."""
         super().__init__(router, run_id)
-        self.started = started
+        self.started: list[str] = []
+        if started is not None:
+            self.started = started
+        else:
+            with contextlib.suppress(Ended):
+                self.started = list(self._on_agent("flow_started"))
 
     def _journaled(self) -> dict[str, Any]:
         """The status of a flow that ended on a lost node, from its ledger."""
@@ -269,12 +276,3 @@ class ClusterFlowHandle(_Followed):
         except Ended:
             status = self._journaled()["status"]
             raise BroodError(f"flow {self.id} is {status}; only a paused flow resumes") from None
-
-
-def running_flow(router: Router, run_id: str) -> ClusterFlowHandle:
-    """A handle on flow `run_id`, with the states it started as its agent has them (none
-    when it ended with a lost node)."""
-    handle = ClusterFlowHandle(router, run_id, [])
-    with contextlib.suppress(Ended):
-        handle.started = list(handle._on_agent("flow_started"))
-    return handle

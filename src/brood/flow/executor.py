@@ -955,7 +955,7 @@ class FlowExecutor:
             if d["kind"] in DERIVED:
                 journaled.append(d)
             elif d["kind"] in INPUTS:
-                ex._replay(d)
+                ex.replay_input(d)
             ex.ended_journaled |= d["kind"] == "flow_ended"
         ex.replaying = False
         made, ex.made = ex.made, []
@@ -980,7 +980,7 @@ class FlowExecutor:
             ex.ledger(d.pop("kind"), **d)
         return ex
 
-    def _replay(self, d: dict[str, Any]) -> None:
+    def replay_input(self, d: dict[str, Any]) -> None:
         """Feed one journaled input back to the executor."""
         kind = d["kind"]
         if kind == "flow_started":

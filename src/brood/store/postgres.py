@@ -76,9 +76,9 @@ class PostgresStore(SQLStore):
     def _lock_schema(self, cur: Any) -> None:
         cur.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK,))
 
-    def _schema_version(self, conn: Any) -> int:
+    def read_schema_version(self, conn: Any) -> int:
         try:
-            return super()._schema_version(conn)
+            return super().read_schema_version(conn)
         except StoreError:
             raise
         except Exception as exc:  # the meta table is missing: not a brood journal yet

@@ -142,14 +142,14 @@ class SQLStore:
 
     where = ""  # how messages name this journal
 
-    def _unopenable(self, exc: BaseException) -> StoreError:
+    def open_error(self, exc: BaseException) -> StoreError:
         """Why the journal cannot be opened; a store that knows better says more."""
         return StoreError(
             f"{self.where} cannot be read as a brood journal: {exc}; if the file is "
             "damaged, move it aside and brood starts a new one"
         )
 
-    def _write_failed(self, exc: BaseException) -> StoreError:
+    def write_error(self, exc: BaseException) -> StoreError:
         return StoreError(f"journal write to {self.where} failed: {exc}")
 
     def __init__(self, url: str, *, readonly: bool = False) -> None:
@@ -197,13 +197,13 @@ class SQLStore:
         try:
             if not readonly:
                 self._create_or_migrate_retried(conn)
-            version = self.version = self._schema_version(conn)
+            version = self.version = self.read_schema_version(conn)
         except StoreError:
             conn.close()
             raise
         except self.errors as exc:
             conn.close()
-            raise self._unopenable(exc) from exc
+            raise self.open_error(exc) from exc
         if version > SCHEMA_VERSION:
             conn.close()
             raise StoreError(
@@ -246,7 +246,7 @@ class SQLStore:
         """Hold the schema lock until this transaction ends, so that writers opening one
         journal at once create or migrate it once (SQLite's BEGIN IMMEDIATE already does)."""
 
-    def _schema_version(self, conn: Conn) -> int:
+    def read_schema_version(self, conn: Conn) -> int:
         cur = conn.cursor()
         try:
             cur.execute("SELECT value FROM meta WHERE key='schema'")
@@ -275,7 +275,7 @@ class SQLStore:
             except Exception as exc:  # a bug of the writer, not of one write
                 log.exception("brood: %s: the journal writer failed", self.where)
                 if self.failure is None:
-                    self._fail(self._write_failed(exc))
+                    self._fail(self.write_error(exc))
                 for _, fut in batch:
                     _settle(fut, error=self.failure)
         with contextlib.suppress(*self.errors):
@@ -320,9 +320,9 @@ class SQLStore:
                     self._commit([item])
                 return
             if isinstance(exc, self.refusals):
-                _settle(batch[0][1], error=self._write_failed(exc))  # this write only
+                _settle(batch[0][1], error=self.write_error(exc))  # this write only
                 return
-            self._fail(self._write_failed(exc))
+            self._fail(self.write_error(exc))
             _settle(batch[0][1], error=self.failure)
             return
         self._stats["batches"] += 1

@@ -92,13 +92,13 @@ class SQLiteStore(SQLStore):
         return conn
 
     def _damaged(self, exc: Exception) -> StoreError:
-        return self._unopenable(exc)
+        return self.open_error(exc)
 
-    def _unopenable(self, exc: BaseException) -> StoreError:
-        return self._unwritable(exc) or super()._unopenable(exc)
+    def open_error(self, exc: BaseException) -> StoreError:
+        return self._unwritable(exc) or super().open_error(exc)
 
-    def _write_failed(self, exc: BaseException) -> StoreError:
-        return self._unwritable(exc) or super()._write_failed(exc)
+    def write_error(self, exc: BaseException) -> StoreError:
+        return self._unwritable(exc) or super().write_error(exc)
 
     def _unwritable(self, exc: BaseException) -> StoreError | None:
         """The error for a journal this supervisor cannot write (a reader needs not)."""

@@ -123,6 +123,7 @@ class Task:
     ) -> None:
         self._rt = rt
         self._future = future
+        future.add_done_callback(lambda _f: notify(rt.link))  # wakes a wait on the task
         self.id = rt.next_task_id()
         self.what = what
         self.children = list(children)
@@ -340,13 +341,10 @@ def wait_handles(
 ) -> bool:
     """Wait (one release of the compute slot) until `quantifier` (all / any) of the
     handles have ended; False on timeout."""
-    for h in handles:
-        if isinstance(h, Task):  # wake the waiter when a task finishes
-            h._future.add_done_callback(lambda _f: notify(rt.link))
 
     def ended(h: Handle) -> bool:
         if isinstance(h, Task):
-            return h._future.done()
+            return h.done
         if isinstance(h, AskHandle):
             return rt.link.asks[h.id].state is not AskState.OPEN
         return rt.link.children[h.id].state in TERMINAL_VALUES
