@@ -325,7 +325,7 @@ class FlowHandle:
     """A running flow: `id` (its run in the journal), `started` (the states it entered
     first), `status()`, `wait()`, `stop()`, `resume()`."""
 
-    def __init__(self, engine: Engine, executor: FlowExecutor, started: list[str]) -> None:
+    def __init__(self, engine: Engine, executor: FlowExecutor[Run], started: list[str]) -> None:
         self._engine = engine
         self._ex = executor
         self.id = executor.run.id

@@ -54,7 +54,8 @@ Where each part lives:
 - `brood.flow.guards`: transition guards (`evaluate`);
 - `brood.flow.render`: prompts rendered from inputs, outputs read from answers
   (`OutputError` when an answer does not carry one);
-- `brood.flow.host`: `FlowHost`, what the executor needs of the supervisor's core;
+- `brood.flow.host`: `FlowHost`, what the executor needs of the supervisor's core, and
+  `FlowRun`, what it reads of a run;
 - `brood.flow.executor`: the executor, on the supervisor's loop (not imported here);
 - `brood.flow.service`: `FlowService`, the flows of one supervisor: started from the API
   or by a run's code, steered by a worker's requests, rebuilt on a resume (not imported

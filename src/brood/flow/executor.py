@@ -21,8 +21,9 @@ import asyncio
 import json
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic
 
 from brood.errors import (
     BackendError,
@@ -34,7 +35,7 @@ from brood.errors import (
 )
 from brood.flow.compile import compile_spec
 from brood.flow.guards import evaluate
-from brood.flow.host import FlowHost
+from brood.flow.host import FlowHost, FlowRun, R
 from brood.flow.load import load_spec
 from brood.flow.machine import Machine, MachineState
 from brood.flow.render import OutputError, read_output, render_prompt
@@ -95,7 +96,7 @@ class Instance:
     item: int | None  # foreach index
     attempt: int
     inputs: dict[str, Any]
-    run: Any = None
+    run: FlowRun | None = None  # its child run, once started (or adopted)
     outcome: str | None = None  # completed / failed / cancelled
     outputs: dict[str, Any] = field(default_factory=dict)
     tries: int = 0  # runs of this attempt ended by a rate limit at their first model call
@@ -141,10 +142,10 @@ class Entry:
     unexpanded: bool = False  # failed before any instance: its foreach input is not a list
 
 
-class FlowExecutor:
+class FlowExecutor(Generic[R]):
     def __init__(
         self,
-        host: FlowHost,
+        host: FlowHost[R],
         machine: Machine,
         params: dict[str, Any] | None = None,
         *,
@@ -174,7 +175,7 @@ class FlowExecutor:
                     f"flow input {name!r} is not JSON ({exc}); pass text or JSON values"
                 ) from None
         self.sleep = sleep  # how start retries wait (tests pass a fake clock)
-        self.run: Any = None
+        self.run: R  # the flow's own run: set by start(), or from_ledger()
         self.status_value = FlowStatus.RUNNING
         self.reason: str | None = None
         self.outputs: dict[str, dict[str, Any]] = {}  # state -> its latest settled outputs
@@ -194,7 +195,8 @@ class FlowExecutor:
         self.recent: deque[dict[str, Any]] = deque(maxlen=50)
         self.done = asyncio.Event()
         self.changed = asyncio.Event()  # set at every change of status_value
-        self.on_milestone: Any = None  # called with one line per milestone (a parent's notice)
+        # Called with one line per milestone (a parent's notice), when a run started it.
+        self.on_milestone: Callable[[str], None] | None = None
         self.failed_entries: list[Entry] = []  # escalated, retried on resume
         self.continued: dict[str, str] = {}  # states failed under `continue`, with why
         # States whose latest entry failed under `continue` (until one of theirs settles):
@@ -252,7 +254,7 @@ class FlowExecutor:
     async def start(
         self,
         title: str,
-        parent: Any = None,
+        parent: R | None = None,
         spec: dict[str, Any] | None = None,
         run_id: str | None = None,
     ) -> list[str]:
@@ -444,7 +446,7 @@ class FlowExecutor:
                 self._settled(inst, "failed", f"{rec.state.value}: {rec.reason}")
             return
 
-    async def _child_of(self, inst: Instance, st: MachineState) -> Any:
+    async def _child_of(self, inst: Instance, st: MachineState) -> R | None:
         """The instance's child: adopted from the journal after a resume, else started.
         None when none runs (the instance is settled, or waits no more)."""
         key = inst.child_key
@@ -555,7 +557,7 @@ class FlowExecutor:
 
     async def _start_with_backoff(
         self, inst: Instance, prompt: str, key: str, st: MachineState
-    ) -> Any:
+    ) -> R | None:
         """Start the instance's child. A start refused for capacity (LimitExceeded,
         BackendError) or a rate limit is tried again after 1 s, doubling to 60 s, 5 tries
         in all; the wait is this instance's own task, so the control loop goes on. One
@@ -938,8 +940,8 @@ class FlowExecutor:
     # ---- after a crash -----------------------------------------------------------------------
     @classmethod
     def from_ledger(
-        cls, host: FlowHost, run: Any, events: list[dict[str, Any]], *, sleep: Any = asyncio.sleep
-    ) -> FlowExecutor:
+        cls, host: FlowHost[R], run: R, events: list[dict[str, Any]], *, sleep: Any = asyncio.sleep
+    ) -> FlowExecutor[R]:
         """Rebuild the flow whose run is `run` from its journaled ledger (`events`, in
         order): the same code decides again from the same inputs, with the ledger muted.
         Derived events the crash kept from the journal are written now."""
@@ -1010,8 +1012,8 @@ class FlowExecutor:
             del self.pending[key]
             outputs = None
             if d["outcome"] == "completed":
-                rec = inst.run.rec if inst.run is not None else None
-                outputs = self._outputs(self.m.states[inst.state], rec and rec.answer)
+                answer = inst.run.rec.answer if inst.run is not None else None
+                outputs = self._outputs(self.m.states[inst.state], answer)
             self._settled(inst, d["outcome"], d.get("reason"), outputs, retry=d.get("retry", True))
 
     def go_live(self) -> None:
@@ -1132,7 +1134,7 @@ class FlowExecutor:
         return events
 
 
-def _rate_limited_at_first_call(run: Any) -> bool:
+def _rate_limited_at_first_call(run: FlowRun) -> bool:
     """The run failed on a rate limit at its first model call (its start, in effect), as
     its host decided (`run.failure_kind`), never as its worker's words said."""
     return (

@@ -15,12 +15,12 @@ import asyncio
 import json
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol
 
 from brood.errors import InvalidArgument, LimitExceeded, ReplayDiverged
 from brood.flow.compile import compile_spec
 from brood.flow.executor import FlowExecutor
-from brood.flow.host import FlowHost
+from brood.flow.host import FlowHost, R
 from brood.flow.load import load_spec_text
 from brood.flow.schema import FlowSpec
 from brood.limits import Limits
@@ -40,7 +40,7 @@ class Ledgers(Protocol):
         """Done once everything written so far is committed."""
 
 
-class ServiceHost(FlowHost, Protocol):
+class ServiceHost(FlowHost[R], Protocol[R]):
     """The supervisor's core as the service uses it: the executor's calls, and the limits,
     the journal, the adoption of a flow a resumed run's replay starts again and a notice to
     a run's code (`Core` is one)."""
@@ -51,9 +51,11 @@ class ServiceHost(FlowHost, Protocol):
     @property
     def store(self) -> Ledgers: ...
 
-    def adopt_flow(self, parent: Any) -> Any: ...
+    def adopt_flow(self, parent: R) -> R | None:
+        """The journaled flow run a resumed `parent`'s replay starts again (its next flow),
+        or None."""
 
-    def notice(self, run: Any, line: str) -> None:
+    def notice(self, run: R, line: str) -> None:
         """Tell `run`'s code `line` before its next turn, while its worker is live."""
 
 
@@ -79,28 +81,28 @@ class FlowRequest(Protocol):
     def replaying(self) -> bool: ...
 
 
-def flow_title(executor: FlowExecutor) -> str:
+def flow_title(executor: FlowExecutor[R]) -> str:
     """The prompt of a flow's controller run, as `brood ps` shows it."""
     return f"flow {executor.m.name or '(unnamed)'}"
 
 
-class FlowService:
+class FlowService(Generic[R]):
     """Every flow of one supervisor by its run id. `model_event` (kind, data) is journaled
     with a flow started from the API: the model its tree goes on with when resumed."""
 
-    def __init__(self, host: ServiceHost, model_event: tuple[str, dict[str, Any]]) -> None:
+    def __init__(self, host: ServiceHost[R], model_event: tuple[str, dict[str, Any]]) -> None:
         self.host = host
         self.model_event = model_event
-        self.executors: dict[str, FlowExecutor] = {}  # flow run id -> its executor
+        self.executors: dict[str, FlowExecutor[R]] = {}  # flow run id -> its executor
         self.spec_turn = asyncio.Lock()  # specs from model code, parsed one at a time
 
     async def start(
         self,
         loaded: FlowSpec,
         inputs: dict[str, Any] | None,
-        parent: Any = None,
+        parent: R | None = None,
         run_id: str | None = None,
-    ) -> FlowExecutor:
+    ) -> FlowExecutor[R]:
         """Start a validated flow (a child of `parent` when a run's code starts it, whose
         next turns then hear its milestones), and keep it by its run id."""
         machine = compile_spec(loaded)
@@ -119,7 +121,7 @@ class FlowService:
         await asyncio.wrap_future(self.host.store.committed())
         return executor
 
-    def rebuild(self, run: Any) -> None:
+    def rebuild(self, run: R) -> None:
         """Rebuild a flow from its ledger while its tree is resumed, and let it go on."""
         events = self.host.store.events(run.id, "flow")
         executor = FlowExecutor.from_ledger(self.host, run, events)
@@ -128,7 +130,7 @@ class FlowService:
         self.executors[run.id] = executor
         executor.go_live()
 
-    async def request(self, run: Any, msg: FlowRequest) -> Any:
+    async def request(self, run: R, msg: FlowRequest) -> Any:
         """A run's code starts or steers a flow (the REPL's flow_* helpers)."""
         if msg.op == "run":
             return await self._run(run, msg)
@@ -148,7 +150,7 @@ class FlowService:
             return found.status_value
         raise InvalidArgument(f"flow op must be run, status, wait, stop or resume, not {msg.op!r}")
 
-    async def _run(self, run: Any, msg: FlowRequest) -> dict[str, Any]:
+    async def _run(self, run: R, msg: FlowRequest) -> dict[str, Any]:
         """A flow started by `run`'s code, or (in a resumed run's replay) adopted again."""
         limits = self.host.limits
         if not msg.replaying and not limits.can_start_child(run.rec.depth):
@@ -184,7 +186,7 @@ class FlowService:
         executor = await self.start(loaded, inputs, parent=run)
         return {"id": executor.run.id, "started": executor.started}
 
-    def notifier(self, run: Any) -> Callable[[str], None]:
+    def notifier(self, run: R) -> Callable[[str], None]:
         """Milestones of a flow `run`'s code started, as notices for its next turn."""
 
         def notify(line: str) -> None:

@@ -203,7 +203,7 @@ class Core:
             "children": [self.snapshot(c) for c in run.children],
         }
 
-    # ---- what the facade, a node agent and the flow executor call (flow.executor.Host) -----
+    # ---- what the facade, a node agent and the flow executor call (flow.host.FlowHost) -----
     async def finish(
         self,
         run: Run,

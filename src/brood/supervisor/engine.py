@@ -107,7 +107,7 @@ class Engine:
         self._loop = LoopThread()
         self.state = EngineState.OPEN
         self._lease: asyncio.Future[None] | None = None
-        self._flows: FlowService | None = None  # built on a flow's first use
+        self._flows: FlowService[Run] | None = None  # built on a flow's first use
         try:
             self.backend = make_backend(backend, settings)
             self.core = Core(
@@ -253,7 +253,7 @@ class Engine:
         return run
 
     # ---- flows -------------------------------------------------------------------------
-    def _flow_service(self) -> FlowService:
+    def _flow_service(self) -> FlowService[Run]:
         """The flows this supervisor runs; brood.flow is imported on the first call, which
         is made on the loop (so one service is ever built)."""
         if self._flows is None:
@@ -264,20 +264,20 @@ class Engine:
 
     def start_flow(
         self, loaded: FlowSpec, inputs: dict[str, Any] | None, run_id: str | None = None
-    ) -> FlowExecutor:
+    ) -> FlowExecutor[Run]:
         """Start a validated flow from the API (trusted: its own settings bound it)."""
         return self.call(self._start_flow(loaded, inputs, run_id))
 
     async def _start_flow(
         self, loaded: FlowSpec, inputs: dict[str, Any] | None, run_id: str | None
-    ) -> FlowExecutor:
+    ) -> FlowExecutor[Run]:
         return await self._flow_service().start(loaded, inputs, run_id=run_id)
 
     def flow_ids(self) -> list[str]:
         """The ids of the flows this supervisor runs (started or resumed), oldest first."""
         return [] if self._flows is None else list(self._flows.executors)
 
-    def flow(self, run_id: str) -> FlowExecutor:
+    def flow(self, run_id: str) -> FlowExecutor[Run]:
         """The executor of flow `run_id`; InvalidArgument when this supervisor runs none."""
         executor = self.flow_executor(run_id)
         if executor is None:
@@ -287,7 +287,7 @@ class Engine:
             )
         return executor
 
-    def flow_executor(self, run_id: str) -> FlowExecutor | None:
+    def flow_executor(self, run_id: str) -> FlowExecutor[Run] | None:
         """The executor of flow `run_id`, or None when this supervisor runs no such flow."""
         return None if self._flows is None else self._flows.executors.get(run_id)
 
