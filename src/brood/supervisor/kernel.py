@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from brood.backends.base import Backend
 from brood.errors import BroodError, StoreError, SupervisorClosed
@@ -25,6 +25,9 @@ from brood.protocol import Deliver, FlowReq, Progress, WorkerLimits
 from brood.store.base import Store
 from brood.supervisor.observers import Observers
 from brood.supervisor.runs import FLOW_MODEL, RUN, STORE_FAILED, Run, child_update, new_run_id
+
+if TYPE_CHECKING:  # brood.flow is imported on a flow's first use
+    from brood.flow.executor import FlowExecutor
 
 DELIVER_ACK_S = 5.0  # how long a follow-up waits for the worker to confirm it is queued
 HEARTBEAT_S = 0.1  # at most one heartbeat from below per this many seconds to one worker
@@ -82,7 +85,7 @@ class Flows(Protocol):
     """The flows a supervisor runs, as its rooms reach them (the engine answers, with
     brood.flow's FlowService, imported on a flow's first use)."""
 
-    def flow_executor(self, run_id: str) -> Any:
+    def flow_executor(self, run_id: str) -> FlowExecutor[Run] | None:
         """The executor of flow `run_id` this supervisor runs, or None."""
 
     async def answer_flow(self, run: Run, msg: FlowReq) -> Any:
