@@ -10,7 +10,6 @@ it would raise if `rt` were not there (Python counts only the positional argumen
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -98,23 +97,36 @@ def verb(fn: Verb) -> Verb:
     if fn.__name__ in VERBS or "rt" not in inspect.signature(fn).parameters:
         raise ValueError(f"verb {fn.__name__!r} is registered twice or takes no `rt`")
     VERBS[fn.__name__] = fn
+    SIGNATURES[fn.__name__] = _without_rt(fn)
     return fn
 
 
-def model_signature(fn: Verb) -> inspect.Signature:
-    """A verb's signature as the model calls it: without `rt`, which `bind` supplies."""
+# Each verb's signature as the model calls it, made once as the verbs are imported (in the
+# zygote, before it freezes its heap): a worker binding 35 helpers then makes none itself.
+SIGNATURES: dict[str, inspect.Signature] = {}
+
+
+def _without_rt(fn: Verb) -> inspect.Signature:
     sig = inspect.signature(fn)
     return sig.replace(parameters=[p for p in sig.parameters.values() if p.name != "rt"])
 
 
+def model_signature(fn: Verb) -> inspect.Signature:
+    """A verb's signature as the model calls it: without `rt`, which `bind` supplies."""
+    return SIGNATURES.get(fn.__name__) or _without_rt(fn)
+
+
 def bind(fn: Verb, rt: Runtime) -> Callable[..., Any]:
     """`fn` as placed in the REPL of the run `rt`: its name, docstring and model signature
-    (`__wrapped__` is the verb: `spawn` tells its own helpers by it)."""
+    (`__wrapped__` is the verb: `spawn` tells its own helpers by it). Set by hand rather
+    than by functools.wraps: every worker binds every verb at its start."""
 
-    @functools.wraps(fn)
     def helper(*args: Any, **kw: Any) -> Any:
         return fn(*args, rt=rt, **kw)
 
+    helper.__name__, helper.__qualname__ = fn.__name__, fn.__qualname__
+    helper.__module__, helper.__doc__ = fn.__module__, fn.__doc__
+    helper.__wrapped__ = fn  # type: ignore[attr-defined]
     helper.__signature__ = model_signature(fn)  # type: ignore[attr-defined]
     return helper
 
