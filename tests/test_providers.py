@@ -6,7 +6,9 @@ retry would wait."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -448,3 +450,35 @@ def test_spec_options_and_what_the_journal_keeps() -> None:
     kept = "anthropic:claude-x?max_tokens=900"
     assert spec_record(kept) == {"spec": kept}
     assert spec_record("gemini:g?key=secret")["spec"] is None
+
+
+# ---- the command line ---------------------------------------------------------------------
+def brood_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "BROOD_MODEL"}
+    return subprocess.run(
+        [sys.executable, "-m", "brood.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, "COLUMNS": "200"},
+    )
+
+
+def test_brood_run_with_a_provider_spec_and_its_timeout(tmp_path, anthropic_server) -> None:
+    store = f"sqlite:///{tmp_path}/j.db"
+    spec = f"anthropic:{CLAUDE}@{anthropic_server.base_url}"
+    out = brood_cli("run", "root task", "--model", spec, "--model-timeout", "30", "--store", store)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "hi", out.stdout
+    sent = anthropic_server.requests
+    assert len(sent) == 2
+    # --model-timeout bounds each try: the SDK's client was built with it
+    assert {r.headers["x-stainless-read-timeout"] for r in sent} == {"30.0"}
+
+
+def test_brood_run_without_a_key_names_the_variable(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("GEMINI_API_KEY")
+    store = f"sqlite:///{tmp_path}/j.db"
+    out = brood_cli("run", "x", "--model", f"gemini:{GEMINI}", "--store", store)
+    assert out.returncode == 2
+    assert "set GEMINI_API_KEY or GOOGLE_API_KEY" in out.stderr, out.stderr
