@@ -10,6 +10,8 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +22,7 @@ from brood.errors import InvalidArgument, ModelError, RateLimited
 from brood.models import resolve_model
 from brood.models.base import spec_record
 from fake_providers import FakeAnthropic, FakeGemini, Reply
+from tests.test_resume import crash
 from tests.util import fast
 
 FENCE = "```"
@@ -482,3 +485,39 @@ def test_brood_run_without_a_key_names_the_variable(tmp_path, monkeypatch) -> No
     out = brood_cli("run", "x", "--model", f"gemini:{GEMINI}", "--store", store)
     assert out.returncode == 2
     assert "set GEMINI_API_KEY or GOOGLE_API_KEY" in out.stderr, out.stderr
+
+
+# ---- after a crash --------------------------------------------------------------------------
+def test_a_resumed_child_goes_on_with_its_provider(tmp_path) -> None:
+    """A supervisor dies while a child on Anthropic waits for its first reply; the resumed
+    tree's child asks Anthropic again (resolved from its model name through Limits.models),
+    and the root, replayed from the journal, gets its answer."""
+    in_child = threading.Event()
+
+    def answer(body: dict[str, Any]) -> Reply:
+        if in_child.is_set():
+            return Reply(repl("FINAL('A resumed')"), 30, 4)
+        in_child.set()
+        return Reply("never", delay=120.0)  # the supervisor is killed meanwhile
+
+    url = f"sqlite:///{tmp_path}/j.db"
+    root = [repl(f"FINAL(rlm_query('child A task', model='anthropic:{CLAUDE}'))")]
+    with FakeAnthropic(answer) as server:
+        listed = [f"anthropic:{CLAUDE}@{server.base_url}"]
+        script = textwrap.dedent(f"""
+            import signal, brood
+            model = brood.ScriptedModel({{"root": {root!r}}})
+            limits = brood.Limits(models={listed!r}, shutdown_grace=0.3, term_grace=0.3)
+            sup = brood.Supervisor(model, store={url!r}, limits=limits)
+            print(sup.spawn("root task").id, flush=True)
+            signal.pause()
+        """)
+        root_id = crash(script, lambda: in_child.wait(60))
+        model = brood.ScriptedModel({"root": root})  # replayed: asked nothing
+        with brood.Supervisor(model, store=url, limits=fast(models=listed)) as sup:
+            result = sup.resume(root_id).wait_result(timeout=60)
+            (child,) = [r for r in sup.store.runs(root_id) if r["parent_id"]]
+        sent = server.requests
+    assert (result.state, result.answer) == ("completed", "A resumed"), result
+    assert child["model"] == f"anthropic:{CLAUDE}" and child["state"] == "completed"
+    assert len(sent) == 2 and all("child A task" in str(r.body["messages"]) for r in sent)
