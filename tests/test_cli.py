@@ -110,7 +110,10 @@ def test_model_timeout_bounds_each_try_of_a_call_to_a_server_that_hangs(tmp_path
     assert f"model 'tiny' at {url}: APITimeoutError after 3 tries" in out.stderr
     assert tries == 3  # the default: one try and two retries
     out = brood("run", "x", "--model", "scripted:demo", "--model-timeout", "5", "--store", store)
-    assert out.returncode == 2 and "--model-timeout applies to openai: models" in out.stderr
+    assert (
+        out.returncode == 2
+        and "--model-timeout applies to openai:, anthropic: and gemini: models" in out.stderr
+    )
 
 
 def test_a_journal_on_a_read_only_filesystem_is_named_so_not_damaged(tmp_path):

@@ -41,6 +41,8 @@ def cli(*args: str) -> tuple[int, str]:
         (("--model", "scripted:demo", "--timeout", "-1"), "--timeout must be a number of seconds"),
         (("--model", "openai:m", "--model-timeout", "-1"), "--model-timeout (or ?timeout="),
         (("--model", "nonsense:x"), "unknown model spec 'nonsense:x'"),
+        (("--model", "anthropic:"), "model spec 'anthropic:' names no model"),
+        (("--model", "foo:bar"), "the providers are anthropic, gemini, local, openai, scripted"),
     ],
 )
 def test_bad_options_of_brood_run_are_named_by_their_flags(tmp_path, args, said):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import pickle
+import re
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -210,18 +211,36 @@ def test_a_non_callable_is_refused() -> None:
 
 
 # ---- resolve_model ------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    "spec", ["gpt-4o", "openai:", "anthropic:claude", "scripted:other", "", "local:"]
-)
+@pytest.mark.parametrize("spec", ["gpt-4o", "nonsense:x", "", "llama3:8b"])
 def test_an_unknown_spec_names_the_accepted_forms(spec: str) -> None:
     with pytest.raises(InvalidArgument) as info:
         resolve_model(spec)
     message = str(info.value)
     assert f"unknown model spec {spec!r}" in message
-    for form in ("'openai:MODEL'", "'openai:MODEL@http://HOST/v1'", "'scripted:demo'"):
+    for form in (
+        "'openai:MODEL'",
+        "'openai:MODEL@http://HOST/v1'",
+        "'anthropic:MODEL'",
+        "'gemini:MODEL'",
+        "'local:smollm2'",
+        "'scripted:demo'",
+    ):
         assert form in message
     assert "chat_fn callable" in message and "brood.Model" in message
     assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("spec", "said"),
+    [
+        ("openai:", "model spec 'openai:' names no model; use 'openai:MODEL'"),
+        ("local:", "model spec 'local:' names no model; use 'local:smollm2'"),
+        ("scripted:other", "names no script brood has; write scripted:demo"),
+    ],
+)
+def test_a_spec_of_a_known_provider_that_names_no_model(spec: str, said: str) -> None:
+    with pytest.raises(InvalidArgument, match=re.escape(said)):
+        resolve_model(spec)
 
 
 def test_openai_specs() -> None:

@@ -29,7 +29,15 @@ from brood.errors import (
 )
 from brood.lifecycle import TRANSITIONS, RunState
 from brood.limits import PI_RLM_BLOCKED_BUILTINS, Limits
-from brood.models import CallableModel, Completion, Model, OpenAIModel, ScriptedModel
+from brood.models import (
+    AnthropicModel,
+    CallableModel,
+    Completion,
+    GeminiModel,
+    Model,
+    OpenAIModel,
+    ScriptedModel,
+)
 from brood.session import Observation, Session
 
 __version__ = "0.1.0"
@@ -37,6 +45,7 @@ __version__ = "0.1.0"
 __all__ = [
     "PI_RLM_BLOCKED_BUILTINS",
     "TRANSITIONS",
+    "AnthropicModel",
     "AskCancelled",
     "BackendError",
     "BroodError",
@@ -48,6 +57,7 @@ __all__ = [
     "Completion",
     "ConfinementError",
     "FlowHandle",
+    "GeminiModel",
     "IllegalTransition",
     "InvalidArgument",
     "InvalidSpec",

@@ -114,10 +114,10 @@ def _model(spec: str | None, timeout: float | None) -> str | None:
     spec = spec or os.environ.get("BROOD_MODEL")
     if timeout is None or spec is None:
         return spec
-    if not spec.startswith("openai:"):
+    if not spec.startswith(("openai:", "anthropic:", "gemini:")):
         raise brood.InvalidArgument(
-            f"--model-timeout applies to openai: models, not {spec!r}; a chat_fn bounds "
-            "its own calls"
+            f"--model-timeout applies to openai:, anthropic: and gemini: models, not "
+            f"{spec!r}; a chat_fn bounds its own calls"
         )
     return f"{spec}{'&' if '?' in spec else '?'}timeout={timeout!r}"
 

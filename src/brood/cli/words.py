@@ -54,7 +54,10 @@ REWRITES: tuple[Rewrite, ...] = (
     (re.compile(r"\bray_address=None\b"), "--ray local (a bare --ray)"),
     (re.compile(r"\bray_address\b"), "--ray"),
     (re.compile(r"\bstore='([^']*)'"), r"--store \1"),
-    (re.compile(r"OpenAIModel\(timeout=\.\.\.\)"), "--model-timeout (or ?timeout= of --model)"),
+    (
+        re.compile(r"(?:OpenAI|Anthropic|Gemini)Model\(timeout=\.\.\.\)"),
+        "--model-timeout (or ?timeout= of --model)",
+    ),
     (re.compile(r"^timeout must be"), "--timeout must be"),
     # A flag left out is its default: the command line has no None to pass.
     (re.compile(r", or None for no limit|; use None for no limit| or None \(no limit\)"), ""),

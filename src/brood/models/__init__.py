@@ -1,7 +1,19 @@
-"""Models: anything that turns chat messages into text (worker side; builds its own client)."""
+"""Models: anything that turns chat messages into text (called by the supervisor's model
+gateway only; the SDKs of the optional providers are imported when a model is built)."""
 
+from brood.models.anthropic import AnthropicModel
 from brood.models.base import CallableModel, Completion, Model, resolve_model
+from brood.models.gemini import GeminiModel
 from brood.models.openai import OpenAIModel
 from brood.models.scripted import ScriptedModel
 
-__all__ = ["CallableModel", "Completion", "Model", "OpenAIModel", "ScriptedModel", "resolve_model"]
+__all__ = [
+    "AnthropicModel",
+    "CallableModel",
+    "Completion",
+    "GeminiModel",
+    "Model",
+    "OpenAIModel",
+    "ScriptedModel",
+    "resolve_model",
+]

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from brood.errors import InvalidArgument, ModelError
 
@@ -37,6 +38,9 @@ class Model:
     """
 
     name: str | None = None
+    # Who serves it ("openai", "anthropic", "gemini"), for costs and traces; None when
+    # brood cannot tell (a chat_fn, a scripted or local model).
+    provider: str | None = None
 
     def complete(self, messages: Messages, model: str | None = None) -> Completion:
         raise NotImplementedError
@@ -83,7 +87,7 @@ def _callable_name(fn: Callable[..., Any]) -> str:
 MODEL_SPEC = "model_spec"
 # The options a spec's own query may carry (`?timeout=S&tries=N`); any other name there
 # may be a credential (`?key=...`), and so is a user or password in its URL.
-SPEC_OPTIONS = frozenset({"timeout", "tries"})
+SPEC_OPTIONS = frozenset({"timeout", "tries", "max_tokens"})
 
 
 def spec_record(model: object) -> dict[str, Any]:
@@ -91,7 +95,7 @@ def spec_record(model: object) -> dict[str, Any]:
     default to it: `{"spec": SPEC}`, or `{"spec": None, "secret": bool, "withheld": WHY}`
     when there is no spec to keep (a chat_fn, a Model object) or the spec carries a secret,
     which is never written to the journal (a user or password in its URL, a query
-    parameter other than timeout and tries)."""
+    parameter other than timeout, tries and max_tokens)."""
     if isinstance(model, str):
         secret = _secret_in(model)
         if secret is None:
@@ -122,34 +126,63 @@ def _secret_in(spec: str) -> str | None:
     return None
 
 
+class Provider(NamedTuple):
+    """A kind of model a spec string names, `PROVIDER:REST`: the module whose
+    `from_spec(REST)` builds it, and how its specs are written."""
+
+    module: str
+    forms: str
+
+
+PROVIDERS: dict[str, Provider] = {
+    "openai": Provider("brood.models.openai", "'openai:MODEL' or 'openai:MODEL@http://HOST/v1'"),
+    "anthropic": Provider("brood.models.anthropic", "'anthropic:MODEL' or 'anthropic:MODEL@URL'"),
+    "gemini": Provider("brood.models.gemini", "'gemini:MODEL' or 'gemini:MODEL@URL'"),
+    "local": Provider("brood.models.local", "'local:smollm2' or 'local:PATH.gguf'"),
+    "scripted": Provider("brood.models.scripted", "'scripted:demo'"),
+}
+
+
+def is_spec(name: str) -> bool:
+    """Whether `name` is a spec string of a known provider (`anthropic:MODEL`), rather
+    than a plain model name (which may hold a colon: `llama3:8b`)."""
+    kind, colon, rest = name.partition(":")
+    return bool(colon) and kind in PROVIDERS and bool(rest.strip())
+
+
+def spec_without_url(spec: str) -> str:
+    """`PROVIDER:MODEL` of a spec `PROVIDER:MODEL[@URL][?OPTIONS]`: how model code names
+    a model the user listed with its URL (it never names one of its own)."""
+    return spec.partition("?")[0].partition("@")[0]
+
+
 def resolve_model(model: object) -> Model:
     """A `Model` for a callable, a spec string or a Model object.
 
-    Spec strings: `openai:MODEL`, `openai:MODEL@BASE_URL`, either with `?timeout=S&tries=N`
-    (one try's seconds, tries in all), `local:smollm2` or `local:PATH.gguf` (the `[local]`
-    extra: a real model, offline), and `scripted:demo`.
+    Spec strings: `openai:MODEL`, `openai:MODEL@BASE_URL`, `anthropic:MODEL[@URL]` (the
+    `[anthropic]` extra), `gemini:MODEL[@URL]` (the `[gemini]` extra), each with
+    `?timeout=S&tries=N` (one try's seconds, tries in all; `anthropic:` also `&max_tokens=N`),
+    `local:smollm2` or `local:PATH.gguf` (the `[local]` extra: a real model, offline), and
+    `scripted:demo`.
     """
     if isinstance(model, Model):
         return model
     if isinstance(model, str):
-        kind, _, rest = model.partition(":")
-        if kind == "openai" and rest:
-            from brood.models.openai import from_spec
-
-            return from_spec(rest)
-        if kind == "local" and rest:
-            from brood.models.local import from_spec as local_spec
-
-            return local_spec(rest)
-        if kind == "scripted" and rest == "demo":
-            from brood.models.scripted import demo_model
-
-            return demo_model()
-        raise InvalidArgument(
-            f"unknown model spec {model!r}; use 'openai:MODEL', 'openai:MODEL@http://HOST/v1', "
-            "'local:smollm2', 'local:PATH.gguf' or 'scripted:demo', or pass a chat_fn callable "
-            "or a brood.Model"
-        )
+        kind, colon, rest = model.partition(":")
+        provider = PROVIDERS.get(kind) if colon else None
+        if provider is None:
+            known = ", ".join(sorted(PROVIDERS))
+            forms = ", ".join(p.forms for p in PROVIDERS.values())
+            what = f"no provider {kind!r}; the providers are {known}" if colon else "no provider"
+            raise InvalidArgument(
+                f"unknown model spec {model!r} ({what}); use {forms}, or pass a chat_fn "
+                "callable or a brood.Model"
+            )
+        if not rest.strip():
+            raise InvalidArgument(f"model spec {model!r} names no model; use {provider.forms}")
+        built = importlib.import_module(provider.module).from_spec(rest)
+        assert isinstance(built, Model)
+        return built
     if callable(model):
         return CallableModel(model)
     raise InvalidArgument(

@@ -77,6 +77,15 @@ def read_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def from_spec(rest: str) -> ScriptedModel:
+    """The model a `scripted:` spec names: only `demo`, the script of `brood demo`."""
+    if rest != "demo":
+        raise InvalidArgument(
+            f"model spec 'scripted:{rest}' names no script brood has; write scripted:demo"
+        )
+    return demo_model()
+
+
 def demo_model() -> ScriptedModel:
     from brood.models.demo import DEMO_SCRIPT
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from brood.errors import BroodError, InvalidArgument, ModelError, RateLimited
 from brood.lifecycle import RunState
-from brood.models.base import Completion
+from brood.models.base import Completion, Model, is_spec, resolve_model, spec_without_url
 from brood.protocol import BUDGET_MARK, ModelReq, clip
 from brood.supervisor import frames
 from brood.supervisor.gateway import ModelGateway
@@ -30,6 +30,9 @@ class Budget:
     def __init__(self, kernel: Kernel) -> None:
         self.kernel = kernel
         self.gateway = ModelGateway()
+        # The models of the specs in Limits.models that model code has named, built once:
+        # one client (one connection pool) per spec for the supervisor's life.
+        self.by_spec: dict[str, Model] = {}
 
     async def model_call(self, run: Run, msg: ModelReq) -> str:
         """Make a worker's model call in the gateway; measure it and journal it here."""
@@ -48,7 +51,7 @@ class Budget:
         k = self.kernel
         if run.ending is not None or run.rec.state is not RUN:
             raise BroodError(f"run {run.id} is {run.rec.state.value} and ending; no model call")
-        self.check_model(run, msg.model)
+        model, name = self.model_for(run, msg.model)
         request = msg.messages[msg.new_from :]
         if not k.charge(run, frames.weight(request)):
             raise BroodError(f"run {run.id} is over its journal bytes; it makes no model call")
@@ -73,7 +76,7 @@ class Budget:
         done: Completion | None = None
         error: str | None = None
         try:
-            done = await self.gateway.complete(run.model, msg.messages, msg.model)
+            done = await self.gateway.complete(model, msg.messages, name)
             run.rate_limited = False
             return done.text
         except asyncio.CancelledError:
@@ -88,7 +91,7 @@ class Budget:
             error = f"{type(exc).__name__}: {exc}"
             run.rate_limited = False
             raise ModelError(
-                f"model {run.model.describe()!r} raised {type(exc).__name__}: {exc}"
+                f"model {model.describe()!r} raised {type(exc).__name__}: {exc}"
             ) from exc
         finally:
             run.calls.discard(task)
@@ -107,16 +110,35 @@ class Budget:
 
     def check_model(self, run: Run, name: str | None) -> None:
         """A model name model code passed (`llm_query` / `rlm_query` with model=): its own
-        run's, or one of `allowed_models`; else InvalidArgument listing them."""
-        if name is None or name == run.model_name:
-            return
+        run's, or one of `allowed_models`; else InvalidArgument listing them. A spec's
+        model is built here, so a spec that cannot be (a missing extra or key) is refused
+        at the call that names it."""
+        self.model_for(run, name)
+
+    def model_for(self, run: Run, name: str | None) -> tuple[Model, str | None]:
+        """The model a call that model code named `name` is made with, and the name it is
+        given: the run's own for no name; for the spec of a provider that Limits.models
+        lists, by its full spec or by the spec without its URL (`anthropic:MODEL`), that
+        spec's model (built once); for any other allowed name, the run's model with that
+        name (another model of the same endpoint). InvalidArgument for a name not allowed:
+        model code never adds a model, nor an address to call."""
+        if name is None:
+            return run.model, None
         allowed = self.allowed_models(run)
-        if name not in allowed:
-            raise InvalidArgument(
-                f"model {clip(name, 100)!r} is not one this tree may use (Limits.models: "
-                f"{', '.join(map(repr, allowed)) or 'none'}); name one of them, or pass no "
-                "model for this run's own. The user lists more with Limits(models=[...])"
-            )
+        spec = next((s for s in allowed if is_spec(s) and name in (s, spec_without_url(s))), None)
+        if spec is not None:
+            model = self.by_spec.get(spec)
+            if model is None:
+                model = self.by_spec[spec] = _built(spec, name)
+            return model, None
+        if name == run.model_name or name in allowed:
+            return run.model, name
+        shown = [spec_without_url(s) if is_spec(s) else s for s in allowed]
+        raise InvalidArgument(
+            f"model {clip(name, 100)!r} is not one this tree may use (Limits.models: "
+            f"{', '.join(map(repr, dict.fromkeys(shown))) or 'none'}); name one of them, or "
+            "pass no model for this run's own. The user lists more with Limits(models=[...])"
+        )
 
     def allowed_models(self, run: Run) -> list[str]:
         """Limits.models; by default the supervisor's model and the one its tree's root was
@@ -279,6 +301,19 @@ class Budget:
             "cost_left": None if lim.cost_budget is None else max(0.0, lim.cost_budget - cost),
             "tokens_used": int(tokens),
         }
+
+
+def _built(spec: str, name: str) -> Model:
+    """The model of a spec of Limits.models, or InvalidArgument for model code saying why
+    it cannot be built (a missing extra or key): the run that named it goes on."""
+    try:
+        return resolve_model(spec)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"model {name!r} of Limits.models cannot be used: {exc}") from None
+    except Exception as exc:  # the user's spec, not the run's fault: said, never a crash
+        raise InvalidArgument(
+            f"model {name!r} of Limits.models cannot be used: {type(exc).__name__}: {exc}"
+        ) from None
 
 
 def _wake_budget(tree: Tree) -> None:
