@@ -127,7 +127,10 @@ def resolve_model(model: object) -> Model:
 
     Spec strings: `openai:MODEL`, `openai:MODEL@BASE_URL`, either with `?timeout=S&tries=N`
     (one try's seconds, tries in all), `local:smollm2` or `local:PATH.gguf` (the `[local]`
-    extra: a real model, offline), and `scripted:demo`.
+    extra: a real model, offline), `echo` or `echo:N` (a deterministic model for trying
+    brood, which splits a context into at most N chunks), `python:MODULE:FUNCTION` (the
+    user's own chat function, imported from sys.path or the current directory) and
+    `scripted:demo`.
     """
     if isinstance(model, Model):
         return model
@@ -141,14 +144,23 @@ def resolve_model(model: object) -> Model:
             from brood.models.local import from_spec as local_spec
 
             return local_spec(rest)
+        if kind == "echo":
+            from brood.models.echo import from_spec as echo_spec
+
+            return echo_spec(rest)
+        if kind == "python":
+            from brood.models.pyspec import from_spec as python_spec
+
+            return python_spec(rest)
         if kind == "scripted" and rest == "demo":
             from brood.models.scripted import demo_model
 
             return demo_model()
         raise InvalidArgument(
             f"unknown model spec {model!r}; use 'openai:MODEL', 'openai:MODEL@http://HOST/v1', "
-            "'local:smollm2', 'local:PATH.gguf' or 'scripted:demo', or pass a chat_fn callable "
-            "or a brood.Model"
+            "'local:smollm2', 'local:PATH.gguf', 'echo' (no server needed), "
+            "'python:MODULE:FUNCTION' or 'scripted:demo', or pass a chat_fn callable or a "
+            "brood.Model"
         )
     if callable(model):
         return CallableModel(model)
