@@ -31,7 +31,11 @@ def cli(*args: str) -> tuple[int, str]:
 @pytest.mark.parametrize(
     ("args", "said"),
     [
-        ((), "no model: pass --model SPEC (e.g. openai:MODEL@URL), or set BROOD_MODEL"),
+        (
+            (),
+            "no model: pass --model SPEC (e.g. openai:MODEL@URL; --model echo tries brood "
+            "with no server), or set BROOD_MODEL",
+        ),
         (("--model", "scripted:demo", "--max-depth", "0"), "--max-depth must be >= 1, got 0"),
         (
             ("--model", "scripted:demo", "--max-iterations", "0"),
