@@ -182,6 +182,7 @@ def many(n, word):
 _LOOK = (
     _PIECES
     + """
+
 pieces = pieces_of(context)
 kind = type(context).__name__
 unit = "lines" if isinstance(context, str) else "items"
@@ -195,7 +196,7 @@ else:
     size = many(len(pieces), "line") + " of text"
 print(f"context: a {kind} of {size}")
 for number, piece in enumerate(pieces[:@SHOWN@], 1):
-    print(f"{number:>4}| {' '.join(piece[:100].splitlines())}")  # an item's lines on one
+    print(f"{number:>4}| {' '.join(piece[:100].splitlines())}")  # one line each
 if len(pieces) > @SHOWN@:
     print(f"    ... and {len(pieces) - @SHOWN@:,} more")
 if not pieces:
@@ -230,8 +231,9 @@ print(f"split into {many(n, 'chunk')} of {', '.join(str(b - a) for a, b in bound
 )
 
 _FAN_OUT = """
+task = "@CHUNK_TASK@"
 if by_children:
-    handles = [rlm_spawn(f"@CHUNK_TASK@ {i} of {n} in `context`.", context=chunk)
+    handles = [rlm_spawn(f"{task} {i} of {n} in `context`.", context=chunk)
                for i, chunk in enumerate(chunks, 1)]
     print(f"started {len(handles)} child runs")
 mine = counts_of(context)  # my own work while they count
@@ -265,6 +267,7 @@ FINAL(
 _COUNT_CHUNK = (
     _PIECES
     + """
+
 counts = {"chunk": @INDEX@, **counts_of(context)}
 first = pieces_of(context)[:1]
 print(f"chunk @INDEX@ begins: {first[0][:100]!r}" if first else "chunk @INDEX@ is empty")
