@@ -31,7 +31,11 @@ def cli(*args: str) -> tuple[int, str]:
 @pytest.mark.parametrize(
     ("args", "said"),
     [
-        ((), "no model: pass --model SPEC (e.g. openai:MODEL@URL), or set BROOD_MODEL"),
+        (
+            (),
+            "no model: pass --model SPEC (e.g. openai:MODEL@URL; --model echo tries brood "
+            "with no server), or set BROOD_MODEL",
+        ),
         (("--model", "scripted:demo", "--max-depth", "0"), "--max-depth must be >= 1, got 0"),
         (
             ("--model", "scripted:demo", "--max-iterations", "0"),
@@ -42,7 +46,10 @@ def cli(*args: str) -> tuple[int, str]:
         (("--model", "openai:m", "--model-timeout", "-1"), "--model-timeout (or ?timeout="),
         (("--model", "nonsense:x"), "unknown model spec 'nonsense:x'"),
         (("--model", "anthropic:"), "model spec 'anthropic:' names no model"),
-        (("--model", "foo:bar"), "the providers are anthropic, gemini, local, openai, scripted"),
+        (
+            ("--model", "foo:bar"),
+            "the providers are anthropic, echo, gemini, local, openai, python, scripted",
+        ),
     ],
 )
 def test_bad_options_of_brood_run_are_named_by_their_flags(tmp_path, args, said):

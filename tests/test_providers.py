@@ -391,7 +391,7 @@ def test_a_try_that_times_out_is_retried_then_fails_the_run(provider: str) -> No
         (
             "foo:bar",
             "unknown model spec 'foo:bar' (no provider 'foo'; the providers are anthropic, "
-            "gemini, local, openai, scripted)",
+            "echo, gemini, local, openai, python, scripted)",
         ),
         ("anthropic:claude?max_tokens=0", "option max_tokens='0' is not one brood takes"),
         ("gemini:g?max_tokens=5", "option max_tokens='5' is not one brood takes"),

@@ -339,7 +339,11 @@ def run(
         Path | None, typer.Option(help="a file whose text becomes `context`")
     ] = None,
     model: Annotated[
-        str | None, typer.Option(help="model spec, e.g. openai:MODEL@URL (or BROOD_MODEL)")
+        str | None,
+        typer.Option(
+            help="model spec: openai:MODEL@URL, python:MODULE:FUNCTION, echo (needs no "
+            "server), … (or BROOD_MODEL)"
+        ),
     ] = None,
     store: StoreOpt = None,
     max_depth: Annotated[int | None, typer.Option(help="run levels including the root")] = None,

@@ -49,7 +49,10 @@ Rewrite = tuple[re.Pattern[str], str | Callable[[re.Match[str]], str]]
 
 # In order: the specific phrases first, then the names they contain.
 REWRITES: tuple[Rewrite, ...] = (
-    (re.compile(r"Supervisor\(model=[^)]*\)"), "--model SPEC (e.g. openai:MODEL@URL)"),
+    (
+        re.compile(r"Supervisor\(model=[^)]*\)"),
+        "--model SPEC (e.g. openai:MODEL@URL; --model echo tries brood with no server)",
+    ),
     (re.compile(r", or pass a chat_fn callable or a brood\.Model"), ""),
     (re.compile(r"\bray_address=None\b"), "--ray local (a bare --ray)"),
     (re.compile(r"\bray_address\b"), "--ray"),

@@ -140,7 +140,10 @@ PROVIDERS: dict[str, Provider] = {
     "gemini": Provider("brood.models.gemini", "'gemini:MODEL' or 'gemini:MODEL@URL'"),
     "local": Provider("brood.models.local", "'local:smollm2' or 'local:PATH.gguf'"),
     "scripted": Provider("brood.models.scripted", "'scripted:demo'"),
+    "echo": Provider("brood.models.echo", "'echo' or 'echo:N' (no server needed)"),
+    "python": Provider("brood.models.pyspec", "'python:MODULE:FUNCTION'"),
 }
+BARE = frozenset({"echo"})  # providers whose name alone is a spec
 
 
 def is_spec(name: str) -> bool:
@@ -162,14 +165,17 @@ def resolve_model(model: object) -> Model:
     Spec strings: `openai:MODEL`, `openai:MODEL@BASE_URL`, `anthropic:MODEL[@URL]` (the
     `[anthropic]` extra), `gemini:MODEL[@URL]` (the `[gemini]` extra), each with
     `?timeout=S&tries=N` (one try's seconds, tries in all; `anthropic:` also `&max_tokens=N`),
-    `local:smollm2` or `local:PATH.gguf` (the `[local]` extra: a real model, offline), and
+    `local:smollm2` or `local:PATH.gguf` (the `[local]` extra: a real model, offline),
+    `echo` or `echo:N` (a deterministic model for trying brood, which splits a context into
+    at most N chunks), `python:MODULE:FUNCTION` (the user's own chat function, imported from
+    sys.path or the current directory) and
     `scripted:demo`.
     """
     if isinstance(model, Model):
         return model
     if isinstance(model, str):
         kind, colon, rest = model.partition(":")
-        provider = PROVIDERS.get(kind) if colon else None
+        provider = PROVIDERS.get(kind) if colon or kind in BARE else None
         if provider is None:
             known = ", ".join(sorted(PROVIDERS))
             forms = ", ".join(p.forms for p in PROVIDERS.values())
@@ -178,7 +184,7 @@ def resolve_model(model: object) -> Model:
                 f"unknown model spec {model!r} ({what}); use {forms}, or pass a chat_fn "
                 "callable or a brood.Model"
             )
-        if not rest.strip():
+        if not rest.strip() and kind not in BARE | {"python"}:  # python: says it its way
             raise InvalidArgument(f"model spec {model!r} names no model; use {provider.forms}")
         built = importlib.import_module(provider.module).from_spec(rest)
         assert isinstance(built, Model)

@@ -63,6 +63,8 @@ class Host:
         model = model if model is not None else os.environ.get("BROOD_MODEL")
         # Resolved here so that a bad spec stops the server at its start, not its first run.
         self.model = None if model is None else resolve_model(model)
+        # A spec is handed on as such, so the trees started here journal it for a resume.
+        self.spec = model if isinstance(model, str) else self.model
         self.model_name = None if self.model is None else self.model.describe()
         self.store_url = store_url
         self.limits = limits
@@ -86,7 +88,7 @@ class Host:
                         fix="start it with brood serve --model SPEC (or set BROOD_MODEL)",
                     )
                 self._supervisor = brood.Supervisor(
-                    self.model, store=self.store_url, limits=self.limits
+                    self.spec, store=self.store_url, limits=self.limits
                 )
             return self._supervisor
 
