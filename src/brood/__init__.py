@@ -29,7 +29,7 @@ from brood.errors import (
 )
 from brood.lifecycle import TRANSITIONS, RunState
 from brood.limits import PI_RLM_BLOCKED_BUILTINS, Limits
-from brood.models import CallableModel, Completion, Model, OpenAIModel, ScriptedModel
+from brood.models import CallableModel, Completion, Model, OpenAIModel, Price, ScriptedModel
 from brood.session import Observation, Session
 
 __version__ = "0.1.0"
@@ -59,6 +59,7 @@ __all__ = [
     "Observation",
     "OpenAIModel",
     "OutputError",
+    "Price",
     "ProtocolError",
     "RateLimited",
     "RayMissing",

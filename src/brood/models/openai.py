@@ -40,6 +40,8 @@ class OpenAIModel(Model):
     `sleep` is how it waits (tests pass a fake clock).
     """
 
+    provider = "openai"
+
     def __init__(
         self,
         model: str,
