@@ -76,6 +76,10 @@ def tree_script() -> dict[str, list[Reply]]:
     }
 
 
+def events_of(sup: brood.Supervisor, run_id: str, kind: str) -> list[dict[str, Any]]:
+    return [e["data"] for e in sup.store.events(run_id, kind)]
+
+
 def cli(*args: str) -> str:
     """`brood ARGS` in this process (read commands: no worker); what it printed."""
     out = CliRunner().invoke(app, list(args), env={"COLUMNS": "200"})  # type: ignore[arg-type]
@@ -88,13 +92,13 @@ def run_tree(tmp_path: Path, model: str, **kw: Any) -> tuple[str, str, dict[str,
     the root's id, and each run's model_call and cost_unknown events by run id."""
     url = f"sqlite:///{tmp_path / 'brood.db'}"
     with FakeOpenAI(tree_script()) as srv:
-        with brood.Supervisor(f"openai:{model}@{srv.base_url}", store=url, limits=fast(), **kw) as sup:
+        spec = f"openai:{model}@{srv.base_url}"
+        with brood.Supervisor(spec, store=url, limits=fast(), **kw) as sup:
             result = sup.run("root task")
             assert (result.state, result.answer) == ("completed", "root got: child says hi")
             events = {
                 r["id"]: {
-                    kind: [e["data"] for e in sup.store.events(r["id"], kind)]
-                    for kind in ("model_call", "cost_unknown")
+                    kind: events_of(sup, r["id"], kind) for kind in ("model_call", "cost_unknown")
                 }
                 for r in sup.store.runs(result.run_id)
             }
@@ -146,8 +150,13 @@ def test_an_unknown_models_cost_is_null_said_once_per_run_and_not_zero(tmp_path)
         with brood.Supervisor(spec, store=url, limits=fast(cost_budget=0.000001)) as sup:
             result = sup.run("root task")
             runs = sup.store.runs(result.run_id)
-            said = {r["id"]: [e["data"] for e in sup.store.events(r["id"], "cost_unknown")] for r in runs}
-            calls = {r["id"]: [e["data"] for e in sup.store.events(r["id"], "model_call")] for r in runs}
+            said = {
+                r["id"]: [e["data"] for e in sup.store.events(r["id"], "cost_unknown")]
+                for r in runs
+            }
+            calls = {
+                r["id"]: [e["data"] for e in sup.store.events(r["id"], "model_call")] for r in runs
+            }
     assert result.state == "completed", result
     assert result.usage["cost"] is None and result.usage["unpriced_calls"] == 1
     child_id = next(r["id"] for r in runs if r["parent_id"] == result.run_id)
@@ -176,7 +185,9 @@ class Billed(brood.Model):
     name = "billed"
 
     def complete(self, messages, model=None):
-        return brood.Completion(code("FINAL(llm_query('q'))") if _turn(messages) else "a", 100, 10, 0.25)
+        return brood.Completion(
+            code("FINAL(llm_query('q'))") if _turn(messages) else "a", 100, 10, 0.25
+        )
 
 
 def _turn(messages: list[dict[str, Any]]) -> bool:
@@ -194,7 +205,7 @@ def test_user_prices_override_the_models_own_and_genai_prices(tmp_path):
             result = sup.run("task")
         assert result.usage["cost"] == pytest.approx(2 * (100 * 1.0 + 10 * 2.0) / 1e6)
     # ... and over genai-prices: a whole tree priced at the user's price.
-    _, root_id, events = run_tree(tmp_path, KNOWN, prices={KNOWN: brood.Price(1000, 2000)})
+    _, _, events = run_tree(tmp_path, KNOWN, prices={KNOWN: brood.Price(1000, 2000)})
     costs = [c["cost"] for e in events.values() for c in e["model_call"]]
     tokens = [(50_000, 900), (40_000, 800), (3_000, 100)]
     assert sorted(costs) == pytest.approx(sorted((i * 1000 + o * 2000) / 1e6 for i, o in tokens))
@@ -308,7 +319,7 @@ def test_a_price_for_no_model_and_bad_prices_in_python_are_refused(tmp_path):
         brood.Supervisor(brood.ScriptedModel(["x"]), prices={"m": (-1, 2)})
     with pytest.raises(brood.InvalidArgument, match=r"prices\['m'\] must be a brood.Price"):
         brood.Session(brood.ScriptedModel(["x"]), prices={"m": "1,2"})
-    with pytest.raises(brood.InvalidArgument, match="Price.output=.... must be dollars"):
+    with pytest.raises(brood.InvalidArgument, match=r"Price\(output=\.\.\.\) must be dollars"):
         brood.Price(1, "2")  # type: ignore[arg-type]
     with pytest.raises(brood.InvalidArgument, match="prices must be a mapping"):
         brood.Supervisor(brood.ScriptedModel(["x"]), prices=[(1, 2)])  # type: ignore[arg-type]

@@ -1007,11 +1007,11 @@ def flow_run(
     given: dict[str, Any] = {"max_concurrency": max_concurrency} if max_concurrency else {}
     try:
         limits = brood.Limits(**given, **_confinement(fs_read, fs_write, network, confine))
-        spec = _model(model, model_timeout)
-        prices = _prices(price, spec)
+        model_spec = _model(model, model_timeout)
+        prices = _prices(price, model_spec)
         with (
             interruptible() as interrupt,
-            _runner(spec, limits, url, ray, prices) as runner,
+            _runner(model_spec, limits, url, ray, prices) as runner,
         ):
             _stop_if_interrupted(interrupt)
             flow = runner.flow_run(spec, inputs=params)

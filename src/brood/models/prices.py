@@ -164,11 +164,20 @@ class Pricing:
             return None
         return catalog_cost(provider, name, input_tokens, output_tokens)
 
+    def cold(self, provider: str | None, name: str | None) -> bool:
+        """Whether a call of this model would look genai-prices up for the first time."""
+        return (
+            provider is not None
+            and bool(name)
+            and name not in self.table
+            and ((provider, str(name)) not in _known)
+        )
+
     def warm(self, provider: str | None, name: str | None) -> None:
-        """Look a model up before its first call, so that the import of genai-prices and
-        its first search are paid here (the caller's thread), not on the supervisor's
-        loop."""
-        if provider is not None and name and name not in self.table:
+        """Look a model up before its first call, so that the import of genai-prices (about
+        a second) and its first search are paid here, in the caller's thread, not on the
+        supervisor's loop."""
+        if provider is not None and name and self.cold(provider, name):
             catalog_cost(provider, name, 0, 0)
 
 
@@ -206,12 +215,14 @@ def cost_text(usage: Mapping[str, Any]) -> str:
 
 
 def dollars(value: float) -> str:
-    """`$0.0123`: four significant digits below a cent, cents above."""
-    if value == 0:
+    """`$1.25` from a dollar up; below it four significant digits, never in exponent
+    form (`$0.00804`, `$0.000042`)."""
+    if value <= 0:
         return "$0"
     if value >= 1:
         return f"${value:,.2f}"
-    return f"${value:.4g}" if value >= 1e-6 else f"${value:.2e}"
+    decimals = min(3 - math.floor(math.log10(value)), 12)
+    return "$" + (f"{value:.{decimals}f}".rstrip("0").rstrip(".") or "0")
 
 
 __all__ = [

@@ -100,7 +100,12 @@ def _first_line(text: Any, limit: int = SHORT) -> str:
 
 
 _env.filters.update(
-    when=_when, seconds=_seconds, tokens=_tokens, cost=_cost, dollars=dollars, first_line=_first_line
+    when=_when,
+    seconds=_seconds,
+    tokens=_tokens,
+    cost=_cost,
+    dollars=dollars,
+    first_line=_first_line,
 )
 _env.globals.update(terminal=TERMINAL_VALUES)
 

@@ -207,9 +207,7 @@ class Budget:
         tokens_out = max(0, int(done.output_tokens)) if done else 0
         cost: float | None = 0.0  # a call that failed is not billed by its tokens
         if done is not None:
-            cost = self.pricing.cost(
-                run.model.provider, model, tokens_in, tokens_out, done.cost
-            )
+            cost = self.pricing.cost(run.model.provider, model, tokens_in, tokens_out, done.cost)
         u = run.rec.usage
         u["model_calls"] = u.get("model_calls", 0) + 1
         u["input_tokens"] = u.get("input_tokens", 0) + tokens_in

@@ -103,8 +103,8 @@ class Engine:
             )
         resolved = resolve_model(model)
         self._model_record = spec_record(model)  # journaled with each tree, for a resume
-        pricing = Pricing(prices)
-        pricing.warm(resolved.provider, resolved.name)  # here, not on the loop
+        self.pricing = Pricing(prices)
+        self.pricing.warm(resolved.provider, resolved.name)  # here, not on the loop
         settings = worker_settings(self.limits, worker_env, keep_scratch)
         self.store = open_store(store)
         self._observers = Observers(on_start, on_end)
@@ -126,7 +126,7 @@ class Engine:
                 unenforced=unenforced(settings),
                 keep_scratch=settings.keep_scratch,
                 spreader=spreader,
-                pricing=pricing,
+                pricing=self.pricing,
             )
             self.control = ControlServer(self.core)
             self.store.on_failure = self._store_failed
@@ -214,6 +214,8 @@ class Engine:
         """A new root run (`driven`: its code comes step by step from a Session), journaled
         with the model it runs on."""
         resolved = None if model is None else resolve_model(model)
+        if resolved is not None and self.pricing.cold(resolved.provider, resolved.name):
+            await asyncio.to_thread(self.pricing.warm, resolved.provider, resolved.name)
         run = await self.core.create_root(
             prompt,
             context_blob=context_blob(context),
