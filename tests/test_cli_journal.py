@@ -397,7 +397,8 @@ def test_ps_tree_show_and_export_see_a_tree_another_process_runs(tmp_path, start
     assert [r["run_id"] for r in records] == [tree.root] * 3 + [a_id, b_id]
     assert [r["turn"] for r in records] == [1, 2, 3, 1, 1]
     for r in records:
-        assert r["kind"] == "turn" and r["usage"] == {"input_tokens": 7, "output_tokens": 3}
+        assert r["kind"] == "turn"
+        assert r["usage"] == {"input_tokens": 7, "output_tokens": 3, "cost": None}
         assert r["messages"][0]["role"] == "system" and r["messages"][-1]["role"] == "user"
         assert r["response"].startswith(f"{FENCE}repl")
     roles = [m["role"] for m in records[2]["messages"]]  # the whole conversation so far

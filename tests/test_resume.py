@@ -160,6 +160,10 @@ def test_resume_replays_without_new_calls_and_adopts_children(tmp_path):
         ("2:0", "completed"),
     ]
     assert "resume" in events
+    # The scripted model has no price: the root said so once, before the crash, and its
+    # live turn after the resume does not say it again.
+    unpriced = [e for e in tree_events if e["kind"] == "cost_unknown"]
+    assert [e["run_id"] for e in unpriced].count(root_id) == 1
 
 
 def test_a_finished_tree_is_not_resumed_and_the_journal_is_unchanged(tmp_path):

@@ -36,6 +36,7 @@ from brood.models import (
     GeminiModel,
     Model,
     OpenAIModel,
+    Price,
     ScriptedModel,
 )
 from brood.session import Observation, Session
@@ -69,6 +70,7 @@ __all__ = [
     "Observation",
     "OpenAIModel",
     "OutputError",
+    "Price",
     "ProtocolError",
     "RateLimited",
     "RayMissing",

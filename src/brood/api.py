@@ -23,6 +23,7 @@ from brood.errors import (
 from brood.lifecycle import TERMINAL_VALUES, FailureKind, RunState
 from brood.limits import Limits, check_timeout
 from brood.models.base import Model
+from brood.models.prices import Price
 from brood.store.base import Store
 from brood.supervisor.core import Run, RunInfo
 from brood.supervisor.engine import Engine
@@ -70,6 +71,13 @@ class Supervisor:
     TZ and TERM of this process's environment, plus `worker_env` (a dict of names to
     values, or a list of names to copy); HOME, TMPDIR and the working directory are the
     run's scratch directory, removed when the run ends unless `keep_scratch=True`.
+
+    Each model call's cost is journaled and counted against `Limits.cost_budget`: the
+    price the user gives in `prices` (model name -> `brood.Price(input, output)` or an
+    `(input, output)` pair, dollars per million tokens), else the cost the model reported,
+    else the price `genai-prices` knows for the model's provider and name; else it is
+    unknown (None, said once per run and model by a `cost_unknown` event), and a
+    cost_budget cannot count it.
     """
 
     def __init__(
@@ -83,6 +91,7 @@ class Supervisor:
         backend: str = "local",
         worker_env: Mapping[str, str] | Iterable[str] | None = None,
         keep_scratch: bool = False,
+        prices: Mapping[str, Price | tuple[float, float]] | None = None,
     ) -> None:
         self._engine = Engine(
             model,
@@ -93,6 +102,7 @@ class Supervisor:
             backend=backend,
             worker_env=worker_env,
             keep_scratch=keep_scratch,
+            prices=prices,
         )
         self.limits = self._engine.limits
 

@@ -18,20 +18,15 @@ from brood.errors import BroodError, InvalidArgument
 from brood.lease import lease_holder_gone
 from brood.lifecycle import ASK_OPENED, TERMINAL_VALUES, FlowStatus
 from brood.models.base import MODEL_SPEC
+from brood.models.prices import USAGE_KEYS, add_usage
 from brood.protocol import CtlAnswer, CtlCancel, CtlFlow, CtlSend
 from brood.store.base import Store, open_store
 from brood.supervisor.control import control_request
 
 __all__ = ["USAGE_KEYS", "Journal"]
 
-USAGE_KEYS = ("model_calls", "input_tokens", "output_tokens", "cost")
 LIVE_STATES = frozenset({"running", "cancelling"})  # a run that has a worker
 CONTROL_TIMEOUT_S = 120.0  # a cancel waits for confirmed exit, which includes grace periods
-
-
-def add_usage(into: dict[str, Any], usage: dict[str, Any]) -> None:
-    for k in USAGE_KEYS:
-        into[k] = into.get(k, 0) + usage.get(k, 0)
 
 
 class Journal:
@@ -239,6 +234,7 @@ class Journal:
                         "usage": {
                             "input_tokens": d.get("input_tokens", 0),
                             "output_tokens": d.get("output_tokens", 0),
+                            "cost": d.get("cost"),
                         },
                         "latency": d.get("latency"),
                     }

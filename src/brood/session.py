@@ -17,6 +17,7 @@ from brood.errors import BroodError, InvalidArgument
 from brood.lifecycle import RunState
 from brood.limits import Limits, is_duration
 from brood.models.base import Model
+from brood.models.prices import Price
 from brood.supervisor.core import Run
 from brood.supervisor.engine import Engine
 
@@ -36,7 +37,7 @@ class Observation:
 class Session:
     """An environment: `reset(prompt, context)` starts an episode, `step(code)` runs code in
     the root's REPL, `close()` ends it. Handles from an earlier episode raise StaleHandle.
-    `worker_env` and `keep_scratch` are those of `Supervisor`."""
+    `worker_env`, `keep_scratch` and `prices` are those of `Supervisor`."""
 
     def __init__(
         self,
@@ -46,9 +47,15 @@ class Session:
         store: str | None = None,
         worker_env: Mapping[str, str] | Iterable[str] | None = None,
         keep_scratch: bool = False,
+        prices: Mapping[str, Price | tuple[float, float]] | None = None,
     ) -> None:
         self._engine = Engine(
-            model, limits=limits, store=store, worker_env=worker_env, keep_scratch=keep_scratch
+            model,
+            limits=limits,
+            store=store,
+            worker_env=worker_env,
+            keep_scratch=keep_scratch,
+            prices=prices,
         )
         self._root: Run | None = None
         self._episode = 0

@@ -33,7 +33,9 @@ from brood.cli.terminal import Terminal, clean, echo, literal, plain, print_json
 from brood.cli.words import for_cli
 from brood.journal import Journal, default_store_url
 from brood.lifecycle import FLOW_ENDED, TERMINAL_VALUES, FlowStatus
+from brood.models import resolve_model
 from brood.models.demo import ROOT_TASK
+from brood.models.prices import Price, cost_text, dollars, parse_price
 from brood.protocol import MAX_CONTEXT_BYTES
 
 if TYPE_CHECKING:
@@ -106,6 +108,38 @@ ModelTimeoutOpt = Annotated[
 ]
 
 
+PriceOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--price",
+        metavar="IN,OUT",
+        help="the model's price in dollars per million input and output tokens, e.g. "
+        "0.15,0.6 (MODEL=IN,OUT prices another model; repeatable); without it, the price "
+        "genai-prices knows, else the cost is unknown",
+    ),
+]
+
+
+def _prices(given: list[str] | None, spec: str | None) -> dict[str, Price] | None:
+    """The --price options as `prices` by model name: `IN,OUT` is the price of the
+    command's own model (the spec, or BROOD_MODEL), `MODEL=IN,OUT` another's."""
+    if not given:
+        return None
+    prices: dict[str, Price] = {}
+    for text in given:
+        name, price = parse_price(text)
+        if name is None:
+            spec = spec or os.environ.get("BROOD_MODEL")
+            if spec is None:
+                raise brood.InvalidArgument(
+                    f"--price {text!r} prices the command's model, and there is none: pass "
+                    "--model SPEC (or set BROOD_MODEL), or write --price MODEL=IN,OUT"
+                )
+            name = resolve_model(spec).name or spec
+        prices[name] = price
+    return prices
+
+
 ROOT_TIMEOUT_S = 3600.0  # brood run's default bound on a tree: never unbounded by mistake
 
 
@@ -170,7 +204,7 @@ def _secs(value: float | None) -> str:
 
 def _usage_text(u: dict[str, Any]) -> str:
     tokens = int(u.get("input_tokens", 0)) + int(u.get("output_tokens", 0))
-    return f"{int(u.get('model_calls', 0))} calls, {tokens} tok"
+    return f"{int(u.get('model_calls', 0))} calls, {tokens} tok, {cost_text(u)}"
 
 
 def _state_text(run: dict[str, Any]) -> str:
@@ -255,19 +289,27 @@ def _explained(reason: str) -> str:
 
 
 def _runner(
-    model: str | None, limits: brood.Limits, url: str, ray: str | None
+    model: str | None,
+    limits: brood.Limits,
+    url: str,
+    ray: str | None,
+    prices: dict[str, Price] | None = None,
 ) -> brood.Supervisor | brood.Cluster:
     """A local supervisor, or with --ray a cluster on the Ray cluster at that address
     (`local`: one started here for this command)."""
     if ray is None:
-        return brood.Supervisor(model, limits=limits, store=url)
+        return brood.Supervisor(model, limits=limits, store=url, prices=prices)
     if model is None and not os.environ.get("BROOD_MODEL"):
         raise brood.InvalidArgument(
             "no model: pass --model SPEC (e.g. openai:MODEL@URL), or set BROOD_MODEL"
         )
     address = None if ray == RAY_HERE else ray
     return brood.Cluster(
-        model or os.environ["BROOD_MODEL"], store=url, ray_address=address, limits=limits
+        model or os.environ["BROOD_MODEL"],
+        store=url,
+        ray_address=address,
+        limits=limits,
+        prices=prices,
     )
 
 
@@ -352,6 +394,10 @@ def run(
     max_iterations: Annotated[int | None, typer.Option(help="model turns per run")] = None,
     child_timeout: Annotated[float | None, typer.Option(help="seconds per child run")] = None,
     token_budget: Annotated[int | None, typer.Option(help="tokens for the whole tree")] = None,
+    cost_budget: Annotated[
+        float | None,
+        typer.Option(help="dollars for the whole tree, counted from the calls' prices"),
+    ] = None,
     timeout: Annotated[
         float, typer.Option(help="wall-clock seconds for the whole tree (a number > 0)")
     ] = ROOT_TIMEOUT_S,
@@ -360,6 +406,7 @@ def run(
     network: NetworkOpt = False,
     confine: ConfineOpt = True,
     model_timeout: ModelTimeoutOpt = None,
+    price: PriceOpt = None,
     live: Annotated[bool, typer.Option(help="show the live tree on stderr")] = True,
     as_json: JsonOpt = False,
     ray: RayOpt = None,
@@ -390,6 +437,7 @@ def run(
         "max_iterations": max_iterations,
         "child_timeout": child_timeout,
         "token_budget": token_budget,
+        "cost_budget": cost_budget,
     }
     url = store or default_store_url()
     try:
@@ -397,8 +445,10 @@ def run(
             **{k: v for k, v in given.items() if v is not None},
             **_confinement(fs_read, fs_write, network, confine),
         )
+        spec = _model(model, model_timeout)
+        prices = _prices(price, spec)
         with interruptible() as interrupt:
-            runner = _runner(_model(model, model_timeout), limits, url, ray)
+            runner = _runner(spec, limits, url, ray, prices)
             with runner:
                 _stop_if_interrupted(interrupt)
                 handle = runner.spawn(prompt, context=text, timeout=timeout)
@@ -425,6 +475,7 @@ def resume(
     network: NetworkOpt = False,
     confine: ConfineOpt = True,
     model_timeout: ModelTimeoutOpt = None,
+    price: PriceOpt = None,
     live: Annotated[bool, typer.Option(help="show the live tree on stderr")] = True,
     as_json: JsonOpt = False,
 ) -> None:
@@ -434,9 +485,10 @@ def resume(
     try:
         limits = brood.Limits(**_confinement(fs_read, fs_write, network, confine))
         spec = _model(model or _journaled_model(url, run_id), model_timeout)
+        prices = _prices(price, spec)
         with (
             interruptible() as interrupt,
-            brood.Supervisor(spec, limits=limits, store=url) as sup,
+            brood.Supervisor(spec, limits=limits, store=url, prices=prices) as sup,
         ):
             _stop_if_interrupted(interrupt)
             handle = sup.resume(run_id)
@@ -547,7 +599,9 @@ def ps(
         keys = ("runs", "open", "asks_open", "workers", "memory_bytes", "quarantined")
         print_json([_flat(r) | {k: r[k] for k in keys} for r in roots])
         return
-    table = Table("RUN", "STATE", "RUNS", "CALLS", "TOKENS", "TIME", "WORKERS", "PROMPT", box=None)
+    table = Table(
+        "RUN", "STATE", "RUNS", "CALLS", "TOKENS", "COST", "TIME", "WORKERS", "PROMPT", box=None
+    )
     for r in roots:
         u = r["subtree_usage"]
         table.add_row(
@@ -559,11 +613,21 @@ def ps(
             + (f" ({r['quarantined']} quarantined)" if r["quarantined"] else ""),
             str(int(u.get("model_calls", 0))),
             str(int(u.get("input_tokens", 0)) + int(u.get("output_tokens", 0))),
+            _cost_cell(u),
             _secs(r["duration"]),
             _workers_text(r["workers"], r["memory_bytes"]),
             _short(r["prompt"], 50),
         )
     Terminal().print(table)
+
+
+def _cost_cell(u: dict[str, Any]) -> str:
+    """A tree's cost in `brood ps`: `$0.0123`, `$0.0123+` (some calls unpriced), `?` (no
+    call priced) or `-` (no call yet)."""
+    cost = u.get("cost")
+    if cost is None:
+        return "?" if u.get("model_calls") else "-"
+    return dollars(float(cost)) + ("+" if u.get("unpriced_calls") else "")
 
 
 def _workers_text(workers: int, memory: int | None) -> str:
@@ -656,6 +720,10 @@ def show(run_id: RunArg, store: StoreOpt = None, as_json: JsonOpt = False) -> No
             console.print(plain(_indent(out.rstrip(), "    ")))
 
 
+def _call_cost(cost: float | None) -> str:
+    return "cost unknown" if cost is None else dollars(float(cost))
+
+
 def _indent(text: str, prefix: str) -> str:
     """Model text with `prefix` before each line, cleaned first: `splitlines` would also
     break a line at a carriage return and at other controls that `clean` takes out."""
@@ -670,6 +738,7 @@ def _indent(text: str, prefix: str) -> str:
 LOG_KINDS = frozenset(
     {
         "model_call",
+        "cost_unknown",
         "step",
         "message",
         "ask",
@@ -709,6 +778,7 @@ def _event_lines(ev: dict[str, Any]) -> Group:
         head = (
             f"[dim]{stamp}[/dim] [bold]model[/bold] {d['kind']} {literal(d.get('model') or '')} "
             f"{d['latency']:.2f}s {d['input_tokens']}+{d['output_tokens']} tok"
+            + ("" if "cost" not in d else f" {_call_cost(d['cost'])}")
         )
         body = d.get("response") or (f"error: {d['error']}" if d.get("error") else "")
         return Group(head, plain(_indent(body, "  | ")))
@@ -928,6 +998,7 @@ def flow_run(
     network: NetworkOpt = False,
     confine: ConfineOpt = True,
     model_timeout: ModelTimeoutOpt = None,
+    price: PriceOpt = None,
     live: Annotated[bool, typer.Option(help="show the live tree on stderr")] = True,
     as_json: JsonOpt = False,
     ray: RayOpt = None,
@@ -940,9 +1011,11 @@ def flow_run(
     given: dict[str, Any] = {"max_concurrency": max_concurrency} if max_concurrency else {}
     try:
         limits = brood.Limits(**given, **_confinement(fs_read, fs_write, network, confine))
+        model_spec = _model(model, model_timeout)
+        prices = _prices(price, model_spec)
         with (
             interruptible() as interrupt,
-            _runner(_model(model, model_timeout), limits, url, ray) as runner,
+            _runner(model_spec, limits, url, ray, prices) as runner,
         ):
             _stop_if_interrupted(interrupt)
             flow = runner.flow_run(spec, inputs=params)
@@ -1067,6 +1140,7 @@ def serve(
         int | None,
         typer.Option(help="runs a client has started here that have not started yet (default 64)"),
     ] = None,
+    price: PriceOpt = None,
 ) -> None:
     """Serve the journal: a live dashboard at /, a JSON API under /v1 (runs, trees, events,
     asks, flows) and an OpenAI-compatible /v1/chat/completions whose answer is an RLM
@@ -1092,6 +1166,7 @@ def serve(
         server_app = make_app(
             store_url=store or default_store_url(),
             model=model,
+            prices=_prices(price, model),
             token=token,
             max_streams=MAX_STREAMS if max_streams is None else max_streams,
             max_queued=MAX_QUEUED if max_queued is None else max_queued,

@@ -23,6 +23,7 @@ LIMIT_FLAGS = frozenset(
         "max_iterations",
         "child_timeout",
         "token_budget",
+        "cost_budget",
         "fs_read",
         "fs_write",
         "network",

@@ -22,6 +22,7 @@ from brood.limits import Limits
 
 if TYPE_CHECKING:
     from brood.api import FlowHandle, RunHandle
+    from brood.models.prices import Price
     from brood.supervisor.core import Run
     from brood.supervisor.engine import Engine
 
@@ -35,7 +36,13 @@ class NodeAgent:
     rebuilds brood's own exceptions (with their fields) rather than Ray's wrappers.
     """
 
-    def __init__(self, model_blob: bytes, store: str, limits: Limits | None) -> None:
+    def __init__(
+        self,
+        model_blob: bytes,
+        store: str,
+        limits: Limits | None,
+        prices: dict[str, Price] | None = None,
+    ) -> None:
         from brood.supervisor.engine import Engine
 
         self.handles: dict[str, RunHandle] = {}
@@ -44,7 +51,9 @@ class NodeAgent:
         self.guests: dict[str, Run] = {}  # children placed here by other nodes, by id
         self.guest_roots: dict[str, str] = {}  # guest id -> the token of its root's agent
         model = cloudpickle.loads(model_blob)
-        self.engine: Engine = Engine(model, store=store, limits=limits, spreader=Spreader(self))
+        self.engine: Engine = Engine(
+            model, store=store, limits=limits, spreader=Spreader(self), prices=prices
+        )
         self.token = self.engine.owner
 
     def info(self) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import cloudpickle
@@ -40,6 +40,7 @@ from brood.errors import (
 )
 from brood.lifecycle import TERMINAL_VALUES
 from brood.limits import Limits, check_timeout
+from brood.models.prices import Price, price_table
 from brood.store.base import open_store, redact
 from brood.supervisor.core import new_run_id
 
@@ -84,7 +85,7 @@ class Cluster:
     HOST:PORT (checked to answer within seconds); None uses the Ray this process is
     connected to, or starts a local one. `limits` apply per tree, kept by the agent holding
     its root (also for children its runs place on other nodes with placement="spread");
-    `max_concurrency` and `pools` are each node's.
+    `max_concurrency` and `pools` are each node's. `prices` are `Supervisor`'s.
 
     A tree (or a flow, `flow_run`) is placed whole on the agent with the fewest live runs.
     When an agent dies, its unfinished trees are resumed from the journal on a surviving
@@ -100,6 +101,7 @@ class Cluster:
         store: str,
         ray_address: str | None = None,
         limits: Limits | None = None,
+        prices: Mapping[str, Price | tuple[float, float]] | None = None,
     ) -> None:
         if not isinstance(store, str) or not store:
             raise InvalidArgument(
@@ -112,6 +114,7 @@ class Cluster:
             raise InvalidArgument(
                 f"ray_address must be 'HOST:PORT' or None, got {type(ray_address).__name__}"
             )
+        self._prices = price_table(prices)  # each agent prices its own calls with these
         model_blob = pickled_model(model)
         store = shared_store(store)
         ray = import_ray()
@@ -163,7 +166,7 @@ class Cluster:
                 max_concurrency=AGENT_CONCURRENCY,
                 max_restarts=0,  # a dead agent's trees are resumed elsewhere, from the journal
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-            ).remote(model_blob, self._store_url, limits)
+            ).remote(model_blob, self._store_url, limits, self._prices)
             for node_id in node_ids
         ]
         # Kept before they answer, so a failure below still kills every one of them.

@@ -40,6 +40,7 @@ from brood.flow.load import load_spec
 from brood.flow.machine import Machine, MachineState
 from brood.flow.render import OutputError, read_output, render_prompt
 from brood.lifecycle import FailureKind, FlowStatus, RunState
+from brood.models.prices import add_usage
 
 STATUS_INSTANCES = 50  # instances per state that status() lists (counts cover them all)
 # A start refused for capacity or a rate limit, or a run whose first model call was rate
@@ -1097,10 +1098,9 @@ class FlowExecutor(Generic[R]):
             row["instances"] = row["instances"][-STATUS_INSTANCES:]
             row["per_entry"] = row.get("per_entry", [])[-STATUS_INSTANCES:]
         # Usage of every run the flow started (failed attempts and deferred runs too).
-        usage: dict[str, float] = {}
+        usage: dict[str, Any] = {}
         for child in self.run.children:
-            for k, v in child.rec.usage.items():
-                usage[k] = usage.get(k, 0) + v
+            add_usage(usage, child.rec.usage)
         usage |= {
             "tokens": usage.get("input_tokens", 0) + usage.get("output_tokens", 0),
             "spawns": len(self.run.children),

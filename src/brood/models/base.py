@@ -20,12 +20,14 @@ rate_gated: ContextVar[bool] = ContextVar("brood_rate_gated", default=False)
 
 @dataclass(frozen=True)
 class Completion:
-    """One model reply with whatever usage the model reported (0 when unknown)."""
+    """One model reply with whatever usage the model reported: tokens (0 when unknown)
+    and `cost` in dollars (None when the model does not say: the supervisor prices the
+    call then, from the user's prices or genai-prices)."""
 
     text: str
     input_tokens: int = 0
     output_tokens: int = 0
-    cost: float = 0.0
+    cost: float | None = None
 
 
 class Model:
@@ -38,8 +40,9 @@ class Model:
     """
 
     name: str | None = None
-    # Who serves it ("openai", "anthropic", "gemini"), for costs and traces; None when
-    # brood cannot tell (a chat_fn, a scripted or local model).
+    # Whose model it is, as genai-prices names providers ("openai", "anthropic", "gemini"):
+    # the supervisor prices the calls of a model with a provider by its name. None (a
+    # chat_fn, a scripted or local model): unknown unless the user gives its price.
     provider: str | None = None
 
     def complete(self, messages: Messages, model: str | None = None) -> Completion:

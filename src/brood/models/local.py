@@ -99,6 +99,7 @@ class LocalModel(Model):
             text,
             input_tokens=int(usage.get("prompt_tokens", 0)),
             output_tokens=int(usage.get("completion_tokens", 0)),
+            cost=0.0,  # it runs on this machine: no price per token
         )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
@@ -258,6 +258,7 @@ def make_app(
     model: Any = None,
     token: str | None = None,
     limits: brood.Limits | None = None,
+    prices: Mapping[str, brood.Price | tuple[float, float]] | None = None,
     max_streams: int = MAX_STREAMS,
     max_queued: int = MAX_QUEUED,
 ) -> Starlette:
@@ -267,7 +268,8 @@ def make_app(
     model of the one supervisor the app hosts, made at the first run started through it
     and closed, every worker's exit confirmed, when the app shuts down. Without a model the
     app still reads the journal and acts on other processes' trees, and refuses to start
-    runs (503). A bad store URL or model spec raises at once.
+    runs (503). `prices` are `Supervisor`'s. A bad store URL, model spec or price raises
+    at once.
 
     Every `/v1`, `/ui` and `/openapi.json` call must carry `Authorization: Bearer TOKEN`.
     Without `token` the app makes one (`secrets.token_urlsafe(32)`), which a program
@@ -296,7 +298,7 @@ def make_app(
             )
     made = token is None
     token = secrets.token_urlsafe(32) if token is None else token
-    host = Host(store_url, model, limits, max_queued=max_queued)
+    host = Host(store_url, model, limits, max_queued=max_queued, prices=prices)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -32,6 +32,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp
 
 from brood.lifecycle import TERMINAL_VALUES, FlowStatus
+from brood.models.prices import cost_text, dollars
 from brood.serve.bodies import int_param
 from brood.serve.caps import following
 from brood.serve.errors import ApiError
@@ -89,12 +90,23 @@ def _tokens(usage: dict[str, Any] | None) -> str:
     return f"{total:,} tok"
 
 
+def _cost(usage: dict[str, Any] | None) -> str:
+    return cost_text(usage or {})
+
+
 def _first_line(text: Any, limit: int = SHORT) -> str:
     line = str(text or "").strip().split("\n", 1)[0]
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
-_env.filters.update(when=_when, seconds=_seconds, tokens=_tokens, first_line=_first_line)
+_env.filters.update(
+    when=_when,
+    seconds=_seconds,
+    tokens=_tokens,
+    cost=_cost,
+    dollars=dollars,
+    first_line=_first_line,
+)
 _env.globals.update(terminal=TERMINAL_VALUES)
 
 
@@ -223,6 +235,7 @@ def _entry(ev: dict[str, Any]) -> Iterator[dict[str, Any]]:
             "response": data.get("response"),
             "error": data.get("error"),
             "tokens": int(data.get("input_tokens", 0)) + int(data.get("output_tokens", 0)),
+            "cost": data.get("cost"),
             "latency": data.get("latency"),
         }
     elif kind == "step":
@@ -376,6 +389,8 @@ def _compact(run: dict[str, Any]) -> dict[str, Any]:
         "calls": usage.get("model_calls", 0),
         "tokens": usage.get("input_tokens", 0) + usage.get("output_tokens", 0),
         "subtree_tokens": subtree.get("input_tokens", 0) + subtree.get("output_tokens", 0),
+        "cost": cost_text(usage),
+        "subtree_cost": cost_text(subtree),
         "last_line": _first_line(run["last_line"]),
         "waiting_for": run["waiting_for"],
     }

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
@@ -20,6 +20,7 @@ import brood
 from brood.journal import Journal
 from brood.lifecycle import TERMINAL_VALUES
 from brood.models import resolve_model
+from brood.models.prices import price_table
 from brood.serve.caps import Queued
 from brood.serve.errors import ApiError
 from brood.store.base import open_store
@@ -58,7 +59,13 @@ class Host:
     """The journal and the hosted supervisor (made at the first run started here)."""
 
     def __init__(
-        self, store_url: str, model: Any, limits: brood.Limits | None, *, max_queued: int
+        self,
+        store_url: str,
+        model: Any,
+        limits: brood.Limits | None,
+        *,
+        max_queued: int,
+        prices: Mapping[str, Any] | None = None,
     ) -> None:
         model = model if model is not None else os.environ.get("BROOD_MODEL")
         # Resolved here so that a bad spec stops the server at its start, not its first run.
@@ -68,6 +75,7 @@ class Host:
         self.model_name = None if self.model is None else self.model.describe()
         self.store_url = store_url
         self.limits = limits
+        self.prices = price_table(prices)  # checked here: a bad price stops the server at once
         self.journal = open_journal(store_url)
         self.queued = Queued(max_queued)
         self._supervisor: brood.Supervisor | None = None
@@ -88,7 +96,7 @@ class Host:
                         fix="start it with brood serve --model SPEC (or set BROOD_MODEL)",
                     )
                 self._supervisor = brood.Supervisor(
-                    self.spec, store=self.store_url, limits=self.limits
+                    self.spec, store=self.store_url, limits=self.limits, prices=self.prices
                 )
             return self._supervisor
 

@@ -148,9 +148,10 @@ class _Reply:
         self.created = int(time.time())
         self.ended = False
 
-    def _outcome(self) -> tuple[dict[str, Any], dict[str, int]]:
-        """The root's row and the tree's usage in OpenAI's terms; 502 if it did not
-        complete."""
+    def _outcome(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The root's row and the tree's usage in OpenAI's terms, with brood's `cost` of
+        the tree (dollars; None when no call was priced) and `unpriced_calls`; 502 if it
+        did not complete."""
         tree = self.host.journal.tree(self.run_id)
         if tree["state"] != "completed":
             raise ApiError(
@@ -165,6 +166,8 @@ class _Reply:
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
+            "cost": u.get("cost"),
+            "unpriced_calls": int(u.get("unpriced_calls") or 0),
         }
         return tree, usage
 

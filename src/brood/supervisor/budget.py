@@ -19,20 +19,22 @@ from typing import Any
 from brood.errors import BroodError, InvalidArgument, ModelError, RateLimited
 from brood.lifecycle import RunState
 from brood.models.base import Completion, Model, is_spec, resolve_model, spec_without_url
+from brood.models.prices import Pricing, add_cost
 from brood.protocol import BUDGET_MARK, ModelReq, clip
 from brood.supervisor import frames
 from brood.supervisor.gateway import ModelGateway
 from brood.supervisor.kernel import Kernel
-from brood.supervisor.runs import FLOW_MODEL, RUN, Run, Tree
+from brood.supervisor.runs import COST_UNKNOWN, FLOW_MODEL, RUN, Run, Tree
 
 
 class Budget:
-    def __init__(self, kernel: Kernel) -> None:
+    def __init__(self, kernel: Kernel, pricing: Pricing | None = None) -> None:
         self.kernel = kernel
         self.gateway = ModelGateway()
         # The models of the specs in Limits.models that model code has named, built once:
         # one client (one connection pool) per spec for the supervisor's life.
         self.by_spec: dict[str, Model] = {}
+        self.pricing = pricing or Pricing()
 
     async def model_call(self, run: Run, msg: ModelReq) -> str:
         """Make a worker's model call in the gateway; measure it and journal it here."""
@@ -100,6 +102,7 @@ class Budget:
                 run,
                 kind=msg.kind,
                 model=msg.model or run.model.name,
+                priced=(model.provider, name or model.name),
                 latency=time.perf_counter() - started,
                 done=done,
                 error=error,
@@ -213,24 +216,34 @@ class Budget:
         *,
         kind: str,
         model: str | None,
+        priced: tuple[str | None, str | None],
         latency: float,
         done: Completion | None,
         error: str | None,
         request: list[dict[str, Any]],
         far: bool = False,
     ) -> None:
+        """Journal a model call (`model`: the name the run's code gave, or its model's) and
+        add it up; `priced`: the provider and model name its price is looked up by (a
+        spec's model is its provider's, `anthropic:M` is priced as anthropic's `M`)."""
         k = self.kernel
         if done is not None:  # journaled whatever the limit says: the call was made
             k.charge(run, len(done.text))
         # A model's own count is trusted (it is the user's code), but never negative.
         tokens_in = max(0, int(done.input_tokens)) if done else 0
         tokens_out = max(0, int(done.output_tokens)) if done else 0
-        cost = max(0.0, float(done.cost)) if done else 0.0
+        cost: float | None = 0.0  # a call that failed is not billed by its tokens
+        if done is not None:
+            cost = self.pricing.cost(*priced, tokens_in, tokens_out, done.cost)
         u = run.rec.usage
         u["model_calls"] = u.get("model_calls", 0) + 1
         u["input_tokens"] = u.get("input_tokens", 0) + tokens_in
         u["output_tokens"] = u.get("output_tokens", 0) + tokens_out
-        u["cost"] = u.get("cost", 0.0) + cost
+        u["cost"] = add_cost(u.get("cost"), cost)
+        u["unpriced_calls"] = u.get("unpriced_calls", 0) + (cost is None)
+        if cost is None and model not in run.unpriced:
+            run.unpriced.add(model)
+            k.event(run, COST_UNKNOWN, self._unknown(*priced))
         k.event(
             run,
             "model_call",
@@ -240,17 +253,39 @@ class Budget:
                 "latency": latency,
                 "input_tokens": tokens_in,
                 "output_tokens": tokens_out,
+                "cost": cost,
                 "error": error,
                 "request": self._by_ref(run, request),
                 "response": done.text if done else None,
             },
         )
         root = k.top(run)
-        self._spend(root, tokens_in + tokens_out, cost, done is not None)
+        spent = cost or 0.0  # what cost_budget counts: priced calls only (see _unknown)
+        self._spend(root, tokens_in + tokens_out, spent, done is not None)
         if far:  # the tree's own count is its root's node's
             assert k.spreader is not None
-            k.task(k.spreader.budget_leave(root, tokens_in + tokens_out, cost, done is not None))
+            k.task(k.spreader.budget_leave(root, tokens_in + tokens_out, spent, done is not None))
         k.progress(run)
+
+    def _unknown(self, provider: str | None, model: str | None) -> dict[str, Any]:
+        """What the journal says, once per run and model, of a model nobody prices: its
+        calls' cost is null, and a cost_budget cannot count them."""
+        where = (
+            f"genai-prices has no price for {provider!r} model {model!r}"
+            if provider is not None and model
+            else f"model {model!r} names no provider whose prices genai-prices knows"
+        )
+        budget = self.kernel.limits.cost_budget
+        return {
+            "model": model,
+            "provider": provider,
+            "why": where,
+            "fix": "give its price: Supervisor(prices={MODEL: brood.Price(IN, OUT)}) or "
+            "brood run --price IN,OUT (dollars per million tokens)",
+            "cost_budget": None
+            if budget is None
+            else f"{budget:g} counts only priced calls: this model's calls are not counted",
+        }
 
     def _spend(self, root: Run, tokens: int, cost: float, answered: bool) -> None:
         """A call of the tree under `root` spent `tokens` and `cost`: a tree over its budget

@@ -23,6 +23,7 @@ from brood.errors import BroodError, ChildCleanupError, NodeLost, StoreError
 from brood.lifecycle import RunRecord, RunState
 from brood.limits import Limits
 from brood.models.base import Model
+from brood.models.prices import Pricing
 from brood.protocol import (
     Exec,
     Notice,
@@ -62,6 +63,7 @@ class Core:
         unenforced: list[str],
         keep_scratch: bool = False,
         spreader: Spreader | None = None,
+        pricing: Pricing | None = None,
     ) -> None:
         k = self.kernel = Kernel(
             model=model,
@@ -79,7 +81,7 @@ class Core:
         self.asks = Asks(k)
         self.admission = Admission(k, self.asks, self._launch)
         self.ending = Ending(k, self.admission, self.asks)
-        self.budget = Budget(k)
+        self.budget = Budget(k, pricing)
         self.spread = Spread(k, self.admission, self.ending)
         self.resume = Resume(k, self.admission, self.asks, self.spread, flows)
         self.starts = Starts(k, self.admission, self.budget, self.ending, self.spread)

@@ -37,6 +37,7 @@ from brood.errors import (
 from brood.lifecycle import RunState
 from brood.limits import Limits
 from brood.models.base import MODEL_SPEC, Model, resolve_model, spec_record
+from brood.models.prices import Pricing
 from brood.protocol import FlowReq
 from brood.store.base import open_store
 from brood.supervisor.control import ControlServer
@@ -90,6 +91,7 @@ class Engine:
         worker_env: Mapping[str, str] | Iterable[str] | None = None,
         keep_scratch: bool = False,
         spreader: Spreader | None = None,
+        prices: Mapping[str, Any] | None = None,
     ) -> None:
         if limits is not None and not isinstance(limits, Limits):
             raise InvalidArgument(f"limits must be brood.Limits(...), got {type(limits).__name__}")
@@ -101,6 +103,8 @@ class Engine:
             )
         resolved = resolve_model(model)
         self._model_record = spec_record(model)  # journaled with each tree, for a resume
+        self.pricing = Pricing(prices)
+        self.pricing.warm(resolved.provider, resolved.name)  # here, not on the loop
         settings = worker_settings(self.limits, worker_env, keep_scratch)
         self.store = open_store(store)
         self._observers = Observers(on_start, on_end)
@@ -122,6 +126,7 @@ class Engine:
                 unenforced=unenforced(settings),
                 keep_scratch=settings.keep_scratch,
                 spreader=spreader,
+                pricing=self.pricing,
             )
             self.control = ControlServer(self.core)
             self.store.on_failure = self._store_failed
@@ -209,6 +214,8 @@ class Engine:
         """A new root run (`driven`: its code comes step by step from a Session), journaled
         with the model it runs on."""
         resolved = None if model is None else resolve_model(model)
+        if resolved is not None and self.pricing.cold(resolved.provider, resolved.name):
+            await asyncio.to_thread(self.pricing.warm, resolved.provider, resolved.name)
         run = await self.core.create_root(
             prompt,
             context_blob=context_blob(context),

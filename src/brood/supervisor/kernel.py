@@ -24,7 +24,15 @@ from brood.models.base import Model
 from brood.protocol import Deliver, FlowReq, Progress, WorkerLimits
 from brood.store.base import Store
 from brood.supervisor.observers import Observers
-from brood.supervisor.runs import FLOW_MODEL, RUN, STORE_FAILED, Run, child_update, new_run_id
+from brood.supervisor.runs import (
+    COST_UNKNOWN,
+    FLOW_MODEL,
+    RUN,
+    STORE_FAILED,
+    Run,
+    child_update,
+    new_run_id,
+)
 
 if TYPE_CHECKING:  # brood.flow is imported on a flow's first use
     from brood.flow.executor import FlowExecutor
@@ -180,8 +188,9 @@ class Kernel:
         # A model call and a step's output are what every turn writes, and nobody waits on
         # them: they ride with the next write that is waited on (the step's start, the
         # run's end) instead of a commit of their own. Others (a message, an ask) commit
-        # as soon as the writer gets to them.
-        self.store.event(run.rec, kind, data, progress, lazy=kind in ("model_call", "step"))
+        # as soon as the writer gets to them. A cost_unknown goes with its model call.
+        lazy = kind in ("model_call", "step", COST_UNKNOWN)
+        self.store.event(run.rec, kind, data, progress, lazy=lazy)
 
     def store_failed(self, exc: StoreError) -> None:
         """The journal failed a write: end every run at once with that reason (the

@@ -21,7 +21,16 @@ from brood.protocol import Replay
 from brood.supervisor.admission import Admission
 from brood.supervisor.asks import Asks
 from brood.supervisor.kernel import Flows, Kernel
-from brood.supervisor.runs import CANCELLING, FLOW_MODEL, RUN, Run, Tree, graft, journaled_kind
+from brood.supervisor.runs import (
+    CANCELLING,
+    COST_UNKNOWN,
+    FLOW_MODEL,
+    RUN,
+    Run,
+    Tree,
+    graft,
+    journaled_kind,
+)
 from brood.supervisor.spread import Spread
 
 
@@ -253,6 +262,8 @@ class Resume:
         ]
         replay.pending = [p for e in steps for p in e["data"].get("pending", [])]
         replay.steps = max((int(e["data"]["step"]) for e in steps), default=0)
+        # A model it has already said is unpriced is not said again.
+        run.unpriced = {e["data"].get("model") for e in store.events(run.id, COST_UNKNOWN)}
         return replay
 
     def _resume_flow(self, run: Run) -> None:
@@ -303,7 +314,7 @@ def _count_usage(tree: Tree, runs: list[Run]) -> None:
     for run in runs:
         u = run.rec.usage
         t["tokens"] = t.get("tokens", 0) + u.get("input_tokens", 0) + u.get("output_tokens", 0)
-        t["cost"] = t.get("cost", 0.0) + u.get("cost", 0.0)
+        t["cost"] = t.get("cost", 0.0) + (u.get("cost") or 0.0)  # priced calls only
 
 
 def _below(rows: list[dict[str, Any]], tops: set[str]) -> set[str]:

@@ -22,6 +22,7 @@ from brood.supervisor.frames import Conversation, Steps
 Q, RUN, CANCELLING = RunState.QUEUED, RunState.RUNNING, RunState.CANCELLING
 FLOW_MODEL = "flow"  # the model column of a flow's own run (it has no worker)
 STORE_FAILED = "StoreError: "  # how the reason of a run ended by a failed journal begins
+COST_UNKNOWN = "cost_unknown"  # the event of a run's first call to a model nobody prices
 
 
 def journaled_kind(rec: RunRecord) -> FailureKind | None:
@@ -155,6 +156,7 @@ class Run:
     # the worker says): a run that then fails failed on that rate limit.
     failure_kind: FailureKind | None = None
     rate_limited: bool = False
+    unpriced: set[str | None] = field(default_factory=set)  # models whose cost_unknown it said
     tree: Tree = field(init=False)  # its top's record: its parent's, or a new one
 
     def __post_init__(self) -> None:
@@ -277,6 +279,7 @@ def child_update(run: Run) -> ChildUpdate:
 
 
 __all__ = [
+    "COST_UNKNOWN",
     "Pool",
     "Run",
     "RunInfo",

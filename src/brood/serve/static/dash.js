@@ -356,9 +356,9 @@ class LiveTree {
       state.textContent = me.stale ? "stale" : me.state;
       state.className = "state s-" + me.state + (me.stale ? " stale" : "");
       head.querySelector('[data-field="tokens"]').textContent =
-        me.tokens.toLocaleString() + " tok · " + me.calls + " calls";
+        me.tokens.toLocaleString() + " tok · " + me.calls + " calls · " + me.cost;
       head.querySelector('[data-field="subtree"]').textContent =
-        me.subtree_tokens.toLocaleString() + " tok";
+        me.subtree_tokens.toLocaleString() + " tok · " + me.subtree_cost;
       if (TERMINAL.has(me.state) && !TERMINAL.has(this.page.dataset.state)) {
         this.page.dataset.state = me.state;
         refresh(this.signal); // the answer and the final steps, rendered by the server
