@@ -25,12 +25,14 @@ from brood.errors import (
     StallTimeout,
     StoreError,
     SupervisorClosed,
+    ToolError,
     UnknownRun,
 )
 from brood.lifecycle import TRANSITIONS, RunState
 from brood.limits import PI_RLM_BLOCKED_BUILTINS, Limits
 from brood.models import CallableModel, Completion, Model, OpenAIModel, ScriptedModel
 from brood.session import Observation, Session
+from brood.tools import Tool, tool
 
 __version__ = "0.1.0"
 
@@ -74,5 +76,8 @@ __all__ = [
     "StoreError",
     "Supervisor",
     "SupervisorClosed",
+    "Tool",
+    "ToolError",
     "UnknownRun",
+    "tool",
 ]

@@ -19,6 +19,7 @@ from brood.limits import Limits, is_duration
 from brood.models.base import Model
 from brood.supervisor.core import Run
 from brood.supervisor.engine import Engine
+from brood.tools import Tool
 
 __all__ = ["Observation", "Session"]
 
@@ -36,7 +37,7 @@ class Observation:
 class Session:
     """An environment: `reset(prompt, context)` starts an episode, `step(code)` runs code in
     the root's REPL, `close()` ends it. Handles from an earlier episode raise StaleHandle.
-    `worker_env` and `keep_scratch` are those of `Supervisor`."""
+    `worker_env`, `keep_scratch`, `tools` and `mcp_servers` are those of `Supervisor`."""
 
     def __init__(
         self,
@@ -46,9 +47,17 @@ class Session:
         store: str | None = None,
         worker_env: Mapping[str, str] | Iterable[str] | None = None,
         keep_scratch: bool = False,
+        tools: Iterable[Tool | Callable[..., Any] | str] | None = None,
+        mcp_servers: Iterable[str] | str | None = None,
     ) -> None:
         self._engine = Engine(
-            model, limits=limits, store=store, worker_env=worker_env, keep_scratch=keep_scratch
+            model,
+            limits=limits,
+            store=store,
+            worker_env=worker_env,
+            keep_scratch=keep_scratch,
+            tools=tools,
+            mcp_servers=mcp_servers,
         )
         self._root: Run | None = None
         self._episode = 0

@@ -26,7 +26,7 @@ from brood import lease
 from brood.backends.base import make_backend
 from brood.backends.confinement import announce, unenforced, worker_settings
 from brood.backends.local import own_memory
-from brood.backends.owners import owner_token
+from brood.backends.owners import OWNER_ENV, owner_token
 from brood.errors import (
     BroodError,
     InvalidArgument,
@@ -44,6 +44,7 @@ from brood.supervisor.core import Core, Run, RunInfo
 from brood.supervisor.kernel import Spreader
 from brood.supervisor.loop import LoopThread
 from brood.supervisor.observers import Observers
+from brood.tools import Tool, as_tools
 
 # brood.flow (pydantic, PyYAML) is imported where a flow is first used: every process that
 # imports brood (each supervisor's zygote, every CLI command) would pay about 0.2 s for it.
@@ -74,6 +75,13 @@ def context_blob(context: object) -> bytes | None:
         raise InvalidArgument(f"context cannot be pickled: {exc}") from exc
 
 
+def repl_names() -> frozenset[str]:
+    """The names a REPL holds before any tool: its helpers, errors and `context`."""
+    from brood.worker.verbs import ERRORS, HELPER_NAMES  # the zygote imports them anyway
+
+    return HELPER_NAMES | ERRORS.keys() | {"context"}
+
+
 class Engine:
     """One supervisor: its arguments are `Supervisor`'s (DESIGN.md section 4); `spreader` is
     a cluster node agent's, which places children on other nodes."""
@@ -90,6 +98,8 @@ class Engine:
         worker_env: Mapping[str, str] | Iterable[str] | None = None,
         keep_scratch: bool = False,
         spreader: Spreader | None = None,
+        tools: Iterable[Tool | Callable[..., Any] | str] | None = None,
+        mcp_servers: Iterable[str] | str | None = None,
     ) -> None:
         if limits is not None and not isinstance(limits, Limits):
             raise InvalidArgument(f"limits must be brood.Limits(...), got {type(limits).__name__}")
@@ -100,6 +110,8 @@ class Engine:
                 "no model: pass Supervisor(model=chat_fn or 'openai:MODEL@URL'), or set BROOD_MODEL"
             )
         resolved = resolve_model(model)
+        toolset = as_tools(tools, reserved=repl_names())
+        self._mcp = [mcp_servers] if isinstance(mcp_servers, str) else list(mcp_servers or ())
         self._model_record = spec_record(model)  # journaled with each tree, for a resume
         settings = worker_settings(self.limits, worker_env, keep_scratch)
         self.store = open_store(store)
@@ -122,12 +134,16 @@ class Engine:
                 unenforced=unenforced(settings),
                 keep_scratch=settings.keep_scratch,
                 spreader=spreader,
+                tools=toolset,
             )
             self.control = ControlServer(self.core)
             self.store.on_failure = self._store_failed
             announce(self.core.unenforced)
             self._loop.call(self._start())
         except BaseException:
+            if hasattr(self, "core"):  # MCP servers it connected to are stopped too
+                with contextlib.suppress(Exception):
+                    self._loop.call(self.core.tools.aclose())
             with contextlib.suppress(Exception):
                 self._loop.call(self.backend.close())
             self._shutdown()
@@ -140,6 +156,15 @@ class Engine:
 
     async def _start(self) -> None:
         await self.backend.start()
+        if self._mcp:
+            from brood.supervisor.mcp import McpServers  # the [mcp] extra, when asked for
+
+            # Its processes carry the workers' owner mark: a sweep finds them if we crash.
+            mark = getattr(self.backend, "owner", None)
+            servers = McpServers(self._mcp, env={OWNER_ENV: mark} if mark else None)
+            tools = self.core.tools
+            await servers.start(repl_names() | tools.tools.keys())
+            tools.add_remote(servers)
         await self.control.start()
         await asyncio.wrap_future(
             self.store.insert_supervisor(

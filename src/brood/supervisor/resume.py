@@ -23,6 +23,7 @@ from brood.supervisor.asks import Asks
 from brood.supervisor.kernel import Flows, Kernel
 from brood.supervisor.runs import CANCELLING, FLOW_MODEL, RUN, Run, Tree, graft, journaled_kind
 from brood.supervisor.spread import Spread
+from brood.supervisor.tools import TOOL_EVENT, tool_replay
 
 
 class Resume:
@@ -182,6 +183,7 @@ class Resume:
                 k.task(k.finish(run, RunState.FAILED, why))
             elif run.rec.state is RUN:
                 run.replay = self._replay_of(run, steps[run])
+                run.tool_replay = tool_replay(k.store.events(run.id, TOOL_EVENT))
             else:  # queued: follow-ups held for its start were in memory only
                 run.messages = [e["data"]["message"] for e in k.store.events(run.id, "message")]
         return ending
