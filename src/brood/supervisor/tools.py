@@ -1,7 +1,7 @@
 """The user's tools, called for model code (brood.tools): the `ToolReq` a run's REPL sends.
 
 A tool is the user's code with the user's rights, like the model gateway: it runs here, in
-the supervisor's process, in a thread of its own (an `async def` tool on the loop), never
+the supervisor's process, on a pool of daemon threads (an `async def` tool on the loop), never
 in the worker. Each call's arguments, written by model code, are checked against the
 tool's signature first; its result must be JSON. Every call that ran is journaled as a
 `tool_call` event (its canonical arguments, its result or its error), counted in
@@ -14,22 +14,21 @@ It owns the tools and their calls; it starts, ends and budgets no run.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
-import threading
 import time
-from collections.abc import Awaitable
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from brood.errors import InvalidArgument, ToolError
 from brood.protocol import ToolInfo, ToolReq
 from brood.supervisor import frames
 from brood.supervisor.frames import Violation
+from brood.supervisor.gateway import CallPool
 from brood.supervisor.kernel import Kernel
 from brood.supervisor.runs import Run
 from brood.tools import MAX_TOOL_BYTES, Tool, call_key, check_arguments, json_result
 
-# Tools running at once in this supervisor (each a thread); more calls wait for a place.
+# Tools running at once in this supervisor (each on a daemon thread); more calls queue.
 TOOL_THREADS = 16
 TOOL_EVENT = "tool_call"
 
@@ -59,7 +58,7 @@ class ToolBox:
         self.infos: list[ToolInfo] = [t.spec for t in tools]
         self.remote: RemoteTools | None = None
         self.remote_names: frozenset[str] = frozenset()
-        self._places: asyncio.Semaphore | None = None  # made on the loop, at first use
+        self._pool = CallPool(TOOL_THREADS, name="brood-tool")
 
     def add_remote(self, remote: RemoteTools) -> None:
         """Add the tools `remote` serves (before any run starts: Start lists them)."""
@@ -74,6 +73,7 @@ class ToolBox:
         self.infos = self.infos + remote.infos
 
     async def aclose(self) -> None:
+        self._pool.close()
         if self.remote is not None:
             await self.remote.aclose()
 
@@ -128,51 +128,24 @@ class ToolBox:
 
     async def _run(self, t: Tool, bound: inspect.BoundArguments) -> Any:
         """`t` called with `bound`, within its timeout: an `async def` on the loop, any
-        other function in a daemon thread of its own (a tool that never returns is left
-        there, and the process can still exit)."""
-        if self._places is None:
-            self._places = asyncio.Semaphore(TOOL_THREADS)
-        async with self._places:
-            work: Awaitable[Any]
-            if inspect.iscoroutinefunction(t.fn):
-                work = t.fn(*bound.args, **bound.kwargs)
-            else:
-                work = asyncio.shield(_in_thread(t, bound))
-            try:
-                return await asyncio.wait_for(work, t.timeout)
-            except TimeoutError:
-                raise ToolError(
-                    f"tool {t.name} did not return within {t.timeout:g} s (its timeout); "
-                    "try again with less work, or give it more time with "
-                    "Tool(fn, timeout=...)",
-                    tool=t.name,
-                ) from None
-
-
-def _in_thread(t: Tool, bound: inspect.BoundArguments) -> asyncio.Future[Any]:
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[Any] = loop.create_future()
-
-    def settle(value: Any, exc: BaseException | None) -> None:
-        if fut.done():
-            return
-        if exc is not None:
-            fut.set_exception(exc)
-        else:
-            fut.set_result(value)
-
-    def work() -> None:
+        other function on one of the pool's daemon threads (a tool that never returns is
+        left there, and the process can still exit)."""
+        if inspect.iscoroutinefunction(t.fn):
+            return await asyncio.wait_for(t.fn(*bound.args, **bound.kwargs), t.timeout)
+        fut = self._pool.submit(_call, t.fn, bound)
         try:
-            value, exc = t.fn(*bound.args, **bound.kwargs), None
-        except Exception as e:  # the user's code: whatever it raises goes to the model
-            value, exc = None, e
-        except BaseException as e:  # SystemExit, KeyboardInterrupt: not the loop's to raise
-            value, exc = None, ToolError(f"tool {t.name} raised {type(e).__name__}", tool=t.name)
-        with contextlib.suppress(RuntimeError):  # the loop closed while it ran
-            loop.call_soon_threadsafe(settle, value, exc)
+            return await asyncio.wait_for(asyncio.shield(fut), t.timeout)
+        except TimeoutError:
+            fut.cancel()  # not started yet: it never will be; running: its result is dropped
+            raise ToolError(
+                f"tool {t.name} did not return within {t.timeout:g} s (its timeout); try "
+                "again with less work, or give it more time with Tool(fn, timeout=...)",
+                tool=t.name,
+            ) from None
 
-    threading.Thread(target=work, name=f"brood-tool-{t.name}", daemon=True).start()
-    return fut
+
+def _call(fn: Callable[..., Any], bound: inspect.BoundArguments) -> Any:
+    return fn(*bound.args, **bound.kwargs)
 
 
 def _outcome(name: str, data: dict[str, Any]) -> Any:
