@@ -13,6 +13,8 @@ import pytest
 
 import brood
 from brood.journal import Journal
+from tests.fake_openai import FakeOpenAI
+from tests.test_cli import brood as brood_cli
 from tests.util import FAST, pid_alive
 
 pytest.importorskip("mcp")
@@ -210,3 +212,35 @@ def test_a_streamable_http_server_s_tools_are_called_by_url(tmp_path):
         proc.stdout.close()
     assert result.state == "completed", result.error
     assert result.answer == "HI"
+
+
+def test_brood_run_takes_an_mcp_server(tmp_path, server):
+    command, starts = server
+    script = {"sum it": [repl("FINAL(str(calc_add(20, 22)))")]}
+    with FakeOpenAI(script) as fake:
+        out = brood_cli(
+            "run",
+            "sum it",
+            "--model",
+            f"openai:fake@{fake.base_url}",
+            "--store",
+            f"sqlite:///{tmp_path}/j.db",
+            "--mcp",
+            f"calc={command}",
+            "--no-live",
+        )
+        gone = brood_cli(
+            "run",
+            "sum it",
+            "--model",
+            f"openai:fake@{fake.base_url}",
+            "--store",
+            f"sqlite:///{tmp_path}/j.db",
+            "--mcp",
+            str(tmp_path / "no-such-server"),
+        )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "42"
+    assert not any(pid_alive(p) for p in pids(starts))
+    assert gone.returncode == 2
+    assert "no-such-server" in gone.stderr and "did not start" in gone.stderr
