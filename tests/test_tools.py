@@ -180,6 +180,18 @@ def test_a_tool_marked_in_worker_runs_confined_in_the_worker(tmp_path):
     assert here != os.getpid()  # the worker's process
 
 
+def test_the_decorator_makes_a_tool_that_still_calls_as_the_function():
+    @brood.tool(timeout=5)
+    def double(n: int) -> int:
+        """Twice `n`."""
+        return 2 * n
+
+    assert isinstance(double, brood.Tool) and double.timeout == 5
+    assert double(21) == 42
+    assert brood.tool(where).name == "where"
+    assert double.spec.signature == "(n: int) -> int"
+
+
 def test_bad_tools_are_refused_at_start_naming_the_fix():
     with pytest.raises(brood.InvalidArgument, match="tool name 'llm_query' is the name of a REPL"):
         brood.Supervisor(brood.ScriptedModel([]), tools=[brood.Tool(where, name="llm_query")])

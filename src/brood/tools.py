@@ -98,6 +98,10 @@ class Tool:
         spec = ToolInfo(name=name, signature=text, doc=doc, fn=blob)
         object.__setattr__(self, "spec", spec)
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the function itself (so a function decorated with `@tool` still works as one)."""
+        return self.fn(*args, **kwargs)
+
 
 @overload
 def tool(
