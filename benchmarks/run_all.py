@@ -28,6 +28,7 @@ BENCHMARKS = (
     "bench_resume",
     "bench_flow",
     "bench_gateway",
+    "bench_tools",
     "bench_frames",
     "bench_confine",
     "bench_pools",

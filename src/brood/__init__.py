@@ -25,6 +25,7 @@ from brood.errors import (
     StallTimeout,
     StoreError,
     SupervisorClosed,
+    ToolError,
     UnknownRun,
 )
 from brood.lifecycle import TRANSITIONS, RunState
@@ -40,6 +41,7 @@ from brood.models import (
     ScriptedModel,
 )
 from brood.session import Observation, Session
+from brood.tools import Tool, tool
 
 __version__ = "0.1.0"
 
@@ -86,5 +88,8 @@ __all__ = [
     "StoreError",
     "Supervisor",
     "SupervisorClosed",
+    "Tool",
+    "ToolError",
     "UnknownRun",
+    "tool",
 ]

@@ -27,6 +27,7 @@ from brood.models.prices import Price
 from brood.store.base import Store
 from brood.supervisor.core import Run, RunInfo
 from brood.supervisor.engine import Engine
+from brood.tools import Tool
 
 # brood.flow (pydantic, PyYAML) is imported where a flow is first used: every process that
 # imports brood (each supervisor's zygote, every CLI command) would pay about 0.2 s for it.
@@ -78,6 +79,22 @@ class Supervisor:
     else the price `genai-prices` knows for the model's provider and name; else it is
     unknown (None, said once per run and model by a `cost_unknown` event), and a
     cost_budget cannot count it.
+
+    `tools` puts the user's functions (each a function, a `brood.Tool`, or "module:function")
+    into every run's REPL, described to the model from their signatures and docstrings. A
+    call's arguments are checked against the signature, the function runs here (in a
+    thread, with its `Tool.timeout`), and its result (JSON) is journaled; a resumed run gets
+    journaled results back without calling it again. A tool that raises or times out raises
+    ToolError in the REPL, and the run goes on. `Tool(fn, in_worker=True)` runs in the
+    worker instead, confined.
+
+    `mcp_servers` connects to MCP servers through the official `mcp` SDK (the `[mcp]`
+    extra), here: each a command ("python server.py", started here and stopped at close)
+    or a streamable-HTTP URL, either after "NAME=". Each server's tools join the REPL as
+    `NAME_TOOL` (NAME: the server's own name by default), described from their JSON
+    schemas, checked, journaled and replayed like `tools`. A server found gone at a call
+    is started again and the call sent once more. A server that does not start fails this
+    constructor, naming it.
     """
 
     def __init__(
@@ -92,6 +109,8 @@ class Supervisor:
         worker_env: Mapping[str, str] | Iterable[str] | None = None,
         keep_scratch: bool = False,
         prices: Mapping[str, Price | tuple[float, float]] | None = None,
+        tools: Iterable[Tool | Callable[..., Any] | str] | None = None,
+        mcp_servers: Iterable[str] | str | None = None,
     ) -> None:
         self._engine = Engine(
             model,
@@ -103,6 +122,8 @@ class Supervisor:
             worker_env=worker_env,
             keep_scratch=keep_scratch,
             prices=prices,
+            tools=tools,
+            mcp_servers=mcp_servers,
         )
         self.limits = self._engine.limits
 

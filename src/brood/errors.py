@@ -32,6 +32,7 @@ __all__ = [
     "StallTimeout",
     "StoreError",
     "SupervisorClosed",
+    "ToolError",
     "UnknownRun",
 ]
 
@@ -169,6 +170,16 @@ class SupervisorClosed(BroodError):
 
 class ModelError(BroodError):
     """A model call failed or returned something that is not text."""
+
+
+class ToolError(BroodError):
+    """A tool (a function the user gave the supervisor, or an MCP server's tool) failed:
+    it raised, timed out, returned what is not JSON, or its server is gone. `tool` names
+    it; the message says what happened and what to do."""
+
+    def __init__(self, message: str, *, tool: str = "") -> None:
+        super().__init__(message)
+        self.tool = tool
 
 
 class RateLimited(ModelError):

@@ -189,6 +189,17 @@ class ModelReq(Msg):
     model: ShortText | None = None
 
 
+class ToolReq(Msg):
+    """A call of a tool the supervisor runs (brood.tools), from model code: its arguments
+    as the code passed them, checked against the tool's signature on receipt."""
+
+    req_id: ReqId
+    name: Id
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+    step: Count = 0
+
+
 class Remember(Msg):
     """A value `remember(fn)` computed live, journaled so a replay gets it back."""
 
@@ -267,6 +278,17 @@ class Replay(msgspec.Struct, omit_defaults=True):
     pending: list[str] = []  # plain calls in flight when a journaled step ended
 
 
+class ToolInfo(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A tool in the run's REPL (brood.tools): its name, its signature as text and its
+    docstring, for the system prompt; `fn`, for a tool that runs in the worker, is the
+    function itself, cloudpickled (else a call is a ToolReq to the supervisor)."""
+
+    name: str
+    signature: str
+    doc: str
+    fn: bytes | None = None
+
+
 class WorkerLimits(msgspec.Struct, frozen=True, kw_only=True):
     """The fields of `Limits` a worker reads, and only those: the supervisor builds them from
     its `Limits` for every Start, so the worker has no defaults of its own. What the worker
@@ -309,6 +331,7 @@ class Start(Msg):
     model_name: str | None = None  # rlm_query(model=...): passed to every model call
     replay: Replay | None = None  # set when the run is resumed from the journal
     budget: dict[str, Any] | None = None  # its place in the tree and what is left, at start
+    tools: list[ToolInfo] = []  # the user's tools, placed in the REPL beside the helpers
 
 
 class BudgetReq(Msg):
@@ -431,6 +454,7 @@ WorkerMsg = (
     | StepBegan
     | StepDone
     | FlowReq
+    | ToolReq
     | Remember
     | Final
     | Failed

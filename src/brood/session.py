@@ -20,6 +20,7 @@ from brood.models.base import Model
 from brood.models.prices import Price
 from brood.supervisor.core import Run
 from brood.supervisor.engine import Engine
+from brood.tools import Tool
 
 __all__ = ["Observation", "Session"]
 
@@ -37,7 +38,8 @@ class Observation:
 class Session:
     """An environment: `reset(prompt, context)` starts an episode, `step(code)` runs code in
     the root's REPL, `close()` ends it. Handles from an earlier episode raise StaleHandle.
-    `worker_env`, `keep_scratch` and `prices` are those of `Supervisor`."""
+    `worker_env`, `keep_scratch`, `prices`, `tools` and `mcp_servers` are those of
+    `Supervisor`."""
 
     def __init__(
         self,
@@ -48,6 +50,8 @@ class Session:
         worker_env: Mapping[str, str] | Iterable[str] | None = None,
         keep_scratch: bool = False,
         prices: Mapping[str, Price | tuple[float, float]] | None = None,
+        tools: Iterable[Tool | Callable[..., Any] | str] | None = None,
+        mcp_servers: Iterable[str] | str | None = None,
     ) -> None:
         self._engine = Engine(
             model,
@@ -56,6 +60,8 @@ class Session:
             worker_env=worker_env,
             keep_scratch=keep_scratch,
             prices=prices,
+            tools=tools,
+            mcp_servers=mcp_servers,
         )
         self._root: Run | None = None
         self._episode = 0

@@ -77,6 +77,24 @@ RayOpt = Annotated[
         "one started here); several nodes need a Postgres --store (the [ray] extra)",
     ),
 ]
+ToolOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--tool",
+        metavar="MODULE:FUNCTION",
+        help="a function of yours placed in every run's REPL, run by the supervisor "
+        "(importable from here; repeatable)",
+    ),
+]
+McpOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--mcp",
+        metavar="CMD|URL",
+        help="an MCP server whose tools join every run's REPL: a command (quoted, started "
+        "here) or a streamable-HTTP URL, either after NAME= (repeatable; the [mcp] extra)",
+    ),
+]
 RunArg = Annotated[str, typer.Argument(metavar="RUN", help="a run id, e.g. r-8f3a2c")]
 FsReadOpt = Annotated[
     list[Path] | None,
@@ -294,11 +312,17 @@ def _runner(
     url: str,
     ray: str | None,
     prices: dict[str, Price] | None = None,
+    tools: list[str] | None = None,
+    mcp: list[str] | None = None,
 ) -> brood.Supervisor | brood.Cluster:
     """A local supervisor, or with --ray a cluster on the Ray cluster at that address
     (`local`: one started here for this command)."""
     if ray is None:
-        return brood.Supervisor(model, limits=limits, store=url, prices=prices)
+        return brood.Supervisor(
+            model, limits=limits, store=url, prices=prices, tools=tools, mcp_servers=mcp
+        )
+    if tools or mcp:
+        raise brood.InvalidArgument("--tool and --mcp run with a local supervisor only; drop --ray")
     if model is None and not os.environ.get("BROOD_MODEL"):
         raise brood.InvalidArgument(
             "no model: pass --model SPEC (e.g. openai:MODEL@URL), or set BROOD_MODEL"
@@ -410,6 +434,8 @@ def run(
     live: Annotated[bool, typer.Option(help="show the live tree on stderr")] = True,
     as_json: JsonOpt = False,
     ray: RayOpt = None,
+    tool: ToolOpt = None,
+    mcp: McpOpt = None,
 ) -> None:
     """Run PROMPT as a root run, show its tree live, and print its answer."""
     text = None
@@ -448,7 +474,7 @@ def run(
         spec = _model(model, model_timeout)
         prices = _prices(price, spec)
         with interruptible() as interrupt:
-            runner = _runner(spec, limits, url, ray, prices)
+            runner = _runner(spec, limits, url, ray, prices, tool, mcp)
             with runner:
                 _stop_if_interrupted(interrupt)
                 handle = runner.spawn(prompt, context=text, timeout=timeout)
@@ -478,9 +504,12 @@ def resume(
     price: PriceOpt = None,
     live: Annotated[bool, typer.Option(help="show the live tree on stderr")] = True,
     as_json: JsonOpt = False,
+    tool: ToolOpt = None,
+    mcp: McpOpt = None,
 ) -> None:
     """Resume a crashed tree from its journal: replay what was recorded (no new model calls
-    for it, journaled children adopted, not started again), then go on live."""
+    for it, journaled children adopted, not started again), then go on live. Pass the
+    --tool and --mcp options the tree was started with."""
     url = store or default_store_url()
     try:
         limits = brood.Limits(**_confinement(fs_read, fs_write, network, confine))
@@ -488,7 +517,9 @@ def resume(
         prices = _prices(price, spec)
         with (
             interruptible() as interrupt,
-            brood.Supervisor(spec, limits=limits, store=url, prices=prices) as sup,
+            brood.Supervisor(
+                spec, limits=limits, store=url, prices=prices, tools=tool, mcp_servers=mcp
+            ) as sup,
         ):
             _stop_if_interrupted(interrupt)
             handle = sup.resume(run_id)
@@ -740,6 +771,7 @@ LOG_KINDS = frozenset(
         "model_call",
         "cost_unknown",
         "step",
+        "tool_call",
         "message",
         "ask",
         "attempt",
@@ -770,6 +802,21 @@ def _fields(data: dict[str, Any], skip: tuple[str, ...] = ()) -> str:
     return literal(" ".join(pairs))
 
 
+def _call_text(d: dict[str, Any]) -> str:
+    """A journaled tool call as Python: name(arg, key=value), shortened, for rich markup."""
+    try:
+        name, args, kwargs = json.loads(d["call"])
+        given = [json.dumps(a) for a in args] + [f"{k}={json.dumps(v)}" for k, v in kwargs.items()]
+        text = f"{name}({', '.join(given)})"
+    except (ValueError, TypeError, KeyError):
+        text = str(d.get("tool"))
+    return _short(text, 120)
+
+
+def _clip(text: str, n: int) -> str:
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
 def _event_lines(ev: dict[str, Any]) -> Group:
     d, kind = ev["data"], ev["kind"]
     stamp = time.strftime("%H:%M:%S", time.localtime(ev["at"]))
@@ -791,6 +838,10 @@ def _event_lines(ev: dict[str, Any]) -> Group:
         if out.strip():
             parts.append(plain(_indent(out.rstrip(), "    ")))
         return Group(*parts)
+    if kind == "tool_call":
+        head = f"[dim]{stamp}[/dim] [bold]tool[/bold] {_call_text(d)} {d['duration']:.2f}s"
+        body = f"error: {d['error']}" if d.get("error") else json.dumps(d.get("result"))
+        return Group(head, plain(_indent(_clip(body, 2000), "  | ")))
     if kind == "message":
         return Group(f"{head} {literal(d['message'])}")
     if kind == "prompt":

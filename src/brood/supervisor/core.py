@@ -46,6 +46,8 @@ from brood.supervisor.resume import Resume
 from brood.supervisor.runs import FLOW_MODEL, RUN, Pool, Run, RunInfo, new_run_id
 from brood.supervisor.spread import Spread
 from brood.supervisor.starts import Starts
+from brood.supervisor.tools import ToolBox
+from brood.tools import Tool
 
 
 class Core:
@@ -64,6 +66,7 @@ class Core:
         keep_scratch: bool = False,
         spreader: Spreader | None = None,
         pricing: Pricing | None = None,
+        tools: tuple[Tool, ...] = (),
     ) -> None:
         k = self.kernel = Kernel(
             model=model,
@@ -85,8 +88,9 @@ class Core:
         self.spread = Spread(k, self.admission, self.ending)
         self.resume = Resume(k, self.admission, self.asks, self.spread, flows)
         self.starts = Starts(k, self.admission, self.budget, self.ending, self.spread)
+        self.tools = ToolBox(k, tools)
         self.requests = Requests(
-            k, self.admission, self.budget, self.asks, self.resume, self.starts, flows
+            k, self.admission, self.budget, self.asks, self.resume, self.starts, flows, self.tools
         )
         # The calls that go up from a room to one built on it, bound once here.
         k.finish = self.ending.finish
@@ -136,6 +140,7 @@ class Core:
                     model_name=run.model_name,
                     replay=run.replay,
                     budget=self.budget.budget_of(run),
+                    tools=self.tools.infos,
                 )
             )
             run.messages = []
@@ -184,6 +189,7 @@ class Core:
         k.closing = True
         roots = k.live_roots()
         await asyncio.gather(*(k.finish(r, RunState.CANCELLED, reason) for r in roots))
+        await self.tools.aclose()
         await self.budget.gateway.aclose()
         await k.backend.close()
 

@@ -26,7 +26,7 @@ from brood import lease
 from brood.backends.base import make_backend
 from brood.backends.confinement import announce, unenforced, worker_settings
 from brood.backends.local import own_memory
-from brood.backends.owners import owner_token
+from brood.backends.owners import OWNER_ENV, owner_token
 from brood.errors import (
     BroodError,
     InvalidArgument,
@@ -45,6 +45,7 @@ from brood.supervisor.core import Core, Run, RunInfo
 from brood.supervisor.kernel import Spreader
 from brood.supervisor.loop import LoopThread
 from brood.supervisor.observers import Observers
+from brood.tools import Tool, as_tools
 
 # brood.flow (pydantic, PyYAML) is imported where a flow is first used: every process that
 # imports brood (each supervisor's zygote, every CLI command) would pay about 0.2 s for it.
@@ -75,6 +76,13 @@ def context_blob(context: object) -> bytes | None:
         raise InvalidArgument(f"context cannot be pickled: {exc}") from exc
 
 
+def repl_names() -> frozenset[str]:
+    """The names a REPL holds before any tool: its helpers, errors and `context`."""
+    from brood.worker.verbs import ERRORS, HELPER_NAMES  # the zygote imports them anyway
+
+    return HELPER_NAMES | ERRORS.keys() | {"context"}
+
+
 class Engine:
     """One supervisor: its arguments are `Supervisor`'s (DESIGN.md section 4); `spreader` is
     a cluster node agent's, which places children on other nodes."""
@@ -92,6 +100,8 @@ class Engine:
         keep_scratch: bool = False,
         spreader: Spreader | None = None,
         prices: Mapping[str, Any] | None = None,
+        tools: Iterable[Tool | Callable[..., Any] | str] | None = None,
+        mcp_servers: Iterable[str] | str | None = None,
     ) -> None:
         if limits is not None and not isinstance(limits, Limits):
             raise InvalidArgument(f"limits must be brood.Limits(...), got {type(limits).__name__}")
@@ -102,6 +112,8 @@ class Engine:
                 "no model: pass Supervisor(model=chat_fn or 'openai:MODEL@URL'), or set BROOD_MODEL"
             )
         resolved = resolve_model(model)
+        toolset = as_tools(tools, reserved=repl_names())
+        self._mcp = [mcp_servers] if isinstance(mcp_servers, str) else list(mcp_servers or ())
         self._model_record = spec_record(model)  # journaled with each tree, for a resume
         self.pricing = Pricing(prices)
         self.pricing.warm(resolved.provider, resolved.name)  # here, not on the loop
@@ -127,12 +139,16 @@ class Engine:
                 keep_scratch=settings.keep_scratch,
                 spreader=spreader,
                 pricing=self.pricing,
+                tools=toolset,
             )
             self.control = ControlServer(self.core)
             self.store.on_failure = self._store_failed
             announce(self.core.unenforced)
             self._loop.call(self._start())
         except BaseException:
+            if hasattr(self, "core"):  # MCP servers it connected to are stopped too
+                with contextlib.suppress(Exception):
+                    self._loop.call(self.core.tools.aclose())
             with contextlib.suppress(Exception):
                 self._loop.call(self.backend.close())
             self._shutdown()
@@ -145,6 +161,15 @@ class Engine:
 
     async def _start(self) -> None:
         await self.backend.start()
+        if self._mcp:
+            from brood.supervisor.mcp import McpServers  # the [mcp] extra, when asked for
+
+            # Its processes carry the workers' owner mark: a sweep finds them if we crash.
+            mark = getattr(self.backend, "owner", None)
+            servers = McpServers(self._mcp, env={OWNER_ENV: mark} if mark else None)
+            tools = self.core.tools
+            await servers.start(repl_names() | tools.tools.keys())
+            tools.add_remote(servers)
         await self.control.start()
         await asyncio.wrap_future(
             self.store.insert_supervisor(

@@ -58,8 +58,9 @@ class CallPool:
     Not a ThreadPoolExecutor: its threads are joined at interpreter exit, so one call that
     never returns would hang the user's process on the way out."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, name: str = "brood-model") -> None:
         self._size = size
+        self._name = name
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._threads = 0
@@ -78,7 +79,7 @@ class CallPool:
             if self._queued > self._idle + self._starting and self._threads < self._size:
                 self._threads += 1
                 self._starting += 1
-                threading.Thread(target=self._work, name="brood-model", daemon=True).start()
+                threading.Thread(target=self._work, name=self._name, daemon=True).start()
         self._jobs.put((loop, fut, fn, args))
         return fut
 

@@ -89,6 +89,9 @@ class Spreader(Protocol):
         """The other node whose supervisor has owner token `token` (None if unknown)."""
 
 
+LAZY_EVENTS = frozenset({"model_call", "step", "tool_call", COST_UNKNOWN})
+
+
 class Flows(Protocol):
     """The flows a supervisor runs, as its rooms reach them (the engine answers, with
     brood.flow's FlowService, imported on a flow's first use)."""
@@ -185,12 +188,12 @@ class Kernel:
 
     def event(self, run: Run, kind: str, data: dict[str, Any], progress: str | None = None) -> None:
         """Journal an event of `run`."""
-        # A model call and a step's output are what every turn writes, and nobody waits on
-        # them: they ride with the next write that is waited on (the step's start, the
-        # run's end) instead of a commit of their own. Others (a message, an ask) commit
-        # as soon as the writer gets to them. A cost_unknown goes with its model call.
-        lazy = kind in ("model_call", "step", COST_UNKNOWN)
-        self.store.event(run.rec, kind, data, progress, lazy=lazy)
+        # A model call, a tool call and a step's output are what every turn writes, and
+        # nobody waits on them: they ride with the next write that is waited on (the step's
+        # start, the run's end) instead of a commit of their own. Others (a message, an
+        # ask) commit as soon as the writer gets to them. A cost_unknown goes with its model
+        # call.
+        self.store.event(run.rec, kind, data, progress, lazy=kind in LAZY_EVENTS)
 
     def store_failed(self, exc: StoreError) -> None:
         """The journal failed a write: end every run at once with that reason (the

@@ -38,6 +38,7 @@ from brood.protocol import (
     StepBegan,
     StepDone,
     StepResult,
+    ToolReq,
     clip,
     error_info,
 )
@@ -50,6 +51,7 @@ from brood.supervisor.kernel import Flows, Kernel
 from brood.supervisor.resume import Resume
 from brood.supervisor.runs import STORE_FAILED, Run, StepWatch, last_line
 from brood.supervisor.starts import Starts
+from brood.supervisor.tools import ToolBox
 
 
 class Requests:
@@ -62,6 +64,7 @@ class Requests:
         resume: Resume,
         starts: Starts,
         flows: Flows,
+        tools: ToolBox,
     ) -> None:
         self.kernel = kernel
         self.admission = admission
@@ -70,6 +73,7 @@ class Requests:
         self.resume = resume
         self.starts = starts
         self.flows = flows
+        self.tools = tools
 
     def on_msg(self, run: Run, msg: Msg) -> None:
         """A frame from `run`'s worker, handled by the one handler of its type."""
@@ -151,6 +155,10 @@ class Requests:
         if msg.op == "run" and not self.kernel.charge(run, frames.weight([msg.spec, msg.inputs])):
             return  # the run fails naming its journal bytes
         self._ask(run, msg.req_id, self._flow_request(run, msg))
+
+    def _tool(self, run: Run, msg: ToolReq) -> None:
+        self.tools.check(run, msg)
+        self._ask(run, msg.req_id, self.tools.call(run, msg))
 
     def _blocked(self, run: Run, msg: Blocked) -> None:
         if msg.blocked:
@@ -366,6 +374,7 @@ HANDLERS: dict[type[Msg], Callable[[Requests, Run, Any], None]] = {
     AskReq: Requests._open_ask,
     AskCancelReq: Requests._withdraw_ask,
     FlowReq: Requests._flow,
+    ToolReq: Requests._tool,
     Blocked: Requests._blocked,
     ModelReq: Requests._model,
     StepBegan: Requests._step_began,

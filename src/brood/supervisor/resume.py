@@ -32,6 +32,7 @@ from brood.supervisor.runs import (
     journaled_kind,
 )
 from brood.supervisor.spread import Spread
+from brood.supervisor.tools import TOOL_EVENT, tool_replay
 
 
 class Resume:
@@ -191,6 +192,7 @@ class Resume:
                 k.task(k.finish(run, RunState.FAILED, why))
             elif run.rec.state is RUN:
                 run.replay = self._replay_of(run, steps[run])
+                run.tool_replay = tool_replay(k.store.events(run.id, TOOL_EVENT))
             else:  # queued: follow-ups held for its start were in memory only
                 run.messages = [e["data"]["message"] for e in k.store.events(run.id, "message")]
         return ending

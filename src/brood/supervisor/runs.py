@@ -128,6 +128,8 @@ class Run:
     last_line: str = ""
     replay: Replay | None = None  # a run resumed from the journal, until its worker starts
     by_key: dict[str, Run] = field(default_factory=dict)  # resumed: journaled children by key
+    # Resumed: its journaled tool calls by canonical arguments, answered in order (tools.py).
+    tool_replay: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     flows_started: int = 0  # flows its code started (their runs' keys: flow:N)
     calls: set[asyncio.Task[Any]] = field(default_factory=set)  # model calls under way
     # The supervisor's own clock of the step under way, paused while the run waits on the

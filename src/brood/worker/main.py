@@ -12,9 +12,15 @@ from brood.protocol import MAX_WORKER_FRAME, Failed, Final, Start, SyncChannel, 
 from brood.worker.agent import Agent
 from brood.worker.confine import pids_capped, share_thread_arenas
 from brood.worker.link import Link
-from brood.worker.prompt import cached_system_prompt, describe_budget, describe_context
+from brood.worker.prompt import (
+    cached_system_prompt,
+    describe_budget,
+    describe_context,
+    describe_tools,
+)
 from brood.worker.repl import Repl, ReplayStop, StepClock
 from brood.worker.runtime import Runtime
+from brood.worker.tools import make_tools
 from brood.worker.verbs import ERRORS, make_helpers
 
 
@@ -85,8 +91,9 @@ def run(start: Start, link: Link) -> None:
     rt.model_name = start.model_name
     rt.replay = start.replay
     helpers = make_helpers(rt)
+    rt.tools = make_tools(start.tools, rt)
     repl = Repl(
-        {**helpers, **ERRORS},
+        {**rt.tools, **helpers, **ERRORS},
         context,
         clock=clock,
         blocked=limits.blocked_builtins,
@@ -97,7 +104,7 @@ def run(start: Start, link: Link) -> None:
     if start.driven:
         agent.driven()
         return
-    system = cached_system_prompt(can_spawn)
+    system = cached_system_prompt(can_spawn) + describe_tools(start.tools)
     if start.budget is not None:
         system += describe_budget(start.budget)
     cap = user_message_cap(limits.max_prompt_chars, start.prompt, start.messages)

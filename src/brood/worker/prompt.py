@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from brood.limits import may_start_children
-from brood.protocol import BUDGET_MARK
+from brood.protocol import BUDGET_MARK, ToolInfo
 from brood.worker.verbs import helpers_in_order
 from brood.worker.verbs.base import model_signature
 
@@ -66,6 +66,26 @@ def system_prompt(
         )
     parts.append(OUTRO)
     return "\n".join(parts)
+
+
+TOOLS_INTRO = """
+
+Tools: the user's own functions, in the REPL beside the helpers. Call them like any
+function, with JSON-like arguments (str, numbers, bools, None, lists, dicts); each call's
+arguments are checked against its signature (InvalidArgument says which is wrong), and a
+tool that fails raises ToolError with its reason.
+"""
+
+
+def describe_tools(tools: list[ToolInfo]) -> str:
+    """The part of a run's system prompt that lists its tools ("" when it has none)."""
+    if not tools:
+        return ""
+    parts = []
+    for t in tools:
+        body = "\n".join("    " + line for line in t.doc.splitlines())
+        parts.append(f"- {t.name}{t.signature}" + (f"\n{body}" if body else ""))
+    return TOOLS_INTRO + "\n".join(parts)
 
 
 def describe_budget(budget: dict[str, Any]) -> str:

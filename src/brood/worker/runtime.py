@@ -75,6 +75,7 @@ class Runtime:
         self.in_flight: dict[str, int] = {}  # plain calls under way, by prompt
         self.turn_sent = 0  # messages of the conversation already journaled
         self.namespace: dict[str, Any] = {}
+        self.tools: dict[str, Callable[..., Any]] = {}  # the user's tools in its REPL
         self.closed: str | None = None  # why handles are stale, once they are
         self.handles: dict[str, ChildRef] = {}  # the code's child handles, by child id
         self.seen: set[str] = set()  # children whose outcome the code has already observed

@@ -83,6 +83,7 @@ ERRORS: dict[str, type[BaseException]] = {
         errors.RateLimited,
         errors.StaleHandle,
         errors.StallTimeout,
+        errors.ToolError,
     )
 }
 

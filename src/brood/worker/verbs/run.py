@@ -80,7 +80,7 @@ def FINAL_VAR(name: str, *, rt: Runtime) -> None:
 @verb
 def SHOW_VARS(*, rt: Runtime) -> dict[str, str]:
     """The user variables of the REPL, as {name: type}."""
-    reserved = HELPER_NAMES | ERRORS.keys() | {"context"}
+    reserved = HELPER_NAMES | ERRORS.keys() | rt.tools.keys() | {"context"}
     return {
         k: type(v).__name__
         for k, v in rt.namespace.items()
