@@ -70,6 +70,13 @@ class Supervisor:
     TZ and TERM of this process's environment, plus `worker_env` (a dict of names to
     values, or a list of names to copy); HOME, TMPDIR and the working directory are the
     run's scratch directory, removed when the run ends unless `keep_scratch=True`.
+
+    `tracing=True` (or BROOD_OTEL=1 when `tracing` is not given) emits OpenTelemetry spans
+    (the extra: pip install 'rlm-brood[otel]'): one per run, under its parent's; one per
+    model call (GenAI conventions: provider, model, tokens, cost); one per REPL step, ask
+    and wait for a pool. They go to the application's TracerProvider if it set one up, else
+    to the exporters the OTEL_* environment variables name (OTEL_TRACES_EXPORTER, `otlp` by
+    default); `tracing=` also takes a TracerProvider. Every span has ended by `close()`.
     """
 
     def __init__(
@@ -83,6 +90,7 @@ class Supervisor:
         backend: str = "local",
         worker_env: Mapping[str, str] | Iterable[str] | None = None,
         keep_scratch: bool = False,
+        tracing: bool | Any | None = None,
     ) -> None:
         self._engine = Engine(
             model,
@@ -93,6 +101,7 @@ class Supervisor:
             backend=backend,
             worker_env=worker_env,
             keep_scratch=keep_scratch,
+            tracing=tracing,
         )
         self.limits = self._engine.limits
 

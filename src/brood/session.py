@@ -36,7 +36,7 @@ class Observation:
 class Session:
     """An environment: `reset(prompt, context)` starts an episode, `step(code)` runs code in
     the root's REPL, `close()` ends it. Handles from an earlier episode raise StaleHandle.
-    `worker_env` and `keep_scratch` are those of `Supervisor`."""
+    `worker_env`, `keep_scratch` and `tracing` are those of `Supervisor`."""
 
     def __init__(
         self,
@@ -46,9 +46,15 @@ class Session:
         store: str | None = None,
         worker_env: Mapping[str, str] | Iterable[str] | None = None,
         keep_scratch: bool = False,
+        tracing: bool | Any | None = None,
     ) -> None:
         self._engine = Engine(
-            model, limits=limits, store=store, worker_env=worker_env, keep_scratch=keep_scratch
+            model,
+            limits=limits,
+            store=store,
+            worker_env=worker_env,
+            keep_scratch=keep_scratch,
+            tracing=tracing,
         )
         self._root: Run | None = None
         self._episode = 0

@@ -35,7 +35,9 @@ class NodeAgent:
     rebuilds brood's own exceptions (with their fields) rather than Ray's wrappers.
     """
 
-    def __init__(self, model_blob: bytes, store: str, limits: Limits | None) -> None:
+    def __init__(
+        self, model_blob: bytes, store: str, limits: Limits | None, tracing: bool = False
+    ) -> None:
         from brood.supervisor.engine import Engine
 
         self.handles: dict[str, RunHandle] = {}
@@ -44,7 +46,9 @@ class NodeAgent:
         self.guests: dict[str, Run] = {}  # children placed here by other nodes, by id
         self.guest_roots: dict[str, str] = {}  # guest id -> the token of its root's agent
         model = cloudpickle.loads(model_blob)
-        self.engine: Engine = Engine(model, store=store, limits=limits, spreader=Spreader(self))
+        self.engine: Engine = Engine(
+            model, store=store, limits=limits, spreader=Spreader(self), tracing=tracing
+        )
         self.token = self.engine.owner
 
     def info(self) -> dict[str, Any]:

@@ -69,6 +69,8 @@ class Budget:
             run.calls.discard(task)  # ended while it waited: no call was made
             raise
         tree.calls_in_flight += 1
+        model = msg.model or run.model.name
+        span = k.tracing.model_call(run, run.model, model, msg.kind)
         started = time.perf_counter()
         done: Completion | None = None
         error: str | None = None
@@ -96,12 +98,13 @@ class Budget:
             self._account(
                 run,
                 kind=msg.kind,
-                model=msg.model or run.model.name,
+                model=model,
                 latency=time.perf_counter() - started,
                 done=done,
                 error=error,
                 request=request,
                 far=far,
+                span=span,
             )
             _wake_budget(tree)
 
@@ -196,6 +199,7 @@ class Budget:
         error: str | None,
         request: list[dict[str, Any]],
         far: bool = False,
+        span: object = None,
     ) -> None:
         k = self.kernel
         if done is not None:  # journaled whatever the limit says: the call was made
@@ -204,6 +208,14 @@ class Budget:
         tokens_in = max(0, int(done.input_tokens)) if done else 0
         tokens_out = max(0, int(done.output_tokens)) if done else 0
         cost = max(0.0, float(done.cost)) if done else 0.0
+        known = done is not None and done.cost is not None  # a price the model knew
+        k.tracing.model_call_done(
+            span,
+            input_tokens=tokens_in,
+            output_tokens=tokens_out,
+            cost=cost if known else None,
+            error=error,
+        )
         u = run.rec.usage
         u["model_calls"] = u.get("model_calls", 0) + 1
         u["input_tokens"] = u.get("input_tokens", 0) + tokens_in

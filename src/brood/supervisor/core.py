@@ -45,6 +45,7 @@ from brood.supervisor.resume import Resume
 from brood.supervisor.runs import FLOW_MODEL, RUN, Pool, Run, RunInfo, new_run_id
 from brood.supervisor.spread import Spread
 from brood.supervisor.starts import Starts
+from brood.supervisor.tracing import NO_TRACING, Tracing
 
 
 class Core:
@@ -62,6 +63,7 @@ class Core:
         unenforced: list[str],
         keep_scratch: bool = False,
         spreader: Spreader | None = None,
+        tracing: Tracing = NO_TRACING,
     ) -> None:
         k = self.kernel = Kernel(
             model=model,
@@ -74,6 +76,7 @@ class Core:
             unenforced=unenforced,
             keep_scratch=keep_scratch,
             spreader=spreader,
+            tracing=tracing,
         )
         self.flows = flows
         self.asks = Asks(k)
@@ -184,6 +187,7 @@ class Core:
         await asyncio.gather(*(k.finish(r, RunState.CANCELLED, reason) for r in roots))
         await self.budget.gateway.aclose()
         await k.backend.close()
+        k.tracing.end_all()  # none should be open: every run has ended
 
     def snapshot(self, run: Run) -> dict[str, Any]:
         r = run.rec
@@ -309,6 +313,10 @@ class Core:
 
     def store_failed(self, exc: StoreError) -> None:
         self.kernel.store_failed(exc)
+
+    def traceparent(self, run: Run) -> str | None:
+        """`run`'s span as a W3C traceparent (tracing on), for the node it is placed on."""
+        return self.kernel.tracing.traceparent(run)
 
     def check_open(self) -> None:
         self.kernel.check_open()

@@ -44,6 +44,7 @@ from brood.supervisor.core import Core, Run, RunInfo
 from brood.supervisor.kernel import Spreader
 from brood.supervisor.loop import LoopThread
 from brood.supervisor.observers import Observers
+from brood.supervisor.tracing import make_tracing
 
 # brood.flow (pydantic, PyYAML) is imported where a flow is first used: every process that
 # imports brood (each supervisor's zygote, every CLI command) would pay about 0.2 s for it.
@@ -76,7 +77,8 @@ def context_blob(context: object) -> bytes | None:
 
 class Engine:
     """One supervisor: its arguments are `Supervisor`'s (DESIGN.md section 4); `spreader` is
-    a cluster node agent's, which places children on other nodes."""
+    a cluster node agent's, which places children on other nodes; `tracing` is
+    `tracing.make_tracing`'s (False, True, a TracerProvider, or None for BROOD_OTEL)."""
 
     def __init__(
         self,
@@ -90,6 +92,7 @@ class Engine:
         worker_env: Mapping[str, str] | Iterable[str] | None = None,
         keep_scratch: bool = False,
         spreader: Spreader | None = None,
+        tracing: object = None,
     ) -> None:
         if limits is not None and not isinstance(limits, Limits):
             raise InvalidArgument(f"limits must be brood.Limits(...), got {type(limits).__name__}")
@@ -102,6 +105,7 @@ class Engine:
         resolved = resolve_model(model)
         self._model_record = spec_record(model)  # journaled with each tree, for a resume
         settings = worker_settings(self.limits, worker_env, keep_scratch)
+        self.tracing = make_tracing(tracing)  # opentelemetry is imported only when on
         self.store = open_store(store)
         self._observers = Observers(on_start, on_end)
         self._loop = LoopThread()
@@ -122,6 +126,7 @@ class Engine:
                 unenforced=unenforced(settings),
                 keep_scratch=settings.keep_scratch,
                 spreader=spreader,
+                tracing=self.tracing,
             )
             self.control = ControlServer(self.core)
             self.store.on_failure = self._store_failed
@@ -381,3 +386,4 @@ class Engine:
         self._loop.stop()
         self._observers.drain()
         self.store.close()
+        self.tracing.shutdown()  # the spans still queued go to the exporters
