@@ -365,6 +365,25 @@ def test_what_a_placed_child_does_on_another_node_goes_under_the_span_sent_with_
         assert parent_id(span) == header.span_id
 
 
+# ---- a Session's driven steps -----------------------------------------------------------------
+def test_a_sessions_driven_steps_are_spans_of_its_episodes_root(traced):
+    model = brood.ScriptedModel([final("unused")])
+    with brood.Session(model, limits=FAST, tracing=traced.provider) as env:
+        env.reset("an episode")
+        assert env.step("print(6 * 7)").stdout.strip() == "42"
+        obs = env.step("FINAL('done')")
+        assert obs.done and obs.answer == "done"
+        root = env.run_id
+    assert traced.recorder.still_open() == {}
+    runs = traced.runs()
+    assert set(runs) == {root}
+    assert runs[root].attributes["brood.state"] == "completed"
+    steps = traced.named("brood.step")
+    assert len(steps) == 2
+    assert {parent_id(s) for s in steps} == {runs[root].context.span_id}
+    assert traced.calls() == []  # a driven root asks the model nothing
+
+
 # ---- tracing off, and bad input ------------------------------------------------------------
 def test_tracing_off_imports_no_opentelemetry_and_holds_the_no_op():
     script = textwrap.dedent(f"""

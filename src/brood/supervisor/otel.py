@@ -130,13 +130,16 @@ class OtelTracing(Tracing):
         span = held.span
         if not held.own:
             return
-        span.set_attribute("brood.state", rec.state.value)
+        attributes: dict[str, Any] = {
+            f"brood.usage.{key}": int(rec.usage.get(key, 0) or 0)
+            for key in ("model_calls", "input_tokens", "output_tokens")
+        }
+        attributes["brood.state"] = rec.state.value
         if rec.reason:
-            span.set_attribute("brood.reason", rec.reason[:REASON_CAP])
+            attributes["brood.reason"] = rec.reason[:REASON_CAP]
         if run.failure_kind is not None:
-            span.set_attribute("brood.failure_kind", str(run.failure_kind.value))
-        for key in ("model_calls", "input_tokens", "output_tokens"):
-            span.set_attribute(f"brood.usage.{key}", int(rec.usage.get(key, 0) or 0))
+            attributes["brood.failure_kind"] = str(run.failure_kind.value)
+        span.set_attributes(attributes)  # at once: each attribute set takes the span's lock
         if rec.state in _FAILED:
             span.set_status(trace.Status(trace.StatusCode.ERROR, (rec.reason or "")[:REASON_CAP]))
         span.end()
@@ -204,10 +207,13 @@ class OtelTracing(Tracing):
         span = held.under.pop(key, None)
         if span is None:  # its run ended first, which ended it
             return
-        span.set_attribute("gen_ai.usage.input_tokens", input_tokens)
-        span.set_attribute("gen_ai.usage.output_tokens", output_tokens)
+        usage: dict[str, Any] = {
+            "gen_ai.usage.input_tokens": input_tokens,
+            "gen_ai.usage.output_tokens": output_tokens,
+        }
         if cost is not None:
-            span.set_attribute("gen_ai.usage.cost", cost)
+            usage["gen_ai.usage.cost"] = cost
+        span.set_attributes(usage)
         if error is not None:
             span.set_attribute("error.type", error.partition(":")[0][:100])
             span.set_status(trace.Status(trace.StatusCode.ERROR, error[:REASON_CAP]))
