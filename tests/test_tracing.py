@@ -198,6 +198,9 @@ def test_a_depth_three_tree_with_an_ask_and_a_pool_is_one_trace_of_nested_spans(
             runs[rid].context.trace_id,
             runs[rid].context.span_id,
         )
+        up = rows[rid]["parent_id"]
+        want = f"{runs[up].context.span_id:016x}" if up else None
+        assert data.get("parent_span_id") == want
 
 
 # ---- nothing open after a cancel or a close ----------------------------------------------
@@ -436,6 +439,7 @@ def test_a_traceparent_is_read_only_when_it_is_one():
     assert SpanIds.from_traceparent(ids.traceparent()) == ids
     for bad in (None, 7, "", "00-0-0-01", ids.traceparent() + " ", "01" + ids.traceparent()[2:]):
         assert SpanIds.from_traceparent(bad) is None
-    assert SpanIds.from_journal(ids.journaled()) == (0xABC, 0xDEF, 1)
+    assert SpanIds.from_journal(ids.journaled()) == (0xABC, 0xDEF, 1, 0)
+    assert SpanIds(1, 2, parent=3).journaled()["parent_span_id"] == f"{3:016x}"
     assert SpanIds.from_journal({"trace_id": "zz", "span_id": "1"}) is None
     assert json.loads(json.dumps(ids.journaled())) == ids.journaled()

@@ -112,7 +112,8 @@ class OtelTracing(Tracing):
             links=[trace.Link(_remote(ids), {"brood.crashed": True}) for ids in links],
         )
         self.held[run.id] = _Held(span, own=True)
-        return _ids(span)
+        up = parent.span if parent is not None else trace.get_current_span()
+        return _ids(span)._replace(parent=up.get_span_context().span_id)
 
     def guest(self, run: Run, traceparent: str | None) -> SpanIds | None:
         ids = SpanIds.from_traceparent(traceparent)

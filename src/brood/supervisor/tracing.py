@@ -41,9 +41,13 @@ class SpanIds(NamedTuple):
     trace_id: int
     span_id: int
     flags: int = 1  # sampled
+    parent: int = 0  # the parent span's id, if it has one (as journaled; not in a header)
 
     def journaled(self) -> dict[str, str]:
-        return {"trace_id": f"{self.trace_id:032x}", "span_id": f"{self.span_id:016x}"}
+        ids = {"trace_id": f"{self.trace_id:032x}", "span_id": f"{self.span_id:016x}"}
+        if self.parent:
+            ids["parent_span_id"] = f"{self.parent:016x}"
+        return ids
 
     def traceparent(self) -> str:
         """As a W3C `traceparent` header."""
