@@ -22,6 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 BENCHMARKS = (
     "bench_spawn",
     "bench_fanout",
+    "bench_tracing",
     "bench_close",
     "bench_memory",
     "bench_journal",

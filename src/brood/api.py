@@ -95,6 +95,13 @@ class Supervisor:
     schemas, checked, journaled and replayed like `tools`. A server found gone at a call
     is started again and the call sent once more. A server that does not start fails this
     constructor, naming it.
+
+    `tracing=True` (or BROOD_OTEL=1 when `tracing` is not given) emits OpenTelemetry spans
+    (the extra: pip install 'rlm-brood[otel]'): one per run, under its parent's; one per
+    model call (GenAI conventions: provider, model, tokens, cost); one per REPL step, ask
+    and wait for a pool. They go to the application's TracerProvider if it set one up, else
+    to the exporters the OTEL_* environment variables name (OTEL_TRACES_EXPORTER, `otlp` by
+    default); `tracing=` also takes a TracerProvider. Every span has ended by `close()`.
     """
 
     def __init__(
@@ -111,6 +118,7 @@ class Supervisor:
         prices: Mapping[str, Price | tuple[float, float]] | None = None,
         tools: Iterable[Tool | Callable[..., Any] | str] | None = None,
         mcp_servers: Iterable[str] | str | None = None,
+        tracing: bool | Any | None = None,
     ) -> None:
         self._engine = Engine(
             model,
@@ -124,6 +132,7 @@ class Supervisor:
             prices=prices,
             tools=tools,
             mcp_servers=mcp_servers,
+            tracing=tracing,
         )
         self.limits = self._engine.limits
 

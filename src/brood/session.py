@@ -38,8 +38,8 @@ class Observation:
 class Session:
     """An environment: `reset(prompt, context)` starts an episode, `step(code)` runs code in
     the root's REPL, `close()` ends it. Handles from an earlier episode raise StaleHandle.
-    `worker_env`, `keep_scratch`, `prices`, `tools` and `mcp_servers` are those of
-    `Supervisor`."""
+    `worker_env`, `keep_scratch`, `prices`, `tools`, `mcp_servers` and `tracing` are those
+    of `Supervisor`."""
 
     def __init__(
         self,
@@ -52,6 +52,7 @@ class Session:
         prices: Mapping[str, Price | tuple[float, float]] | None = None,
         tools: Iterable[Tool | Callable[..., Any] | str] | None = None,
         mcp_servers: Iterable[str] | str | None = None,
+        tracing: bool | Any | None = None,
     ) -> None:
         self._engine = Engine(
             model,
@@ -62,6 +63,7 @@ class Session:
             prices=prices,
             tools=tools,
             mcp_servers=mcp_servers,
+            tracing=tracing,
         )
         self._root: Run | None = None
         self._episode = 0

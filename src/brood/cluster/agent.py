@@ -42,6 +42,7 @@ class NodeAgent:
         store: str,
         limits: Limits | None,
         prices: dict[str, Price] | None = None,
+        tracing: bool = False,
     ) -> None:
         from brood.supervisor.engine import Engine
 
@@ -52,7 +53,12 @@ class NodeAgent:
         self.guest_roots: dict[str, str] = {}  # guest id -> the token of its root's agent
         model = cloudpickle.loads(model_blob)
         self.engine: Engine = Engine(
-            model, store=store, limits=limits, spreader=Spreader(self), prices=prices
+            model,
+            store=store,
+            limits=limits,
+            spreader=Spreader(self),
+            prices=prices,
+            tracing=tracing,
         )
         self.token = self.engine.owner
 

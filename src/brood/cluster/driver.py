@@ -43,6 +43,7 @@ from brood.limits import Limits, check_timeout
 from brood.models.prices import Price, price_table
 from brood.store.base import open_store, redact
 from brood.supervisor.core import new_run_id
+from brood.supervisor.tracing import check_installed, wanted
 
 if TYPE_CHECKING:
     from brood.models.base import Model
@@ -92,6 +93,10 @@ class Cluster:
     agent; their handles keep working. `close()` (or leaving the `with` block) cancels
     what is still running and confirms every worker's exit on every node; it raises
     ChildCleanupError naming the nodes and pids it could not confirm.
+
+    `tracing=True` (or BROOD_OTEL=1) turns on every agent's OpenTelemetry spans (see
+    `Supervisor`); a child placed on another node (placement="spread") carries its span
+    there, so what it does on that node is traced under it, in the same trace.
     """
 
     def __init__(
@@ -102,6 +107,7 @@ class Cluster:
         ray_address: str | None = None,
         limits: Limits | None = None,
         prices: Mapping[str, Price | tuple[float, float]] | None = None,
+        tracing: bool | None = None,
     ) -> None:
         if not isinstance(store, str) or not store:
             raise InvalidArgument(
@@ -115,6 +121,14 @@ class Cluster:
                 f"ray_address must be 'HOST:PORT' or None, got {type(ray_address).__name__}"
             )
         self._prices = price_table(prices)  # each agent prices its own calls with these
+        if tracing is not None and not isinstance(tracing, bool):
+            raise InvalidArgument(
+                f"tracing must be True or False on a cluster (each node's supervisor exports "
+                f"its spans as its OTEL_* environment says), got {type(tracing).__name__}"
+            )
+        self._tracing = bool(wanted(tracing))
+        if self._tracing:
+            check_installed()
         model_blob = pickled_model(model)
         store = shared_store(store)
         ray = import_ray()
@@ -166,7 +180,7 @@ class Cluster:
                 max_concurrency=AGENT_CONCURRENCY,
                 max_restarts=0,  # a dead agent's trees are resumed elsewhere, from the journal
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-            ).remote(model_blob, self._store_url, limits, self._prices)
+            ).remote(model_blob, self._store_url, limits, self._prices, self._tracing)
             for node_id in node_ids
         ]
         # Kept before they answer, so a failure below still kills every one of them.

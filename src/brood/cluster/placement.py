@@ -19,7 +19,7 @@ from brood.errors import BackendError, BroodError, NodeLost
 from brood.lifecycle import TERMINAL_VALUES, RunState
 
 if TYPE_CHECKING:
-    from brood.supervisor.core import Run
+    from brood.supervisor.core import Core, Run
     from brood.supervisor.engine import Engine
 
 
@@ -46,6 +46,19 @@ class Agent(Protocol):
     token: str
     peers: list[Peer]
     guest_roots: dict[str, str]
+
+
+def guest_data(core: Core, run: Run) -> dict[str, Any]:
+    """What a node sends with a child it places on another node, beside its record: its
+    context, model, timeout, the follow-ups held for its start, and its span (a W3C
+    traceparent, tracing on: what the child does there goes under it)."""
+    return {
+        "context": run.context_blob,
+        "model_name": run.model_name,
+        "timeout": run.timeout,
+        "messages": run.messages,
+        "traceparent": core.traceparent(run),
+    }
 
 
 class Spreader:
@@ -83,14 +96,9 @@ class Spreader:
         load, peer = min(zip(loads, others, strict=True), key=lambda t: t[0])
         if load == math.inf:
             return None
-        top = self.agent.engine.core.top(run)
-        root_token = self.agent.guest_roots.get(top.id, self.agent.token)
-        data = {
-            "context": run.context_blob,
-            "model_name": run.model_name,
-            "timeout": run.timeout,
-            "messages": run.messages,
-        }
+        core = self.agent.engine.core
+        root_token = self.agent.guest_roots.get(core.top(run).id, self.agent.token)
+        data = guest_data(core, run)
         run.messages = []
         await self._get(peer.actor.host_guest.remote(copy.copy(run.rec), data, root_token))
         return peer

@@ -101,9 +101,11 @@ class Admission:
             if run in pool.waiters:
                 pool.waiters.remove(run)
             k.event(run, "pool", {"pool": pool.name, "taken": True})
+            k.tracing.pool_admitted(run)
             return True
         if run not in pool.waiters:
             pool.wait(run)
+            k.tracing.pool_waiting(run, pool.name)
             run.rec.reason = f"waiting for pool {pool.name!r} ({pool.describe()})"
             k.store.note_reason(run.id, run.rec.reason)
             k.event(

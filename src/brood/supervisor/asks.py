@@ -127,6 +127,7 @@ class Asks:
         )
         await self._journal(ask, ASK_OPENED, _opened(ask))
         self._keep(ask)
+        self.kernel.tracing.ask_opened(run, ask.id)
         return ask.id
 
     async def withdraw(self, run: Run, msg: AskCancelReq) -> AskState:
@@ -200,6 +201,7 @@ class Asks:
         ask.state = state  # at once: a second answer meanwhile is refused
         ask.result, ask.reason = result, reason
         self.open_by_run.get(ask.run.id, {}).pop(ask.id, None)
+        self.kernel.tracing.ask_settled(ask.run, ask.id, state.value, reason)
         if ask.timer is not None:
             ask.timer.cancel()
             ask.timer = None
@@ -255,6 +257,8 @@ class Asks:
                 ask.result, ask.reason = d.get("result"), d.get("reason")
         for ask in asks.values():
             self._keep(ask)
+            if ask.state is AskState.OPEN:  # its span before the crash is lost with it
+                self.kernel.tracing.ask_opened(run, ask.id)
 
 
 async def _quietly(work: Any) -> None:

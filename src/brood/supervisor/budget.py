@@ -74,6 +74,7 @@ class Budget:
             run.calls.discard(task)  # ended while it waited: no call was made
             raise
         tree.calls_in_flight += 1
+        span = k.tracing.model_call(run, model, msg.model or run.model.name, msg.kind)
         started = time.perf_counter()
         done: Completion | None = None
         error: str | None = None
@@ -108,6 +109,7 @@ class Budget:
                 error=error,
                 request=request,
                 far=far,
+                span=span,
             )
             _wake_budget(tree)
 
@@ -222,6 +224,7 @@ class Budget:
         error: str | None,
         request: list[dict[str, Any]],
         far: bool = False,
+        span: object = None,
     ) -> None:
         """Journal a model call (`model`: the name the run's code gave, or its model's) and
         add it up; `priced`: the provider and model name its price is looked up by (a
@@ -235,6 +238,9 @@ class Budget:
         cost: float | None = 0.0  # a call that failed is not billed by its tokens
         if done is not None:
             cost = self.pricing.cost(*priced, tokens_in, tokens_out, done.cost)
+        k.tracing.model_call_done(
+            span, input_tokens=tokens_in, output_tokens=tokens_out, cost=cost, error=error
+        )
         u = run.rec.usage
         u["model_calls"] = u.get("model_calls", 0) + 1
         u["input_tokens"] = u.get("input_tokens", 0) + tokens_in

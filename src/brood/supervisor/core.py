@@ -47,6 +47,7 @@ from brood.supervisor.runs import FLOW_MODEL, RUN, Pool, Run, RunInfo, new_run_i
 from brood.supervisor.spread import Spread
 from brood.supervisor.starts import Starts
 from brood.supervisor.tools import ToolBox
+from brood.supervisor.tracing import NO_TRACING, Tracing
 from brood.tools import Tool
 
 
@@ -67,6 +68,7 @@ class Core:
         spreader: Spreader | None = None,
         pricing: Pricing | None = None,
         tools: tuple[Tool, ...] = (),
+        tracing: Tracing = NO_TRACING,
     ) -> None:
         k = self.kernel = Kernel(
             model=model,
@@ -79,6 +81,7 @@ class Core:
             unenforced=unenforced,
             keep_scratch=keep_scratch,
             spreader=spreader,
+            tracing=tracing,
         )
         self.flows = flows
         self.asks = Asks(k)
@@ -192,6 +195,7 @@ class Core:
         await self.tools.aclose()
         await self.budget.gateway.aclose()
         await k.backend.close()
+        k.tracing.end_all()  # none should be open: every run has ended
 
     def snapshot(self, run: Run) -> dict[str, Any]:
         r = run.rec
@@ -317,6 +321,10 @@ class Core:
 
     def store_failed(self, exc: StoreError) -> None:
         self.kernel.store_failed(exc)
+
+    def traceparent(self, run: Run) -> str | None:
+        """`run`'s span as a W3C traceparent (tracing on), for the node it is placed on."""
+        return self.kernel.tracing.traceparent(run)
 
     def check_open(self) -> None:
         self.kernel.check_open()

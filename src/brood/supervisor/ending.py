@@ -117,6 +117,7 @@ class Ending:
         if state is RunState.FAILED:
             run.failure_kind = kind
         await k.move(run, state, reason)  # a journal that fails it makes it kind store
+        k.tracing.run_ended(run)
         # Its pool place is given up once its end is journaled, so a pool's sections never
         # overlap in the journal's times.
         self.admission.pool_release(run)
@@ -170,6 +171,7 @@ class Ending:
             k.tell_parent(run)
         run.started.set()
         run.done.set()
+        k.tracing.run_ended(run)
         k.observers.emit("on_end", run.info())
         if run.retrying:
             k.task(self.next_attempt(run))

@@ -45,6 +45,7 @@ from brood.supervisor.core import Core, Run, RunInfo
 from brood.supervisor.kernel import Spreader
 from brood.supervisor.loop import LoopThread
 from brood.supervisor.observers import Observers
+from brood.supervisor.tracing import make_tracing
 from brood.tools import Tool, as_tools
 
 # brood.flow (pydantic, PyYAML) is imported where a flow is first used: every process that
@@ -85,7 +86,8 @@ def repl_names() -> frozenset[str]:
 
 class Engine:
     """One supervisor: its arguments are `Supervisor`'s (DESIGN.md section 4); `spreader` is
-    a cluster node agent's, which places children on other nodes."""
+    a cluster node agent's, which places children on other nodes; `tracing` is
+    `tracing.make_tracing`'s (False, True, a TracerProvider, or None for BROOD_OTEL)."""
 
     def __init__(
         self,
@@ -102,6 +104,7 @@ class Engine:
         prices: Mapping[str, Any] | None = None,
         tools: Iterable[Tool | Callable[..., Any] | str] | None = None,
         mcp_servers: Iterable[str] | str | None = None,
+        tracing: object = None,
     ) -> None:
         if limits is not None and not isinstance(limits, Limits):
             raise InvalidArgument(f"limits must be brood.Limits(...), got {type(limits).__name__}")
@@ -118,6 +121,7 @@ class Engine:
         self.pricing = Pricing(prices)
         self.pricing.warm(resolved.provider, resolved.name)  # here, not on the loop
         settings = worker_settings(self.limits, worker_env, keep_scratch)
+        self.tracing = make_tracing(tracing)  # opentelemetry is imported only when on
         self.store = open_store(store)
         self._observers = Observers(on_start, on_end)
         self._loop = LoopThread()
@@ -140,6 +144,7 @@ class Engine:
                 spreader=spreader,
                 pricing=self.pricing,
                 tools=toolset,
+                tracing=self.tracing,
             )
             self.control = ControlServer(self.core)
             self.store.on_failure = self._store_failed
@@ -413,3 +418,4 @@ class Engine:
         self._loop.stop()
         self._observers.drain()
         self.store.close()
+        self.tracing.shutdown()  # the spans still queued go to the exporters

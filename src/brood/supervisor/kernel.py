@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from brood.backends.base import Backend
@@ -33,6 +33,7 @@ from brood.supervisor.runs import (
     child_update,
     new_run_id,
 )
+from brood.supervisor.tracing import NO_TRACING, SpanIds, Tracing
 
 if TYPE_CHECKING:  # brood.flow is imported on a flow's first use
     from brood.flow.executor import FlowExecutor
@@ -89,7 +90,7 @@ class Spreader(Protocol):
         """The other node whose supervisor has owner token `token` (None if unknown)."""
 
 
-LAZY_EVENTS = frozenset({"model_call", "step", "tool_call", COST_UNKNOWN})
+LAZY_EVENTS = frozenset({"model_call", "step", "tool_call", "trace", COST_UNKNOWN})
 
 
 class Flows(Protocol):
@@ -127,6 +128,7 @@ class Kernel:
         unenforced: list[str],
         keep_scratch: bool,
         spreader: Spreader | None,
+        tracing: Tracing = NO_TRACING,
     ) -> None:
         self.model = model
         self.model_name = model_name
@@ -145,6 +147,9 @@ class Kernel:
         # A cluster's node agent's: starts children placed with placement="spread" on
         # other nodes, and asks a tree's root node to admit its children (Spreader).
         self.spreader = spreader
+        # The spans of runs, steps, calls, asks and pool waits (tracing.py): a Tracing
+        # that does nothing unless the supervisor was made with tracing on.
+        self.tracing = tracing
         self.tasks: set[asyncio.Task[Any]] = set()
         self._deliveries = itertools.count(1 << 30)  # Deliver ids, apart from Exec ids
         # Bound by the composition root (core.py) to the rooms above the kernel.
@@ -188,12 +193,21 @@ class Kernel:
 
     def event(self, run: Run, kind: str, data: dict[str, Any], progress: str | None = None) -> None:
         """Journal an event of `run`."""
-        # A model call, a tool call and a step's output are what every turn writes, and
-        # nobody waits on them: they ride with the next write that is waited on (the step's
+        # A model call, a tool call, a step's output and a span's ids (LAZY_EVENTS): nobody
+        # waits on them, so they ride with the next write that is waited on (the step's
         # start, the run's end) instead of a commit of their own. Others (a message, an
-        # ask) commit as soon as the writer gets to them. A cost_unknown goes with its model
-        # call.
+        # ask) commit as soon as the writer gets to them. A cost_unknown goes with its call.
         self.store.event(run.rec, kind, data, progress, lazy=kind in LAZY_EVENTS)
+
+    def start_trace(self, run: Run, links: Sequence[SpanIds] = ()) -> None:
+        """`run`'s span begins (tracing on), under its parent's and linked to `links` (its
+        spans before a crash); its ids are journaled, for a resume's span to link to."""
+        self.journal_trace(run, self.tracing.run_started(run, links))
+
+    def journal_trace(self, run: Run, ids: SpanIds | None) -> None:
+        """Journal the ids of `run`'s span (a `trace` event), if it has one here."""
+        if ids is not None:
+            self.event(run, "trace", ids.journaled())
 
     def store_failed(self, exc: StoreError) -> None:
         """The journal failed a write: end every run at once with that reason (the
@@ -373,6 +387,9 @@ class Kernel:
             )
             pending = [r for r, ok in zip(pending, inserted, strict=True) if not ok]
             if not pending:
+                if self.tracing.enabled:
+                    for run in runs:
+                        self.start_trace(run)
                 return
             for run in pending:
                 del self.runs[run.id]

@@ -246,6 +246,7 @@ class Requests:
         run.steps.begin(msg)
         k = self.kernel
         k.stop_watch(run)
+        k.tracing.step_began(run, msg.step, msg.replaying)
         limit = run.exec_timeout if run.exec_timeout is not None else k.limits.step_timeout
         if limit is not None and run.ending is None:
             step = msg.step
@@ -289,6 +290,7 @@ class Requests:
         run.steps.end(msg)
         k = self.kernel
         k.stop_watch(run)
+        k.tracing.step_done(run, msg.step, msg.error)
         k.progress(run)
         if msg.replayed:
             return

@@ -33,6 +33,7 @@ from brood.supervisor.runs import (
 )
 from brood.supervisor.spread import Spread
 from brood.supervisor.tools import TOOL_EVENT, tool_replay
+from brood.supervisor.tracing import SpanIds
 
 
 class Resume:
@@ -84,6 +85,8 @@ class Resume:
             root.tree.children = counted if top_id == root_id else len(runs) - 1
             root.tree.prompts = {e["data"]["ref"] for e in k.store.events(top_id, "prompt")}
         k.runs.update(runs)
+        if k.tracing.enabled:
+            self._trace(root_id, runs)
         followed = [runs[i] for i in away]
         runs = {i: r for i, r in runs.items() if i not in away}
         for run in runs.values():  # answered asks replay; open ones are open again
@@ -163,6 +166,19 @@ class Resume:
                 run.done.set()
             runs[rec.id] = run
         return runs
+
+    def _trace(self, root_id: str, runs: dict[str, Run]) -> None:
+        """A span for each run that goes on, linked to its spans before the crash (the
+        ids its `trace` events hold), which ended with the process that held them."""
+        k = self.kernel
+        crashed: dict[str, list[SpanIds]] = {}
+        for e in k.store.events(kind="trace", root_id=root_id):
+            ids = SpanIds.from_journal(e["data"])
+            if ids is not None and e["run_id"] in runs:
+                crashed.setdefault(e["run_id"], []).append(ids)
+        for run in runs.values():  # in creation order: a parent's span before its children's
+            if not run.rec.state.terminal:
+                k.start_trace(run, crashed.get(run.id, ()))
 
     def _decide(self, runs: list[Run]) -> set[Run]:
         """What becomes of each run that had not ended; the runs this resume cancels."""

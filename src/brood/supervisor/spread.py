@@ -101,6 +101,9 @@ class Spread:
         k.runs[run.id] = run
         await asyncio.wrap_future(k.store.claim_run(run.id, k.owner))
         k.event(run, "placed", note | {"supervisor": k.owner})
+        # Its span is its parent's node's (the traceparent it sent): what it does here goes
+        # under that span; without one (that node traces nothing) its span begins here.
+        k.journal_trace(run, k.tracing.guest(run, run_data.get("traceparent")))
         self.admission.admit(run)
         return run
 
