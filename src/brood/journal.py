@@ -16,9 +16,8 @@ from brood.backends.local import own_memory
 from brood.backends.owners import proc_stat
 from brood.errors import BroodError, InvalidArgument
 from brood.lease import lease_holder_gone
-from brood.lifecycle import ASK_OPENED, TERMINAL_VALUES, FlowStatus
+from brood.lifecycle import ASK_OPENED, TERMINAL_VALUES, USAGE_KEYS, FlowStatus, add_usage
 from brood.models.base import MODEL_SPEC
-from brood.models.prices import USAGE_KEYS, add_usage
 from brood.protocol import CtlAnswer, CtlCancel, CtlFlow, CtlSend
 from brood.store.base import Store, open_store
 from brood.supervisor.control import control_request

@@ -1,5 +1,6 @@
 """Run states and the one table of legal moves between them; the other states brood keeps
-(a flow's, an ask's) and the kinds of a run's failure, each defined once here.
+(a flow's, an ask's), the kinds of a run's failure, and how a run's usage adds up (a cost
+may be unknown), each defined once here.
 
 `move` is the only function that changes a run's state; the supervisor calls it and journals
 the move before anyone is told of it. Terminal states never change.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,16 +23,20 @@ from brood.errors import IllegalTransition
 
 __all__ = [
     "ASK_OPENED",
+    "COUNT_KEYS",
     "FLOW_ENDED",
     "TERMINAL",
     "TERMINAL_VALUES",
     "TRANSITIONS",
+    "USAGE_KEYS",
     "AskState",
     "FailureKind",
     "FlowStatus",
     "IllegalTransition",
     "RunRecord",
     "RunState",
+    "add_cost",
+    "add_usage",
     "move",
 ]
 
@@ -189,3 +195,28 @@ def move(record: RunRecord, to: RunState, reason: str | None = None) -> tuple[Ru
         if record.started_at is None:
             record.started_at = now
     return frm, to
+
+
+# ---- a run's usage -------------------------------------------------------------------------
+COUNT_KEYS = ("model_calls", "input_tokens", "output_tokens", "unpriced_calls")
+USAGE_KEYS = (*COUNT_KEYS[:3], "cost", COUNT_KEYS[3])
+
+
+def add_cost(total: float | None, more: float | None) -> float | None:
+    """Two costs added, where None is unknown: unknown plus unknown stays unknown, and
+    what is known of either is kept."""
+    if total is None:
+        return more
+    if more is None:
+        return total
+    return total + more
+
+
+def add_usage(into: dict[str, Any], usage: Mapping[str, Any]) -> None:
+    """Add a usage (a run's, a subtree's) into `into`: counts are summed, and costs with
+    `add_cost` (a usage without a cost, one that made no call, adds nothing to it)."""
+    for k in COUNT_KEYS:
+        if k in usage or k in into:
+            into[k] = into.get(k, 0) + (usage.get(k) or 0)
+    if "cost" in usage:
+        into["cost"] = add_cost(into["cost"], usage["cost"]) if "cost" in into else usage["cost"]

@@ -39,8 +39,7 @@ from brood.flow.host import FlowHost, FlowRun, R
 from brood.flow.load import load_spec
 from brood.flow.machine import Machine, MachineState
 from brood.flow.render import OutputError, read_output, render_prompt
-from brood.lifecycle import FailureKind, FlowStatus, RunState
-from brood.models.prices import add_usage
+from brood.lifecycle import FailureKind, FlowStatus, RunState, add_usage
 
 STATUS_INSTANCES = 50  # instances per state that status() lists (counts cover them all)
 # A start refused for capacity or a rate limit, or a run whose first model call was rate

@@ -6,8 +6,9 @@ reported, else the price `genai-prices` knows for its provider and model; else u
 (provider, model) is looked up there once per process: an unknown one is remembered as
 unknown, so a tree of a thousand calls to an unpriced model asks once.
 
-Also here: how usage adds up when a cost may be unknown (`add_usage`), for the run's own
-count, its subtree's and a flow's.
+How usage adds up when a cost may be unknown (`add_usage`, `add_cost`) is brood.lifecycle's,
+beside the run record whose usage it is (the flow package and the journal's readers add
+usage too, and import nothing of the models).
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ from brood.errors import InvalidArgument
 PRICE_FORM = "IN,OUT (dollars per million input and output tokens, e.g. 0.15,0.6)"
 # The counts of a run's usage; `cost` adds apart (None is unknown, and stays so only while
 # nothing known is added to it).
-COUNT_KEYS = ("model_calls", "input_tokens", "output_tokens", "unpriced_calls")
-USAGE_KEYS = (*COUNT_KEYS[:3], "cost", COUNT_KEYS[3])
 PER_MILLION = 1_000_000
 # A model's `provider` where genai-prices names it otherwise (Gemini's prices are Google's).
 CATALOG_IDS = {"gemini": "google"}
@@ -181,26 +180,6 @@ class Pricing:
             catalog_cost(provider, name, 0, 0)
 
 
-def add_cost(total: float | None, more: float | None) -> float | None:
-    """Two costs added, where None is unknown: unknown plus unknown stays unknown, and
-    what is known of either is kept."""
-    if total is None:
-        return more
-    if more is None:
-        return total
-    return total + more
-
-
-def add_usage(into: dict[str, Any], usage: Mapping[str, Any]) -> None:
-    """Add a usage (a run's, a subtree's) into `into`: counts are summed, and costs with
-    `add_cost` (a usage without a cost, one that made no call, adds nothing to it)."""
-    for k in COUNT_KEYS:
-        if k in usage or k in into:
-            into[k] = into.get(k, 0) + (usage.get(k) or 0)
-    if "cost" in usage:
-        into["cost"] = add_cost(into["cost"], usage["cost"]) if "cost" in into else usage["cost"]
-
-
 def cost_text(usage: Mapping[str, Any]) -> str:
     """A usage's cost for people: `$0.0123`, `$0.0123 + 2 unpriced calls`, `cost unknown`
     (no call priced), or `$0` before any call."""
@@ -227,11 +206,8 @@ def dollars(value: float) -> str:
 
 __all__ = [
     "PRICE_FORM",
-    "USAGE_KEYS",
     "Price",
     "Pricing",
-    "add_cost",
-    "add_usage",
     "as_price",
     "catalog_cost",
     "cost_text",

@@ -17,9 +17,9 @@ import time
 from typing import Any
 
 from brood.errors import BroodError, InvalidArgument, ModelError, RateLimited
-from brood.lifecycle import RunState
+from brood.lifecycle import RunState, add_cost
 from brood.models.base import Completion, Model, is_spec, resolve_model, spec_without_url
-from brood.models.prices import Pricing, add_cost
+from brood.models.prices import Pricing
 from brood.protocol import BUDGET_MARK, ModelReq, clip
 from brood.supervisor import frames
 from brood.supervisor.gateway import ModelGateway
