@@ -197,7 +197,9 @@ class SQLStore:
         try:
             if not readonly:
                 self._create_or_migrate_retried(conn)
-            version = self.version = self.read_schema_version(conn)
+            version = self.version = self._retrying(
+                lambda: self.read_schema_version(conn), "opening"
+            )
         except StoreError:
             conn.close()
             raise

@@ -60,9 +60,15 @@ class SQLiteStore(SQLStore):
             conn = sqlite3.connect(
                 self.path, check_same_thread=False, timeout=30.0, isolation_level=None
             )
-            try:
+
+            def set_up() -> None:
                 conn.execute("PRAGMA journal_mode=WAL")
                 conn.execute("PRAGMA synchronous=NORMAL")
+
+            try:
+                # A new file's switch to WAL takes its lock: writers opening it at once may
+                # be told `database is locked` at once, which is tried again, not damage.
+                self._retrying(set_up, "opening")
             except sqlite3.DatabaseError as exc:
                 conn.close()
                 raise self._damaged(exc) from exc
