@@ -351,6 +351,12 @@ class RunHandle:
             raise InvalidArgument("send(message): message must be str")
         self._engine.call(self._engine.core.send_message(self._run, message))
 
+    def record_reward(self, reward: float, info: Mapping[str, Any] | None = None) -> None:
+        """Journal a reward of this run (a rubric's score of its answer, with optional JSON
+        `info`); `brood export --format openai-chat|verifiers` carries the latest one."""
+        self._check()
+        self._engine.record_reward(self._run, reward, info)
+
     def tree(self) -> dict[str, Any]:
         """The run and its descendants: id, state, reason, answer, duration, usage, children."""
         self._check()

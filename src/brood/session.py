@@ -147,6 +147,13 @@ class Session:
         self._check_open()
         return self._engine.answer(ask_id, value, by)
 
+    def record_reward(self, reward: float, info: Mapping[str, Any] | None = None) -> None:
+        """Journal the episode's reward (a rubric's score), carried by the training exports."""
+        self._check_open()
+        if self._root is None:
+            raise BroodError("no episode: call reset(prompt) first")
+        self._engine.record_reward(self._root, reward, info)
+
     def handle(self) -> RunHandle:
         """A handle on this episode's root; stale after the next reset or close."""
         self._check_open()

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import math
 import os
 import socket
 import time
@@ -337,6 +339,30 @@ class Engine:
         self._flow_service().rebuild(run)
 
     # ---- asks to a person --------------------------------------------------------------
+    def record_reward(self, run: Run, reward: float, info: Mapping[str, Any] | None) -> None:
+        """Journal a reward of `run` (a rubric's score of its answer): a `reward` event whose
+        latest one the training exports carry. A later reward of the same run replaces it."""
+        if isinstance(reward, bool) or not isinstance(reward, int | float):
+            raise InvalidArgument(f"reward: must be a number, got {type(reward).__name__}")
+        if not math.isfinite(reward):
+            raise InvalidArgument(f"reward: must be a finite number, got {reward!r}")
+        data: dict[str, Any] = {"reward": float(reward)}
+        if info is not None:
+            if not isinstance(info, Mapping):
+                raise InvalidArgument(f"reward info: must be a mapping, got {type(info).__name__}")
+            try:
+                data["info"] = json.loads(json.dumps(dict(info)))
+            except (TypeError, ValueError) as exc:
+                raise InvalidArgument(
+                    f"reward info: must be JSON-serializable ({exc}); pass numbers, strings, "
+                    "lists and mappings"
+                ) from None
+
+        async def journal() -> None:
+            self.core.event(run, "reward", data)
+
+        self.call(journal())
+
     def asks(self) -> list[dict[str, Any]]:
         """The open asks of this supervisor's runs, oldest first."""
         self.check_open()
