@@ -33,9 +33,11 @@ OPTIONAL = {
     "stall_timeout",
     "token_budget",
     "cost_budget",
+    "compact_at",
 } | WORKER
 AT_LEAST_ONE = {"max_depth", "max_concurrency", "max_iterations"}
-POSITIVE = {"child_timeout", "step_timeout", "stall_timeout"}  # 0 s: "already expired"
+# 0 s: "already expired"; compact_at 0: every turn would compact
+POSITIVE = {"child_timeout", "step_timeout", "stall_timeout", "compact_at"}
 FLOOR = (
     {name: 1 for name in AT_LEAST_ONE}
     | {"output_limit": 100, "answer_limit": 100}
@@ -57,6 +59,7 @@ INT_FIELDS = {
     "max_chunks",
     "journal_bytes_per_run",
     "max_asks_per_run",
+    "compact_at",
 } | WORKER
 
 

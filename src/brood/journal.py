@@ -189,7 +189,9 @@ class Journal:
     def export(self, run_id: str) -> Iterator[dict[str, Any]]:
         """One record per model call of the tree under `run_id`, with the full request
         messages, the response and usage: the shape RL and fine-tuning pipelines read. A
-        run's last record also carries its FINAL products (when it gave any)."""
+        run's last record also carries its FINAL products (when it gave any). After a
+        compaction (kind "compact"), a turn's messages are the compacted ones the model
+        really got."""
         tree = self.tree(run_id)
         prompts = {  # journaled by the root, and by the top of a subtree on another node
             e["data"]["ref"]: e["data"]["content"]
@@ -216,6 +218,13 @@ class Journal:
                     conversation.extend(resolved(d.get("request", [])))
                     messages = list(conversation)
                     turn += 1
+                elif d["kind"] == "compact":
+                    # The conversation and brood's request for a summary. Once answered, the
+                    # model's next turns see the system prompt, the task, then the summary
+                    # and the next message (which the next turn's record holds).
+                    messages = conversation + resolved(d.get("request", []))
+                    failed = d.get("response") is None  # then nothing was replaced
+                    conversation = conversation if failed else messages[:2]
                 else:
                     messages = resolved(d.get("request", []))
                 records.append(

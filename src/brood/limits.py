@@ -29,6 +29,7 @@ OPTIONAL = frozenset(
         "worker_open_files",
         "worker_disk",
         "models",
+        "compact_at",
     }
 )
 INTEGER = frozenset(
@@ -51,10 +52,11 @@ INTEGER = frozenset(
         "worker_disk",
         "journal_bytes_per_run",
         "max_asks_per_run",
+        "compact_at",
     }
 )
 # 0 s would mean "already expired"
-POSITIVE = frozenset({"child_timeout", "step_timeout", "stall_timeout"})
+POSITIVE = frozenset({"child_timeout", "step_timeout", "stall_timeout", "compact_at"})
 FLOORS = {
     "max_depth": 1,
     "max_concurrency": 1,
@@ -161,6 +163,15 @@ class Limits:
     journal_bytes_per_run: bytes one run may add to the journal (steps, model calls,
         messages, remembered values); past it the run fails naming the limit.
     max_asks_per_run: asks to a person one run may open.
+
+    compact_at: the size past which a run's history is compacted (None: never). Before a
+        model turn, the history as the model last saw it (its last turn's messages and
+        reply) is measured in tokens when the model reported the prompt tokens of that
+        turn, else in characters (of every message, the system prompt's included); past
+        `compact_at`, one model call (kind "compact") summarizes the turns so far, and
+        the run goes on from its system prompt, its task, that summary and its newest
+        output. REPL variables persist, and the model is told so. Set it well above the
+        system prompt and the task, or every turn compacts.
     """
 
     max_depth: int = 3
@@ -196,6 +207,7 @@ class Limits:
     models: tuple[str, ...] | None = None
     journal_bytes_per_run: int = 64 * 2**20
     max_asks_per_run: int = 100
+    compact_at: int | None = None
 
     def __post_init__(self) -> None:
         self._check_others()

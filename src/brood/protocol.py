@@ -89,6 +89,26 @@ STEP_CAPTURE_PER_SHOWN = 50
 STEP_CAPTURE_MAX = 4_000_000
 
 
+# A compaction (Limits.compact_at): the one user message of a "compact" model call, after the
+# run's conversation as the supervisor answered it. The supervisor accepts only this text.
+COMPACT_PROMPT = (
+    "[brood] This conversation is about to be compacted: your turns so far will be replaced "
+    "by a summary you write now. Write it for yourself, to go on from: the task, what you "
+    "have found, every REPL variable you made that matters (its name and what it holds), "
+    "and what is left to do. Your REPL variables persist, so name them rather than copying "
+    "their contents. Reply with the summary only: no code runs from this reply."
+)
+
+
+def history_size(prompt_tokens: int, messages: list[dict[str, Any]]) -> tuple[int, str]:
+    """How big a run's history is, as Limits.compact_at measures it, in one place for both
+    sides: the prompt tokens the model reported for the run's last turn, or (when it reports
+    none) the characters of `messages` (that turn's messages and its reply); with the unit."""
+    if prompt_tokens > 0:
+        return prompt_tokens, "tokens"
+    return sum(len(str(m.get("content", ""))) for m in messages), "characters"
+
+
 def step_capture(output_limit: int) -> int:
     """Characters of a step's stdout (and of its stderr) kept, for Limits.output_limit."""
     return min(STEP_CAPTURE_MAX, max(STEP_CAPTURE_MIN, STEP_CAPTURE_PER_SHOWN * output_limit))
@@ -180,10 +200,12 @@ class ModelReq(Msg):
     no model, client or credential). The reply's value is the model's text.
 
     `messages` is the whole conversation; `new_from` is where the messages not journaled
-    yet begin ("turn": the conversation grows, so the journal keeps each message once)."""
+    yet begin ("turn": the conversation grows, so the journal keeps each message once).
+    A "compact" call is the conversation plus COMPACT_PROMPT (Limits.compact_at); its reply
+    is the summary that replaces the turns so far."""
 
     req_id: ReqId
-    kind: Literal["turn", "llm_query"]
+    kind: Literal["turn", "llm_query", "compact"]
     messages: list[ChatMessage]
     new_from: Count = 0
     model: ShortText | None = None
@@ -268,14 +290,18 @@ class StepResult(Msg):
 
 # ---- supervisor -> worker -------------------------------------------------------------------
 class Replay(msgspec.Struct, omit_defaults=True):
-    """What a resumed run's journal holds: its model turns' replies in order, its plain
-    calls' replies by prompt, and how many REPL steps it had run."""
+    """What a resumed run's journal holds: its model turns' replies in order (and their
+    prompt tokens), its compactions' summaries, its plain calls' replies by prompt, and how
+    many REPL steps it had run."""
 
     turns: list[str] = []
     calls: dict[str, list[str]] = {}
     steps: int = 0
     remembered: list[bytes] = []  # values of remember(), in order
     pending: list[str] = []  # plain calls in flight when a journaled step ended
+    turn_tokens: list[int] = []  # each turn's prompt tokens, as its model reported them
+    # Each compaction's summary, by the number of turns answered before it.
+    compactions: dict[int, str] = {}
 
 
 class ToolInfo(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -302,6 +328,7 @@ class WorkerLimits(msgspec.Struct, frozen=True, kw_only=True):
     answer_limit: int
     max_prompt_chars: int
     max_chunks: int
+    compact_at: int | None
     read_only: bool
     blocked_builtins: tuple[str, ...]
     # Named in a note when a step fails in a way the limit explains (agent.LIMIT_ERRORS).
@@ -355,6 +382,9 @@ class Reply(Msg):
     req_id: int
     value: Any = None
     error: ErrorInfo | None = None
+    # A model turn's prompt tokens, as its model reported them (0: not reported), for
+    # Limits.compact_at.
+    prompt_tokens: int = 0
 
 
 class ChildUpdate(Msg):

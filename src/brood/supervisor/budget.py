@@ -20,7 +20,7 @@ from brood.errors import BroodError, InvalidArgument, ModelError, RateLimited
 from brood.lifecycle import RunState, add_cost
 from brood.models.base import Completion, Model, is_spec, resolve_model, spec_without_url
 from brood.models.prices import Pricing
-from brood.protocol import BUDGET_MARK, ModelReq, clip
+from brood.protocol import BUDGET_MARK, ModelReq, clip, history_size
 from brood.supervisor import frames
 from brood.supervisor.gateway import ModelGateway
 from brood.supervisor.kernel import Kernel
@@ -38,18 +38,44 @@ class Budget:
 
     async def model_call(self, run: Run, msg: ModelReq) -> str:
         """Make a worker's model call in the gateway; measure it and journal it here."""
-        turn = msg.kind == "turn"
-        reply: str | None = None
+        done: Completion | None = None
         try:
-            reply = await self._model_call_checked(run, msg)
-            return reply
+            done = await self._model_call_checked(run, msg)
+            return done.text
         finally:
             run.model_requests -= 1
-            if turn:
-                run.convo.answered(reply)
+            if msg.kind == "turn":
+                tokens = max(0, int(done.input_tokens)) if done else 0
+                run.convo.answered(done.text if done else None, tokens)
+            elif msg.kind == "compact":
+                self._compacted(run, msg, done)
             self.kernel.waits_changed(run)
 
-    async def _model_call_checked(self, run: Run, msg: ModelReq) -> str:
+    def _compacted(self, run: Run, msg: ModelReq, done: Completion | None) -> None:
+        """A compaction's summary call ended: its summary now stands for the run's replies
+        so far (`frames.Conversation`), and a `compacted` event says how much it saved."""
+        asked = run.convo.compacting
+        run.convo.compacted(done.text if done else None)
+        if done is None or asked is None:
+            return  # it failed: the run fails (its worker says why), its journal whole
+        size, unit = asked
+        before = msg.messages[:-1]
+        kept = [*before[:2], {"content": done.text}]
+        self.kernel.event(
+            run,
+            "compacted",
+            {
+                "turn": run.convo.turns,
+                "unit": unit,
+                "before": size,
+                "chars_before": history_size(0, before)[0],
+                "chars_after": history_size(0, kept)[0],
+                "tokens_before": run.convo.prompt_tokens or None,
+                "replies_folded": len(before) // 2,
+            },
+        )
+
+    async def _model_call_checked(self, run: Run, msg: ModelReq) -> Completion:
         k = self.kernel
         if run.ending is not None or run.rec.state is not RUN:
             raise BroodError(f"run {run.id} is {run.rec.state.value} and ending; no model call")
@@ -81,7 +107,7 @@ class Budget:
         try:
             done = await self.gateway.complete(model, msg.messages, name)
             run.rate_limited = False
-            return done.text
+            return done
         except asyncio.CancelledError:
             error = "abandoned: the run ended while the call was under way"
             raise

@@ -128,7 +128,7 @@ class Core:
         def send_start() -> None:
             r = run.rec
             if run.replay is not None:  # its worker replays these without asking
-                run.convo = Conversation(replies=list(run.replay.turns))
+                run.convo = Conversation.resumed(run.replay)
                 run.steps = Steps(replayed=run.replay.steps)
             run.first_cap = user_message_cap(k.limits.max_prompt_chars, r.prompt, run.messages)
             conn.send(

@@ -16,7 +16,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from brood.limits import Limits
-from brood.protocol import SYSTEM_PROMPT_CAP, ModelReq, StepBegan, StepDone, clip, step_capture
+from brood.protocol import (
+    COMPACT_PROMPT,
+    SYSTEM_PROMPT_CAP,
+    ModelReq,
+    Replay,
+    StepBegan,
+    StepDone,
+    clip,
+    history_size,
+    step_capture,
+)
 
 # Requests of one run being answered at once. A worker makes at most its 16 call threads'
 # worth plus its main thread's; more is a flood, each holding its frame in memory.
@@ -25,6 +35,9 @@ PRODUCTS_DEPTH = 64  # nesting of a FINAL's products (JSON arrays and objects)
 # Room past a step's capture for the notes a worker adds to what it keeps (what was dropped,
 # a limit's hint): a step cut to the capture here is one no worker sent.
 NOTE_ROOM = 10_000
+# A compaction folds at least this many replies (the worker's compaction.MIN_REPLIES): one
+# right after another, with nothing new to fold, is refused.
+MIN_COMPACT_REPLIES = 2
 
 
 class Violation(Exception):
@@ -75,71 +88,138 @@ class Conversation:
     conversation (the replies the gateway gave, each user message as long as it was) plus
     one new user message within its cap, so model code cannot grow, reorder or forge it.
 
-    A resumed run's worker replays journaled turns without asking: `replies` starts with
-    them, and the sizes of their user messages are learnt (within their caps) at its first
-    live turn."""
+    A compaction (Limits.compact_at) is a "compact" call: that conversation plus brood's
+    COMPACT_PROMPT, asked only when the history passes the limit by the supervisor's own
+    measure. Its reply, the summary, then stands for every reply so far: the next turn is
+    the system prompt, the task, the summary and one new user message.
+
+    A resumed run's worker replays journaled turns (and compactions) without asking:
+    `resumed` starts the conversation where they left it, and the sizes of its user
+    messages are learnt (within their caps) at its first live turn."""
 
     replies: list[str] = field(default_factory=list)
     user_sizes: list[int] = field(default_factory=list)
     open: bool = False
+    turns: int = 0  # turns answered, compactions or not
+    prompt_tokens: int = 0  # the last turn's, as its model reported them (0: not reported)
+    compacting: tuple[int, str] | None = None  # the history's size at the compaction asked
+
+    def __post_init__(self) -> None:
+        self.turns = max(self.turns, len(self.replies))
+
+    @classmethod
+    def resumed(cls, replay: Replay) -> Conversation:
+        """The conversation a resumed run's worker has rebuilt once it replayed `replay`."""
+        replies: list[str] = []
+        for n, reply in enumerate([*replay.turns, None]):
+            if n in replay.compactions:
+                replies = [replay.compactions[n]]
+            if reply is not None:
+                replies.append(reply)
+        tokens = replay.turn_tokens[-1] if replay.turn_tokens else 0
+        return cls(replies=replies, turns=len(replay.turns), prompt_tokens=tokens)
 
     def check(self, msg: ModelReq, *, max_iterations: int, first_cap: int, cap: int) -> None:
         """Refuse a turn request that is not this conversation's next one."""
-        turn = len(self.replies) + 1
+        turn = self.turns + 1
+        label = f"model turn {turn}"
         if self.open:
-            raise Violation(f"model turn {turn} was asked while turn {turn - 1} was under way")
+            busy = "the compaction" if self.compacting else f"turn {turn - 1}"
+            raise Violation(f"{label} was asked while {busy} was under way")
         if turn > max_iterations + 1:
             raise Violation(
-                f"model turn {turn} is past Limits.max_iterations={max_iterations} (and the "
+                f"{label} is past Limits.max_iterations={max_iterations} (and the "
                 "one turn that asks for the answer)"
             )
+        self.user_sizes = self._sizes(msg, label, first_cap=first_cap, cap=cap)
+        self.open = True
+
+    def check_compact(
+        self, msg: ModelReq, *, compact_at: int | None, first_cap: int, cap: int
+    ) -> None:
+        """Refuse a compaction that is not this conversation's, or not due."""
+        label = f"the compaction after model turn {self.turns}"
+        if self.open:
+            raise Violation(f"{label} was asked while a call of its conversation was under way")
+        if compact_at is None:
+            raise Violation(f"{label} was asked, but Limits.compact_at is None")
+        if len(self.replies) < MIN_COMPACT_REPLIES:
+            raise Violation(
+                f"{label}: its conversation holds {len(self.replies)} replies; a compaction "
+                f"folds at least {MIN_COMPACT_REPLIES}"
+            )
+        sizes = self._sizes(msg, label, first_cap=first_cap, cap=cap)
+        if msg.messages[-1]["content"] != COMPACT_PROMPT:
+            raise Violation(f"{label}: its last message is not brood's request for a summary")
+        size, unit = history_size(self.prompt_tokens, msg.messages[:-1])
+        if size <= compact_at:
+            raise Violation(
+                f"{label}: the history has {size:,} {unit}, not past "
+                f"Limits.compact_at={compact_at:,}"
+            )
+        self.user_sizes = sizes[:-1]  # the last is the request, not the conversation's
+        self.compacting = (size, unit)
+        self.open = True
+
+    def _sizes(self, msg: ModelReq, label: str, *, first_cap: int, cap: int) -> list[int]:
+        """The sizes of the user messages of `msg`, a request that must be this
+        conversation plus one new user message within its cap."""
         messages = msg.messages
         expected = 2 * len(self.replies)
         if msg.new_from != expected or len(messages) != expected + 2:
             raise Violation(
-                f"model turn {turn} sent {len(messages)} messages (new from {msg.new_from}); "
-                f"this run's conversation has {expected} and a turn adds one user message"
+                f"{label} sent {len(messages)} messages (new from {msg.new_from}); "
+                f"this run's conversation has {expected} and a call adds one user message"
             )
         for i, m in enumerate(messages):
             if m.keys() != {"role", "content"}:
-                raise Violation(f"model turn {turn}: message {i} has keys {sorted(m)[:5]}")
+                raise Violation(f"{label}: message {i} has keys {sorted(m)[:5]}")
             role = "system" if i == 0 else ("user" if i % 2 else "assistant")
             if m["role"] != role:
-                raise Violation(f"model turn {turn}: message {i} is {m['role']!r}, not {role!r}")
+                raise Violation(f"{label}: message {i} is {m['role']!r}, not {role!r}")
         system = messages[0]["content"]
         if len(system) > SYSTEM_PROMPT_CAP:
             raise Violation(
-                f"model turn {turn}: a system prompt of {len(system):,} characters, over the "
+                f"{label}: a system prompt of {len(system):,} characters, over the "
                 f"{SYSTEM_PROMPT_CAP:,} of brood's own"
             )
         for k, reply in enumerate(self.replies):
             if messages[2 + 2 * k]["content"] != reply:
-                raise Violation(f"model turn {turn}: reply {k + 1} is not the one the model gave")
+                raise Violation(f"{label}: reply {k + 1} is not the one the model gave")
         known = len(self.user_sizes)
         for k in range(len(self.replies) + 1):
             size = len(messages[1 + 2 * k]["content"])
             if k < known and size != self.user_sizes[k]:
                 raise Violation(
-                    f"model turn {turn}: user message {k + 1} has {size:,} characters, it was "
+                    f"{label}: user message {k + 1} has {size:,} characters, it was "
                     f"sent with {self.user_sizes[k]:,}"
                 )
             bound = first_cap if k == 0 else cap
             if k >= known and size > bound:
                 raise Violation(
-                    f"model turn {turn}: a message of {size:,} characters, over "
+                    f"{label}: a message of {size:,} characters, over "
                     f"Limits.max_prompt_chars={cap:,}"
                     + (" (with the run's task and first messages)" if k == 0 else "")
                 )
-        self.user_sizes = [
-            len(messages[1 + 2 * k]["content"]) for k in range(len(self.replies) + 1)
-        ]
-        self.open = True
+        return [len(messages[1 + 2 * k]["content"]) for k in range(len(self.replies) + 1)]
 
-    def answered(self, reply: str | None) -> None:
-        """The turn under way ended: with the model's `reply`, or None when it failed."""
+    def answered(self, reply: str | None, prompt_tokens: int = 0) -> None:
+        """The turn under way ended: with the model's `reply` (its prompt having been
+        `prompt_tokens`, as the model reported them), or None when it failed."""
         self.open = False
         if reply is not None:
             self.replies.append(reply)
+            self.turns += 1
+            self.prompt_tokens = prompt_tokens
+
+    def compacted(self, summary: str | None) -> None:
+        """The compaction under way ended: with the model's `summary`, which stands for
+        every reply so far from now on, or None when it failed."""
+        self.open = False
+        self.compacting = None
+        if summary is not None:
+            self.replies = [summary]
+            self.user_sizes = self.user_sizes[:1]  # the task's message stays
 
 
 def check_call(msg: ModelReq, limits: Limits) -> None:

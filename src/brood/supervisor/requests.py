@@ -104,7 +104,8 @@ class Requests:
     async def _answer(self, run: Run, req_id: int, work: Awaitable[Any]) -> None:
         try:
             value = await work
-            reply = Reply(req_id, value=value)
+            # A reply built by the work itself carries more than a value (a model turn's).
+            reply = value if isinstance(value, Reply) else Reply(req_id, value=value)
         except Exception as exc:
             reply = Reply(req_id, error=error_info(exc))
         finally:
@@ -169,11 +170,17 @@ class Requests:
 
     def _model(self, run: Run, msg: ModelReq) -> None:
         limits = self.kernel.limits
+        if msg.kind == "llm_query":
+            frames.check_call(msg, limits)
+            self._ask(run, msg.req_id, self.budget.model_call(run, msg))
+            run.model_requests += 1  # held from now on: a wait on it may give up the slot
+            return
+        # A call of the run's own conversation: a turn, or its compaction.
+        if run.driven:
+            raise Violation(f"a Session's root asked for a model {msg.kind}; its steps are driven")
+        if msg.model != run.model_name:
+            raise Violation(f"a model {msg.kind} named model {msg.model!r}, not its run's")
         if msg.kind == "turn":
-            if run.driven:
-                raise Violation("a Session's root asked for a model turn; its steps are driven")
-            if msg.model != run.model_name:
-                raise Violation(f"a model turn named model {msg.model!r}, not its run's")
             run.convo.check(
                 msg,
                 max_iterations=limits.max_iterations,
@@ -181,9 +188,21 @@ class Requests:
                 cap=limits.max_prompt_chars,
             )
         else:
-            frames.check_call(msg, limits)
-        self._ask(run, msg.req_id, self.budget.model_call(run, msg))
-        run.model_requests += 1  # held from now on: a wait on it may give up the slot
+            run.convo.check_compact(
+                msg,
+                compact_at=limits.compact_at,
+                first_cap=run.first_cap,
+                cap=limits.max_prompt_chars,
+            )
+        self._ask(run, msg.req_id, self._conversation_call(run, msg))
+        run.model_requests += 1
+
+    async def _conversation_call(self, run: Run, msg: ModelReq) -> Reply:
+        """A turn (or compaction) of the run's conversation; a turn's reply carries the
+        prompt tokens its model reported, which Limits.compact_at is measured by."""
+        text = await self.budget.model_call(run, msg)
+        tokens = run.convo.prompt_tokens if msg.kind == "turn" else 0
+        return Reply(msg.req_id, value=text, prompt_tokens=tokens)
 
     def _remember(self, run: Run, msg: Remember) -> None:
         if len(msg.value) > MAX_REMEMBER_BYTES:

@@ -262,8 +262,9 @@ class Resume:
         return next((n for n, c in sorted(begun.items()) if c >= 2 and n not in done), None)
 
     def _replay_of(self, run: Run, steps: list[dict[str, Any]]) -> Replay:
-        """What the journal holds of a run: its turns' replies, its plain calls' replies by
-        prompt, the number of its last journaled step."""
+        """What the journal holds of a run: its turns' replies (and prompt tokens), its
+        compactions' summaries, its plain calls' replies by prompt, the number of its last
+        journaled step."""
         store = self.kernel.store
         replay = Replay()
         for ev in store.events(run.id, "model_call"):
@@ -272,6 +273,9 @@ class Resume:
                 continue
             if d["kind"] == "turn":
                 replay.turns.append(d["response"])
+                replay.turn_tokens.append(int(d.get("input_tokens") or 0))
+            elif d["kind"] == "compact":
+                replay.compactions[len(replay.turns)] = d["response"]
             else:
                 prompt = str((d.get("request") or [{}])[-1].get("content", ""))
                 replay.calls.setdefault(prompt, []).append(d["response"])

@@ -7,8 +7,10 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
+from brood.errors import BroodError
 from brood.lifecycle import TERMINAL_VALUES
 from brood.protocol import (
+    FAILURE_TEXT_CAP,
     Failed,
     Final,
     StepBegan,
@@ -16,8 +18,10 @@ from brood.protocol import (
     StepResult,
     WorkerLimits,
     clip,
+    history_size,
     step_capture,
 )
+from brood.worker import compaction
 from brood.worker.repl import Repl, StepOutput, truncate
 from brood.worker.runtime import Runtime
 
@@ -178,6 +182,11 @@ class Agent:
         cap = self.limits.max_prompt_chars
         first_cap = cap if first_cap is None else first_cap
         for turn in range(max_iter):
+            if turn:
+                compacted = self.compact(messages, turn)
+                if isinstance(compacted, Failed):
+                    return compacted
+                messages = compacted
             extra = self.notices()
             if extra:
                 messages[-1]["content"] = extra + "\n\n" + messages[-1]["content"]
@@ -188,6 +197,10 @@ class Agent:
             if rt.final is not None:
                 return self.final(rt.final)
             messages.append({"role": "user", "content": feedback})
+        compacted = self.compact(messages, max_iter)
+        if isinstance(compacted, Failed):
+            return compacted
+        messages = compacted
         last = messages[-1]["content"] + "\n\n" + ANSWER_NOW.format(n=max_iter)
         messages[-1]["content"] = clip(last, first_cap if len(messages) == 2 else cap)
         reply = rt.call_model(messages, "turn", None)
@@ -197,6 +210,43 @@ class Agent:
             if rt.final is not None:
                 return self.final(rt.final)
         return self.final(reply.strip(), reason="answer after max_iterations")
+
+    def compact(self, messages: list[dict[str, Any]], turns: int) -> list[dict[str, Any]] | Failed:
+        """`messages` before turn `turns` + 1, compacted if their history passes
+        Limits.compact_at (`compaction`); a resumed run compacts where its journal did,
+        with the journaled summary. A summary call that fails fails the run, saying so:
+        what the journal holds stays, the model's error with it."""
+        rt = self.rt
+        limit = self.limits.compact_at
+        replay = rt.replay
+        summary = replay.compactions.pop(turns, None) if replay is not None else None
+        if summary is not None:
+            size, unit = history_size(rt.prompt_tokens, messages[:-1])
+            due: compaction.Due | None = compaction.Due(size, unit, limit or 0)
+        elif replay is not None and replay.turns:
+            return messages  # the journal's next turn came without a compaction before it
+        else:
+            due = compaction.due(messages, rt.prompt_tokens, limit)
+        if due is None:
+            return messages
+        if summary is None:
+            try:
+                summary = rt.call_model(compaction.summary_request(messages), "compact", None)
+            except BroodError as exc:
+                return Failed(
+                    reason=clip(
+                        f"compaction failed: the summary call before turn {turns + 1} (the "
+                        f"history had {due.size:,} {due.unit}, past Limits.compact_at="
+                        f"{due.limit:,}) raised {type(exc).__name__}: {exc}; the journal "
+                        "keeps every turn and step so far. Fix the model, or raise "
+                        "Limits.compact_at (None: never compact), and run the task again",
+                        FAILURE_TEXT_CAP,
+                    ),
+                    error=f"{type(exc).__name__}: {exc}",
+                )
+        # The supervisor knows the system prompt, the task and the summary it answered.
+        rt.turn_sent = 2
+        return compaction.compacted(messages, summary, due, turns)
 
     def final(self, answer: str, reason: str = "answer") -> Final | Failed:
         """The run's end: its answer, or a failure when the answer (or its products, as

@@ -49,6 +49,7 @@ class Link:
         self.chan = chan
         self._ids = itertools.count(1)
         self._pending: dict[int, Future[Any]] = {}
+        self._whole: set[int] = set()  # requests answered with their whole Reply
         self._pending_lock = threading.Lock()
         self.cond = threading.Condition()
         self.children: dict[str, ChildUpdate] = {}  # guarded by cond; insertion = start order
@@ -71,14 +72,24 @@ class Link:
         return next(self._ids)
 
     def request(self, msg: Msg, *, stall: float | None = None, what: str = "") -> Any:
-        """Send a request (a message with `req_id`) and block until its reply. A request
-        the supervisor could not decode is refused here, naming the field. With `stall`,
-        a wait that hears nothing from the supervisor for that long raises StallTimeout
-        (the request stays under way; its reply, if it comes, is dropped)."""
+        """Send a request (a message with `req_id`) and block until its reply's value. A
+        request the supervisor could not decode is refused here, naming the field. With
+        `stall`, a wait that hears nothing from the supervisor for that long raises
+        StallTimeout (the request stays under way; its reply, if it comes, is dropped)."""
+        return self._request(msg, stall, what, whole=False)
+
+    def request_reply(self, msg: Msg, *, stall: float | None = None, what: str = "") -> Reply:
+        """`request`, giving the whole Reply (a model turn's carries its prompt tokens)."""
+        reply: Reply = self._request(msg, stall, what, whole=True)
+        return reply
+
+    def _request(self, msg: Msg, stall: float | None, what: str, *, whole: bool) -> Any:
         check(msg)
         fut: Future[Any] = Future()
         with self._pending_lock:
             self._pending[msg.req_id] = fut  # type: ignore[attr-defined]
+            if whole:
+                self._whole.add(msg.req_id)  # type: ignore[attr-defined]
         self.chan.send(msg)
         if stall is None:
             return fut.result()
@@ -91,6 +102,7 @@ class Link:
                 if time.monotonic() - max(self.heard, began) >= stall:
                     with self._pending_lock:
                         self._pending.pop(msg.req_id, None)  # type: ignore[attr-defined]
+                        self._whole.discard(msg.req_id)  # type: ignore[attr-defined]
                     raise stalled(what, stall) from None
 
     def _read_loop(self) -> None:
@@ -114,12 +126,14 @@ class Link:
         elif isinstance(msg, Reply):
             with self._pending_lock:
                 fut = self._pending.pop(msg.req_id, None)
+                whole = msg.req_id in self._whole
+                self._whole.discard(msg.req_id)
             if fut is None:
                 return
             if msg.error is not None:
                 fut.set_exception(rebuild_error(msg.error))
             else:
-                fut.set_result(msg.value)
+                fut.set_result(msg if whole else msg.value)
         elif isinstance(msg, ChildUpdate):
             with self.cond:
                 self.children[msg.child_id] = msg

@@ -74,6 +74,7 @@ class Runtime:
         self.replay: Replay | None = None  # what the journal holds, for a resumed run
         self.in_flight: dict[str, int] = {}  # plain calls under way, by prompt
         self.turn_sent = 0  # messages of the conversation already journaled
+        self.prompt_tokens = 0  # of the last model turn, as its model reported them (0: not)
         self.namespace: dict[str, Any] = {}
         self.tools: dict[str, Callable[..., Any]] = {}  # the user's tools in its REPL
         self.closed: str | None = None  # why handles are stale, once they are
@@ -107,12 +108,13 @@ class Runtime:
             with self._block_lock:
                 self.in_flight[prompt] = self.in_flight.get(prompt, 0) + 1
         new_from = 0
-        if kind == "turn":
+        turn = kind in ("turn", "compact")  # the run's own conversation, not a step's call
+        if turn:
             new_from, self.turn_sent = self.turn_sent, len(messages)
         what = f"the model call ({kind}{': ' + repr(prompt[:60]) if prompt else ''})"
         try:
             with self.clock.paused():
-                reply: str = self.link.request(
+                reply = self.link.request_reply(
                     ModelReq(
                         req_id=self.link.next_id(),
                         kind=kind,  # type: ignore[arg-type]
@@ -120,10 +122,13 @@ class Runtime:
                         new_from=new_from,
                         model=model or self.model_name,
                     ),
-                    stall=None if kind == "turn" else self.stall_alarm,  # steps' calls only
+                    stall=None if turn else self.stall_alarm,  # steps' calls only
                     what=what,
                 )
-            return reply
+            if kind == "turn":
+                self.prompt_tokens = reply.prompt_tokens
+            text: str = reply.value
+            return text
         finally:
             if prompt:
                 with self._block_lock:
@@ -141,10 +146,14 @@ class Runtime:
         replay = self.replay
         if replay is None:
             return None
+        if kind == "compact":
+            return None  # a journaled compaction is replayed by the agent, without a call
         if kind == "turn":
             if not replay.turns:
                 return None
             self.turn_sent = len(messages)
+            if replay.turn_tokens:
+                self.prompt_tokens = replay.turn_tokens.pop(0)
             return replay.turns.pop(0)
         prompt = str(messages[-1].get("content", ""))
         with self._block_lock:  # batched calls run on several threads
