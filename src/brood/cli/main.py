@@ -769,6 +769,7 @@ def _indent(text: str, prefix: str) -> str:
 LOG_KINDS = frozenset(
     {
         "model_call",
+        "compacted",
         "cost_unknown",
         "step",
         "tool_call",
