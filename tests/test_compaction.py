@@ -390,3 +390,26 @@ def test_a_compaction_model_code_forges_is_refused(tmp_path, compact_at, words):
         assert result.error.startswith("protocol violation"), result.error
         assert words in result.error, result.error
         assert kinds(sup.store.events(result.run_id)) == ["turn"]  # no summary was asked
+
+
+def stage_chat(messages: list[dict[str, Any]], model: str | None = None) -> str:
+    """`stage_reply` as a chat function, for `brood run --model python:...`."""
+    return stage_reply(messages)
+
+
+def test_brood_run_takes_compact_at_and_brood_logs_shows_the_compaction(tmp_path):
+    from tests.test_cli import brood as cli
+
+    store = f"sqlite:///{tmp_path}/j.db"
+    model = "python:tests.test_compaction:stage_chat"
+    out = cli("run", "a long task", "--model", model, "--store", store, "--compact-at", "0")
+    assert out.returncode != 0
+    assert "Limits.compact_at must be > 0, got 0" in out.stderr
+    args = ("--model", model, "--store", store, "--compact-at", str(COMPACT_AT), "--json")
+    out = cli("run", "a long task", *args, "--fs-write", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["answer"] == "84"
+    logs = cli("logs", result["run_id"], "--store", store)
+    assert logs.returncode == 0, logs.stderr
+    assert "model compact" in logs.stdout and "compacted" in logs.stdout

@@ -416,6 +416,13 @@ def run(
     max_children: Annotated[int | None, typer.Option(help="child runs in the tree")] = None,
     max_concurrency: Annotated[int | None, typer.Option(help="runs computing at once")] = None,
     max_iterations: Annotated[int | None, typer.Option(help="model turns per run")] = None,
+    compact_at: Annotated[
+        int | None,
+        typer.Option(
+            help="compact a run's history past this size: the prompt tokens the model "
+            "reports, else characters (Limits.compact_at)"
+        ),
+    ] = None,
     child_timeout: Annotated[float | None, typer.Option(help="seconds per child run")] = None,
     token_budget: Annotated[int | None, typer.Option(help="tokens for the whole tree")] = None,
     cost_budget: Annotated[
@@ -461,6 +468,7 @@ def run(
         "max_children": max_children,
         "max_concurrency": max_concurrency,
         "max_iterations": max_iterations,
+        "compact_at": compact_at,
         "child_timeout": child_timeout,
         "token_budget": token_budget,
         "cost_budget": cost_budget,
