@@ -165,13 +165,14 @@ class Limits:
     max_asks_per_run: asks to a person one run may open.
 
     compact_at: the size past which a run's history is compacted (None: never). Before a
-        model turn, the history as the model last saw it (its last turn's messages and
-        reply) is measured in tokens when the model reported the prompt tokens of that
-        turn, else in characters (of every message, the system prompt's included); past
-        `compact_at`, one model call (kind "compact") summarizes the turns so far, and
-        the run goes on from its system prompt, its task, that summary and its newest
-        output. REPL variables persist, and the model is told so. Set it well above the
-        system prompt and the task, or every turn compacts.
+        model turn, the history is measured by the prompt tokens the model reported for
+        the run's last turn or, when it reports none, by the characters of that turn's
+        messages and its reply (the system prompt's included). Past `compact_at`, one
+        model call (kind "compact", journaled, counted in budgets, replayed on resume)
+        summarizes the turns so far, and the run goes on from its system prompt, its
+        task, that summary and its newest output. REPL variables persist, and the model
+        is told so. Set it well above the system prompt and the task (brood's system
+        prompt is about 10,000 characters), or most turns compact.
     """
 
     max_depth: int = 3
