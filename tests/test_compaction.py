@@ -413,3 +413,16 @@ def test_brood_run_takes_compact_at_and_brood_logs_shows_the_compaction(tmp_path
     logs = cli("logs", result["run_id"], "--store", store)
     assert logs.returncode == 0, logs.stderr
     assert "model compact" in logs.stdout and "compacted" in logs.stdout
+
+
+def test_the_dashboard_shows_the_summary_call_as_a_compaction(tmp_path):
+    from tests.test_serve import serving, wait_state
+
+    with serving(tmp_path, Recorder(), limits=fast(compact_at=COMPACT_AT)) as s:
+        run_id = s.client.post("/v1/runs", json={"prompt": "a long task"}).json()["run_id"]
+        assert wait_state(s.client, run_id, "completed")["answer"] == "84"
+        page = s.client.get(f"/ui/runs/{run_id}").text
+    assert page.count("Compaction: the summary call") == 1
+    assert page.count("Model turn") == 4
+    assert "llm_query" not in page
+    assert "compacted" in page  # the journal's note of it

@@ -229,7 +229,8 @@ def _entry(ev: dict[str, Any]) -> Iterator[dict[str, Any]]:
             if "prompt_ref" not in m  # the shared system prompt, the same in every run
         ]
         yield base | {
-            "kind": "turn" if data.get("kind") == "turn" else "query",
+            # A compaction's summary call (Limits.compact_at) is shown as what it is.
+            "kind": data.get("kind") if data.get("kind") in ("turn", "compact") else "query",
             "model": data.get("model"),
             "sent": sent,
             "response": data.get("response"),
