@@ -1,0 +1,258 @@
+"""brood trees as the rollouts of a verifiers environment (verifiers >= 0.4, `verifiers.v1`).
+
+verifiers plays a task with a harness: the program that answers the task, whose every call
+to the policy goes through the rollout's interception endpoint, which records it in the
+rollout's trace. `BroodHarness` is that program: each rollout is one brood tree, run in
+this process (confined by brood, each run in its own worker), whose root's model is the
+policy reached through the endpoint. So the trace, what the trainer learns from, holds the
+root's own turns. Its children and plain calls (`llm_query` and its kin) run on
+`sub_model`, the model the user configures; their turns go to the trace's `info["brood"]`
+as metadata, with the tree's state. The root's FINAL answer is the trace's `root_reply`
+(so `trace.last_reply`, which rubrics read, is the answer, not the REPL code of the last
+turn), and the task's rubric scores it. A tree that times out or is cancelled still ends
+its rollout with a trace, scored (its answer is empty); the reward is journaled on the
+root (`RunHandle.record_reward`) once scoring is done.
+
+verifiers finds a harness by the id of the package that exports it: an environment
+package re-exports `BroodHarness` beside its taskset, and brood is then its default
+harness (`vf-eval my-env`, or prime-rl with `taskset.id = "my-env"`):
+
+    # my_env/__init__.py
+    from brood.integrations.verifiers import BroodHarness
+    from my_env.taskset import MyTaskset
+    __all__ = ["BroodHarness", "MyTaskset"]
+
+Its knobs are the config's fields (`--env.agent.harness.sub-model echo`,
+`--env.agent.harness.limits '{"max_depth": 2}'`). brood confines the tree itself, on the
+host that runs the environment: run the seat on the subprocess runtime
+(`--env.agent.runtime.type subprocess`); a container or sandbox runtime would be started
+and left unused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from pydantic import Field
+
+from brood.api import RunHandle, RunResult, Supervisor
+from brood.journal import Journal
+from brood.limits import Limits
+from brood.models.openai import OpenAIModel
+
+try:
+    import verifiers.v1 as vf
+except ImportError as exc:  # the extra is not installed
+    raise ImportError(
+        "brood.integrations.verifiers needs verifiers >= 0.4: pip install 'rlm-brood[verifiers]'"
+    ) from exc
+
+__all__ = ["METADATA_KEY", "BroodHarness", "BroodHarnessConfig"]
+
+METADATA_KEY = "brood"  # the trace's `info` key of a rollout's tree
+T = TypeVar("T")
+
+
+class BroodHarnessConfig(vf.HarnessConfig):
+    """How each rollout's brood tree runs (the seat's `--env.agent.harness.*`).
+
+    sub_model: the model spec of the root's children and plain calls (`openai:MODEL@URL`,
+        `anthropic:MODEL`, `echo`, `python:MODULE:FUNCTION`...). None: the policy, through
+        the rollout's endpoint, whose calls verifiers then records in the trace beside the
+        root's (as other branches).
+    limits: `brood.Limits` fields by name (`{"max_depth": 2, "max_iterations": 10}`); an
+        unknown name or a bad value fails the harness's construction, naming it.
+    timeout: the tree's wall-clock seconds (None: none but the seat's own rollout timeout);
+        a tree past it ends `timed_out` and its rollout stops as `agent_timeout`, scored.
+    store: the journal URL every rollout's tree is written to (`sqlite:///rollouts.db`,
+        `postgresql://...`); None: a temporary journal per rollout, removed when the
+        rollout is done (the trace's metadata keeps what the trainer needs).
+    """
+
+    sub_model: str | None = None
+    limits: dict[str, Any] = Field(default_factory=dict)
+    timeout: float | None = Field(None, gt=0)
+    store: str | None = None
+
+
+class BroodHarness(vf.Harness[BroodHarnessConfig]):
+    """Runs each rollout as a brood tree whose root's model is the policy (see the module's
+    docstring). The tree runs in this process's host, not in the rollout's runtime box."""
+
+    APPENDS_SYSTEM_PROMPT = True  # the task's system prompt opens the root's task text
+    NEEDS_CONTAINER = False  # brood confines model code itself
+
+    def __init__(self, config: BroodHarnessConfig) -> None:
+        super().__init__(config)
+        self.limits = Limits(**config.limits)
+        # Each rollout's tree, by trace id, from launch to cleanup: its supervisor stays
+        # open through scoring, so that the reward can be journaled on its root.
+        self._trees: dict[str, _Tree] = {}
+
+    async def launch(
+        self,
+        ctx: Any,
+        trace: Any,
+        runtime: Any,
+        endpoint: str,
+        secret: str,
+        mcp_urls: dict[str, str],
+        data: Any,
+    ) -> Any:
+        """Run the rollout's tree to its end; its answer becomes `trace.root_reply` and its
+        state `trace.info["brood"]`. A tree that ended otherwise than completed is scored
+        like any other: `timed_out` stops the trace as `agent_timeout`, `failed` and
+        `cancelled` as `brood_failed` / `brood_cancelled`. Cancelled (the seat's rollout
+        timeout), it cancels the tree, confirms its workers' exit and records its state
+        before the cancellation goes on."""
+        system, prompt = self.resolve_text_prompt(data)
+        if not prompt:
+            raise vf.HarnessError(
+                "the brood harness runs a task's prompt; this task has none (task.prompt)"
+            )
+        task_text = f"{system}\n\n{prompt}" if system else prompt
+        policy = OpenAIModel(ctx.model, base_url=endpoint, api_key=secret)
+        tree = _Tree(self.config, self.limits)
+        self._trees[trace.id] = tree
+        try:
+            result = await tree.run(task_text, getattr(data, "context", None), policy)
+        except asyncio.CancelledError:
+            await _shielded(tree.describe(trace))
+            raise
+        await tree.describe(trace)
+        if result.state == "timed_out":
+            trace.record_timeout("agent")
+        elif result.state != "completed":
+            trace.stop(f"brood_{result.state}")
+        return vf.ProgramResult(exit_code=0, stdout=result.answer or "", stderr="")
+
+    async def cleanup(self, trace: Any, runtime: Any) -> None:
+        """After scoring: journal the trace's reward on the tree's root (when scoring ran),
+        then close the tree's supervisor, which confirms every worker's exit."""
+        tree = self._trees.pop(trace.id, None)
+        if tree is not None:
+            await _shielded(tree.close(trace))
+
+
+class _Tree:
+    """One rollout's tree: its supervisor, its root's handle, how it ended. Every brood
+    call blocks, so each runs in a thread of its own (a rollout never waits for a place in
+    a pool that other rollouts' waits fill)."""
+
+    def __init__(self, config: BroodHarnessConfig, limits: Limits) -> None:
+        self.config = config
+        self.limits = limits
+        self.sup: Supervisor | None = None
+        self.handle: RunHandle | None = None
+
+    async def run(self, task: str, context: Any, policy: OpenAIModel) -> RunResult:
+        config = self.config
+        below = config.sub_model
+
+        def start() -> RunHandle:
+            self.sup = Supervisor(below or policy, limits=self.limits, store=config.store)
+            return self.sup.spawn(
+                task, context=context, timeout=config.timeout, model=policy, sub_model=below
+            )
+
+        self.handle = await _in_thread(start)
+        try:
+            return await _in_thread(self.handle.wait_result)
+        except asyncio.CancelledError:
+            await _shielded(_in_thread(self.handle.cancel))
+            raise
+
+    async def describe(self, trace: Any) -> None:
+        """Put the tree's answer and state on the trace (its root's turns are there
+        already: the endpoint recorded them)."""
+        if self.handle is None or self.sup is None:
+            return
+        handle, sup = self.handle, self.sup
+        result = handle.outcome()
+        info = await _in_thread(lambda: _tree_info(sup, handle, result))
+        trace.info[METADATA_KEY] = info
+        trace.root_reply = result.answer or ""
+        trace.record_metric("brood_children", len(info["tree"]["children"]))
+
+    async def close(self, trace: Any) -> None:
+        sup, handle = self.sup, self.handle
+        if sup is None:
+            return
+        rewards = {k: r.value for k, r in trace.rewards.items() if r is not None}
+
+        def close() -> None:
+            try:
+                if handle is not None and rewards and handle.done:
+                    handle.record_reward(float(trace.reward), {"rewards": rewards})
+            finally:
+                sup.close()
+
+        await _in_thread(close)
+
+
+def _tree_info(sup: Supervisor, handle: RunHandle, result: RunResult) -> dict[str, Any]:
+    """What the trace keeps of a tree: its root's id, state, answer, error and usage, the
+    tree (states and usage of every run), and every model call below the root's own turns
+    (its plain calls and its descendants' turns and calls: the journal's export records)."""
+    sup.store.flush()
+    with Journal(sup.store.url) as journal:
+        records = list(journal.export(result.run_id))
+    below = [r for r in records if r["run_id"] != result.run_id or r["kind"] != "turn"]
+    return {
+        "run_id": result.run_id,
+        "state": result.state,
+        "answer": result.answer,
+        "error": result.error,
+        "usage": result.usage,
+        "store": sup.store.url if sup.store.url.startswith("postgres") else None,
+        "tree": handle.tree(),
+        "calls": below,
+    }
+
+
+async def _in_thread(fn: Callable[[], T]) -> T:
+    """`fn()` in a thread of its own; awaiting it can be cancelled, the call goes on."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def settle(value: T | None, error: BaseException | None) -> None:
+        if done.cancelled():
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(value)  # type: ignore[arg-type]
+
+    def call() -> None:
+        try:
+            value, error = fn(), None
+        except BaseException as exc:  # handed to the awaiting task
+            value, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(settle, value, error)
+
+    threading.Thread(target=call, name="brood-verifiers", daemon=True).start()
+    return await done
+
+
+async def _shielded(work: Awaitable[T]) -> T:
+    """Run `work` to its end even if the awaiting task is cancelled meanwhile (cleanup
+    must finish: a tree cancelled is a tree whose workers are gone); a cancellation that
+    came meanwhile is raised once it is done."""
+    task = asyncio.ensure_future(work)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(task)
+            break
+        except asyncio.CancelledError:
+            if task.done():
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result

@@ -1,0 +1,166 @@
+"""brood trees as verifiers rollouts: a scripted policy behind a local OpenAI-compatible
+server, played through verifiers' own episode path (env.serving, env.run_slot, the
+interception endpoint, the rollout's scoring), a rubric, one rollout timing out."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import types
+
+import pytest
+
+from tests.fake_openai import FakeOpenAI
+from tests.util import SHARED, Gate
+
+pytestmark = pytest.mark.train
+
+vf = pytest.importorskip("verifiers.v1")
+from brood.integrations.verifiers import METADATA_KEY, BroodHarness  # noqa: E402
+
+FENCE = "```"
+PLUGIN = "brood_verifiers_rollouts"  # the environment package verifiers finds by id
+CHILD_MODEL = "python:tests.test_verifiers_env:child_chat"
+
+
+def repl(code: str) -> str:
+    return f"{FENCE}repl\n{code}\n{FENCE}"
+
+
+def child_chat(messages: list[dict]) -> str:
+    """The user's model for children and plain calls (not the policy)."""
+    task = next(m["content"] for m in messages if m["role"] == "user")
+    if "child: 6*7" in task:
+        return repl("FINAL(str(6 * 7))")
+    return "7"  # a plain llm_query
+
+
+class SumData(vf.TaskData):
+    answer: str
+
+
+class SumTask(vf.Task[SumData]):
+    @vf.reward(weight=1.0)
+    async def exact(self, trace: vf.Trace) -> float:
+        """The rubric: 1 for the right answer, 0.5 for another, 0 for none."""
+        reply = trace.last_reply
+        return 1.0 if reply == self.data.answer else 0.5 if reply else 0.0
+
+
+class SumTaskset(vf.Taskset[SumTask, vf.TasksetConfig]):
+    def load(self) -> list[SumTask]:
+        cfg = self.config.task
+        return [
+            SumTask(SumData(name="child", prompt="task-a: 6*7?", answer="42"), cfg),
+            SumTask(SumData(name="plain", prompt="task-b: 4 then 7?", answer="48"), cfg),
+            SumTask(
+                SumData(
+                    name="stuck",
+                    prompt="task-c: never ends",
+                    answer="0",
+                    timeout=vf.TaskTimeout(agent=4.0),
+                ),
+                cfg,
+            ),
+        ]
+
+
+@pytest.fixture
+def plugin(monkeypatch):
+    """An environment package as a user writes one: its taskset, with brood's harness
+    re-exported, so brood is the taskset's harness."""
+    module = types.ModuleType(PLUGIN)
+    module.SumTaskset = SumTaskset
+    module.BroodHarness = BroodHarness
+    module.__all__ = ["BroodHarness", "SumTaskset"]
+    monkeypatch.setitem(sys.modules, PLUGIN, module)
+    return PLUGIN
+
+
+def run_episodes(env, ctx) -> list:
+    async def play() -> list:
+        async with env.serving():
+            slots = [slot for task in env.taskset for slot in env.slots(task, 1)]
+            return await asyncio.gather(*(env.run_slot(slot, ctx) for slot in slots))
+
+    return asyncio.run(play())
+
+
+def test_three_rollouts_are_brood_trees_scored_by_the_rubric_one_timing_out(
+    plugin, tmp_path, monkeypatch
+):
+    stuck = Gate(tmp_path, "never-opened")
+    script = {
+        "task-a": [repl("x = rlm_query('child: 6*7?')\nFINAL(x)")],
+        "task-b": [repl("y = llm_query('plain: say 7')\nprint(y)"), repl("FINAL('4' + y)")],
+        "task-c": [repl(stuck.wait_code)],
+    }
+    store = f"sqlite:///{tmp_path / 'rollouts.db'}"
+    monkeypatch.setenv("BROOD_TEST_POLICY_KEY", "k")
+    with FakeOpenAI(script) as server:
+        config = vf.SingleAgentEnvConfig(
+            taskset={"id": plugin},
+            agent={
+                "runtime": {"type": "subprocess"},
+                "harness": {
+                    "id": plugin,
+                    "sub_model": CHILD_MODEL,
+                    "store": store,
+                    "limits": {**SHARED, "max_depth": 2, "max_iterations": 5},
+                },
+            },
+        )
+        env = vf.load_environment(config)
+        ctx = vf.ModelContext(
+            model="policy",
+            client=vf.EvalClientConfig(
+                base_url=server.base_url, api_key_var="BROOD_TEST_POLICY_KEY"
+            ),
+        )
+        episodes = run_episodes(env, ctx)
+        policy_calls = server.requests
+    traces = {e.task.data.name: e.traces[0] for e in episodes}
+    assert {n: t.reward for n, t in traces.items()} == {"child": 1.0, "plain": 0.5, "stuck": 0.0}
+
+    # The trajectory is the root's own turns, as the policy saw them through the endpoint.
+    child = traces["child"]
+    assert child.ok and child.stop_condition == "agent_completed"
+    assert child.num_turns == 1
+    assert [m.role for m in child.messages] == ["system", "user", "assistant"]
+    assert "rlm_query('child: 6*7?')" in child.messages[-1].content
+    assert child.root_reply == "42"
+    # The child's turns (on the user's model) are the metadata, with the tree's state.
+    tree = child.info[METADATA_KEY]
+    assert (tree["state"], tree["answer"]) == ("completed", "42")
+    assert [c["state"] for c in tree["tree"]["children"]] == ["completed"]
+    assert [(c["depth"], c["kind"], c["response"]) for c in tree["calls"]] == [
+        (1, "turn", repl("FINAL(str(6 * 7))"))
+    ]
+
+    plain = traces["plain"]
+    assert plain.num_turns == 2 and plain.root_reply == "47"
+    assert [(c["depth"], c["kind"]) for c in plain.info[METADATA_KEY]["calls"]] == [
+        (0, "llm_query")
+    ]
+
+    # Timed out: the tree was cancelled, its trace kept and scored, its state recorded.
+    late = traces["stuck"]
+    assert late.is_timeout and late.stop_condition == "agent_timeout"
+    assert late.rewards["exact"].score == 0.0
+    assert late.num_turns == 1 and late.root_reply == ""
+    assert late.info[METADATA_KEY]["state"] == "cancelled"
+    assert late.info[METADATA_KEY]["answer"] is None
+
+    # Only the roots' turns reached the policy; the rewards are journaled on the roots.
+    assert sorted(r.first_user_message.split("\n")[0][:6] for r in policy_calls) == sorted(
+        ["task-a", "task-b", "task-b", "task-c"]
+    )
+    from brood.journal import Journal
+
+    with Journal(store) as journal:
+        roots = {r["prompt"]: r["id"] for r in journal.roots(10)}
+        rewards = {
+            p: [e["data"]["reward"] for e in journal.store.events(rid, "reward")]
+            for p, rid in roots.items()
+        }
+    assert sorted(rewards.values()) == [[0.0], [0.5], [1.0]]
