@@ -5,11 +5,13 @@ interception endpoint, the rollout's scoring), a rubric, one rollout timing out.
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import types
 
 import pytest
 
+from brood.journal import Journal
 from tests.fake_openai import FakeOpenAI
 from tests.util import SHARED, Gate
 
@@ -77,13 +79,40 @@ def plugin(monkeypatch):
     return PLUGIN
 
 
-def run_episodes(env, ctx) -> list:
-    async def play() -> list:
-        async with env.serving():
-            slots = [slot for task in env.taskset for slot in env.slots(task, 1)]
-            return await asyncio.gather(*(env.run_slot(slot, ctx) for slot in slots))
+def play(plugin: str, script: dict, harness: dict, monkeypatch, names=None) -> tuple:
+    """Each task of the taskset (those of `names` if given) played once through verifiers'
+    own episode path, the policy served by a local OpenAI-compatible server; returns the
+    traces by task name and the requests the policy's server received."""
+    monkeypatch.setenv("BROOD_TEST_POLICY_KEY", "k")
+    with FakeOpenAI(script) as server:
+        config = vf.SingleAgentEnvConfig(
+            taskset={"id": plugin},
+            agent={
+                "runtime": {"type": "subprocess"},
+                "harness": {"id": plugin, "sub_model": CHILD_MODEL, **harness},
+            },
+        )
+        env = vf.load_environment(config)
+        ctx = vf.ModelContext(
+            model="policy",
+            client=vf.EvalClientConfig(
+                base_url=server.base_url, api_key_var="BROOD_TEST_POLICY_KEY"
+            ),
+        )
+        tasks = env.taskset if names is None else env.taskset.include(names=names)
 
-    return asyncio.run(play())
+        async def episodes() -> list:
+            async with env.serving():
+                slots = [slot for task in tasks for slot in env.slots(task, 1)]
+                return await asyncio.gather(*(env.run_slot(slot, ctx) for slot in slots))
+
+        played = asyncio.run(episodes())
+        requests = server.requests
+    return {e.task.data.name: e.traces[0] for e in played}, requests
+
+
+def task_of(request) -> str:
+    return request.first_user_message.split(":")[0][-6:]
 
 
 def test_three_rollouts_are_brood_trees_scored_by_the_rubric_one_timing_out(
@@ -96,31 +125,11 @@ def test_three_rollouts_are_brood_trees_scored_by_the_rubric_one_timing_out(
         "task-c": [repl(stuck.wait_code)],
     }
     store = f"sqlite:///{tmp_path / 'rollouts.db'}"
-    monkeypatch.setenv("BROOD_TEST_POLICY_KEY", "k")
-    with FakeOpenAI(script) as server:
-        config = vf.SingleAgentEnvConfig(
-            taskset={"id": plugin},
-            agent={
-                "runtime": {"type": "subprocess"},
-                "harness": {
-                    "id": plugin,
-                    "sub_model": CHILD_MODEL,
-                    "store": store,
-                    "limits": {**SHARED, "max_depth": 2, "max_iterations": 5},
-                },
-            },
-        )
-        env = vf.load_environment(config)
-        ctx = vf.ModelContext(
-            model="policy",
-            client=vf.EvalClientConfig(
-                base_url=server.base_url, api_key_var="BROOD_TEST_POLICY_KEY"
-            ),
-        )
-        episodes = run_episodes(env, ctx)
-        policy_calls = server.requests
-    traces = {e.task.data.name: e.traces[0] for e in episodes}
+    limits = {**SHARED, "max_depth": 2, "max_iterations": 5}
+    traces, policy_calls = play(plugin, script, {"store": store, "limits": limits}, monkeypatch)
     assert {n: t.reward for n, t in traces.items()} == {"child": 1.0, "plain": 0.5, "stuck": 0.0}
+    for trace in traces.values():  # as the eval runner and the trainer write them
+        json.dumps(trace.to_record())
 
     # The trajectory is the root's own turns, as the policy saw them through the endpoint.
     child = traces["child"]
@@ -136,31 +145,54 @@ def test_three_rollouts_are_brood_trees_scored_by_the_rubric_one_timing_out(
     assert [(c["depth"], c["kind"], c["response"]) for c in tree["calls"]] == [
         (1, "turn", repl("FINAL(str(6 * 7))"))
     ]
+    assert child.metrics["brood_children"] == 1.0
 
     plain = traces["plain"]
     assert plain.num_turns == 2 and plain.root_reply == "47"
+    assert [m.role for m in plain.messages] == ["system", "user", "assistant", "user", "assistant"]
     assert [(c["depth"], c["kind"]) for c in plain.info[METADATA_KEY]["calls"]] == [
         (0, "llm_query")
     ]
 
-    # Timed out: the tree was cancelled, its trace kept and scored, its state recorded.
+    # Timed out (the task's own agent timeout): the tree was cancelled, its trace kept and
+    # scored (no answer), its state recorded.
     late = traces["stuck"]
     assert late.is_timeout and late.stop_condition == "agent_timeout"
     assert late.rewards["exact"].score == 0.0
-    assert late.num_turns == 1 and late.root_reply == ""
+    assert late.root_reply == "" and late.last_reply == ""
+    assert late.num_turns == sum(task_of(r) == "task-c" for r in policy_calls)
     assert late.info[METADATA_KEY]["state"] == "cancelled"
     assert late.info[METADATA_KEY]["answer"] is None
 
-    # Only the roots' turns reached the policy; the rewards are journaled on the roots.
-    assert sorted(r.first_user_message.split("\n")[0][:6] for r in policy_calls) == sorted(
-        ["task-a", "task-b", "task-b", "task-c"]
-    )
-    from brood.journal import Journal
-
+    # Only the roots' turns reached the policy; each reward is journaled on its root.
+    assert sorted(map(task_of, policy_calls))[:3] == ["task-a", "task-b", "task-b"]
     with Journal(store) as journal:
-        roots = {r["prompt"]: r["id"] for r in journal.roots(10)}
-        rewards = {
-            p: [e["data"]["reward"] for e in journal.store.events(rid, "reward")]
-            for p, rid in roots.items()
-        }
-    assert sorted(rewards.values()) == [[0.0], [0.5], [1.0]]
+        rewards = sorted(
+            [e["data"]["reward"] for e in journal.store.events(r["id"], "reward")]
+            for r in journal.roots(10)
+        )
+    assert rewards == [[0.0], [0.5], [1.0]]
+
+
+def test_a_tree_past_the_harness_timeout_ends_timed_out_and_is_scored(
+    plugin, tmp_path, monkeypatch
+):
+    stuck = Gate(tmp_path, "never-opened")
+    harness = {"timeout": 1.0, "limits": {**SHARED, "max_depth": 2}}
+    script = {"task-c": [repl(stuck.wait_code)]}
+    traces, _ = play(plugin, script, harness, monkeypatch, names=["stuck"])
+    late = traces["stuck"]
+    assert late.is_timeout and late.stop_condition == "agent_timeout"
+    assert late.info[METADATA_KEY]["state"] == "timed_out"
+    assert late.reward == 0.0 and late.root_reply == ""
+
+
+def test_bad_harness_settings_are_refused_naming_the_field():
+    from brood.integrations.verifiers import BroodHarnessConfig
+
+    with pytest.raises(ValueError, match="no field 'max_dpth'; did you mean 'max_depth'"):
+        BroodHarnessConfig(limits={"max_dpth": 2})
+    with pytest.raises(ValueError, match=r"Limits\.max_depth must be >= 1"):
+        BroodHarnessConfig(limits={"max_depth": 0})
+    with pytest.raises(ValueError, match="sub_model: unknown model spec 'gpt-4'"):
+        BroodHarnessConfig(sub_model="gpt-4")

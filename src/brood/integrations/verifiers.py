@@ -33,15 +33,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import difflib
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from brood.api import RunHandle, RunResult, Supervisor
+from brood.errors import InvalidArgument
 from brood.journal import Journal
 from brood.limits import Limits
+from brood.models.base import BARE, is_spec, resolve_model
 from brood.models.openai import OpenAIModel
 
 try:
@@ -78,6 +82,39 @@ class BroodHarnessConfig(vf.HarnessConfig):
     timeout: float | None = Field(None, gt=0)
     store: str | None = None
 
+    @field_validator("sub_model")
+    @classmethod
+    def _a_model_spec(cls, spec: str | None) -> str | None:
+        # Only the form is checked here: building the model (a local one loads its weights)
+        # is each rollout's supervisor's work.
+        if spec is not None and spec not in BARE and not is_spec(spec):
+            try:
+                resolve_model(spec)
+            except InvalidArgument as exc:
+                raise ValueError(f"sub_model: {exc}") from None
+        return spec
+
+    @field_validator("limits")
+    @classmethod
+    def _brood_limits(cls, given: dict[str, Any]) -> dict[str, Any]:
+        as_limits(given)
+        return given
+
+
+def as_limits(given: dict[str, Any]) -> Limits:
+    """`brood.Limits` of a config's `limits`; ValueError naming a field Limits does not have
+    (with the nearest one) or a bad value."""
+    names = [f.name for f in dataclasses.fields(Limits)]
+    for name in given:
+        if name not in names:
+            near = difflib.get_close_matches(name, names, n=1)
+            hint = f"did you mean {near[0]!r}?" if near else f"the fields are {', '.join(names)}"
+            raise ValueError(f"limits: brood.Limits has no field {name!r}; {hint}")
+    try:
+        return Limits(**given)
+    except InvalidArgument as exc:
+        raise ValueError(f"limits: {exc}") from None
+
 
 class BroodHarness(vf.Harness[BroodHarnessConfig]):
     """Runs each rollout as a brood tree whose root's model is the policy (see the module's
@@ -88,7 +125,7 @@ class BroodHarness(vf.Harness[BroodHarnessConfig]):
 
     def __init__(self, config: BroodHarnessConfig) -> None:
         super().__init__(config)
-        self.limits = Limits(**config.limits)
+        self.limits = as_limits(config.limits)
         # Each rollout's tree, by trace id, from launch to cleanup: its supervisor stays
         # open through scoring, so that the reward can be journaled on its root.
         self._trees: dict[str, _Tree] = {}
@@ -155,15 +192,19 @@ class _Tree:
 
         def start() -> RunHandle:
             self.sup = Supervisor(below or policy, limits=self.limits, store=config.store)
-            return self.sup.spawn(
+            self.handle = self.sup.spawn(
                 task, context=context, timeout=config.timeout, model=policy, sub_model=below
             )
+            return self.handle
 
-        self.handle = await _in_thread(start)
         try:
-            return await _in_thread(self.handle.wait_result)
+            # Shielded: a cancellation while the tree starts waits for its handle, which
+            # then cancels it (else the tree would go on alone until cleanup).
+            handle = await _shielded(_in_thread(start))
+            return await _in_thread(handle.wait_result)
         except asyncio.CancelledError:
-            await _shielded(_in_thread(self.handle.cancel))
+            if self.handle is not None:
+                await _shielded(_in_thread(self.handle.cancel))
             raise
 
     async def describe(self, trace: Any) -> None:
@@ -208,7 +249,6 @@ def _tree_info(sup: Supervisor, handle: RunHandle, result: RunResult) -> dict[st
         "answer": result.answer,
         "error": result.error,
         "usage": result.usage,
-        "store": sup.store.url if sup.store.url.startswith("postgres") else None,
         "tree": handle.tree(),
         "calls": below,
     }
