@@ -23,6 +23,7 @@ from brood.integrations.verifiers import METADATA_KEY, BroodHarness  # noqa: E40
 FENCE = "```"
 PLUGIN = "brood_verifiers_rollouts"  # the environment package verifiers finds by id
 CHILD_MODEL = "python:tests.test_verifiers_env:child_chat"
+LIMITS = {**SHARED, "max_depth": 2, "max_iterations": 5}
 
 
 def repl(code: str) -> str:
@@ -89,7 +90,7 @@ def play(plugin: str, script: dict, harness: dict, monkeypatch, names=None) -> t
             taskset={"id": plugin},
             agent={
                 "runtime": {"type": "subprocess"},
-                "harness": {"id": plugin, "sub_model": CHILD_MODEL, **harness},
+                "harness": {"id": plugin, **harness},
             },
         )
         env = vf.load_environment(config)
@@ -125,8 +126,8 @@ def test_three_rollouts_are_brood_trees_scored_by_the_rubric_one_timing_out(
         "task-c": [repl(stuck.wait_code)],
     }
     store = f"sqlite:///{tmp_path / 'rollouts.db'}"
-    limits = {**SHARED, "max_depth": 2, "max_iterations": 5}
-    traces, policy_calls = play(plugin, script, {"store": store, "limits": limits}, monkeypatch)
+    harness = {"sub_model": CHILD_MODEL, "store": store, "limits": LIMITS}
+    traces, policy_calls = play(plugin, script, harness, monkeypatch)
     assert {n: t.reward for n, t in traces.items()} == {"child": 1.0, "plain": 0.5, "stuck": 0.0}
     for trace in traces.values():  # as the eval runner and the trainer write them
         json.dumps(trace.to_record())
@@ -178,13 +179,30 @@ def test_a_tree_past_the_harness_timeout_ends_timed_out_and_is_scored(
     plugin, tmp_path, monkeypatch
 ):
     stuck = Gate(tmp_path, "never-opened")
-    harness = {"timeout": 1.0, "limits": {**SHARED, "max_depth": 2}}
+    harness = {"sub_model": CHILD_MODEL, "timeout": 1.0, "limits": LIMITS}
     script = {"task-c": [repl(stuck.wait_code)]}
     traces, _ = play(plugin, script, harness, monkeypatch, names=["stuck"])
     late = traces["stuck"]
     assert late.is_timeout and late.stop_condition == "agent_timeout"
     assert late.info[METADATA_KEY]["state"] == "timed_out"
     assert late.reward == 0.0 and late.root_reply == ""
+
+
+def test_without_a_sub_model_the_policy_plays_the_children_too_as_other_branches(
+    plugin, monkeypatch
+):
+    script = {
+        "task-a": [repl("x = rlm_query('child: 6*7?')\nFINAL(x)")],
+        "child: 6*7": [repl("FINAL(str(6 * 7))")],
+    }
+    traces, policy_calls = play(plugin, script, {"limits": LIMITS}, monkeypatch, names=["child"])
+    trace = traces["child"]
+    assert trace.reward == 1.0 and trace.root_reply == "42"
+    assert len(policy_calls) == 2 and trace.num_turns == 2
+    # verifiers keeps the child's conversation as a branch of its own beside the root's
+    firsts = sorted(b.messages[1].content.split(":")[0][-6:] for b in trace.branches)
+    assert firsts == ["child", "task-a"]
+    assert [c["kind"] for c in trace.info[METADATA_KEY]["calls"]] == ["turn"]
 
 
 def test_bad_harness_settings_are_refused_naming_the_field():
