@@ -205,6 +205,18 @@ def test_without_a_sub_model_the_policy_plays_the_children_too_as_other_branches
     assert [c["kind"] for c in trace.info[METADATA_KEY]["calls"]] == ["turn"]
 
 
+def test_a_policy_endpoint_that_fails_is_an_error_of_the_rollout_not_a_score(
+    plugin, monkeypatch
+):
+    # The policy's server has no reply for the task: it answers 400, and the root fails.
+    traces, policy_calls = play(plugin, {}, {"limits": LIMITS}, monkeypatch, names=["child"])
+    trace = traces["child"]
+    assert not trace.ok and len(policy_calls) == 1
+    assert trace.stop_condition == "provider_error" and trace.rewards == {}  # not scored
+    assert "no script key" in trace.errors[-1].message
+    assert trace.info[METADATA_KEY]["state"] == "failed"
+
+
 def test_bad_harness_settings_are_refused_naming_the_field():
     from brood.integrations.verifiers import BroodHarnessConfig
 

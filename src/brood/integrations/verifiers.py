@@ -143,7 +143,9 @@ class BroodHarness(vf.Harness[BroodHarnessConfig]):
         """Run the rollout's tree to its end; its answer becomes `trace.root_reply` and its
         state `trace.info["brood"]`. A tree that ended otherwise than completed is scored
         like any other: `timed_out` stops the trace as `agent_timeout`, `failed` and
-        `cancelled` as `brood_failed` / `brood_cancelled`. Cancelled (the seat's rollout
+        `cancelled` as `brood_failed` / `brood_cancelled`; but a root that failed because
+        a call to the policy failed raises HarnessError (an error of the rollout, not of
+        the model; verifiers records the call's error and retries as configured). Cancelled (the seat's rollout
         timeout), it cancels the tree, confirms its workers' exit and records its state
         before the cancellation goes on."""
         system, prompt = self.resolve_text_prompt(data)
@@ -161,6 +163,12 @@ class BroodHarness(vf.Harness[BroodHarnessConfig]):
             await _shielded(tree.describe(trace))
             raise
         await tree.describe(trace)
+        if result.state == "failed" and any(call.error is not None for call in trace.calls):
+            # The policy's endpoint failed the root (the trainer's server, not the model's
+            # doing): an error of the rollout, which verifiers records and may retry.
+            raise vf.HarnessError(
+                f"brood run {result.run_id} failed on a call to the policy: {result.error}"
+            )
         if result.state == "timed_out":
             trace.record_timeout("agent")
         elif result.state != "completed":
