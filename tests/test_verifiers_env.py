@@ -18,7 +18,11 @@ from tests.util import SHARED, Gate
 pytestmark = pytest.mark.train
 
 vf = pytest.importorskip("verifiers.v1")
-from brood.integrations.verifiers import METADATA_KEY, BroodHarness  # noqa: E402
+from brood.integrations.verifiers import (  # noqa: E402
+    METADATA_KEY,
+    BroodHarness,
+    load_environment,
+)
 
 FENCE = "```"
 PLUGIN = "brood_verifiers_rollouts"  # the environment package verifiers finds by id
@@ -80,20 +84,25 @@ def plugin(monkeypatch):
     return PLUGIN
 
 
-def play(plugin: str, script: dict, harness: dict, monkeypatch, names=None) -> tuple:
+def play(
+    plugin: str, script: dict, harness: dict, monkeypatch, names=None, *, brood_loads=False
+) -> tuple:
     """Each task of the taskset (those of `names` if given) played once through verifiers'
     own episode path, the policy served by a local OpenAI-compatible server; returns the
     traces by task name and the requests the policy's server received."""
     monkeypatch.setenv("BROOD_TEST_POLICY_KEY", "k")
     with FakeOpenAI(script) as server:
-        config = vf.SingleAgentEnvConfig(
-            taskset={"id": plugin},
-            agent={
-                "runtime": {"type": "subprocess"},
-                "harness": {"id": plugin, **harness},
-            },
-        )
-        env = vf.load_environment(config)
+        if brood_loads:
+            env = load_environment(plugin, **harness)
+        else:
+            config = vf.SingleAgentEnvConfig(
+                taskset={"id": plugin},
+                agent={
+                    "runtime": {"type": "subprocess"},
+                    "harness": {"id": plugin, **harness},
+                },
+            )
+            env = vf.load_environment(config)
         ctx = vf.ModelContext(
             model="policy",
             client=vf.EvalClientConfig(
@@ -142,25 +151,29 @@ def test_three_rollouts_are_brood_trees_scored_by_the_rubric_one_timing_out(
     # The child's turns (on the user's model) are the metadata, with the tree's state.
     tree = child.info[METADATA_KEY]
     assert (tree["state"], tree["answer"]) == ("completed", "42")
-    assert [c["state"] for c in tree["tree"]["children"]] == ["completed"]
-    assert [(c["depth"], c["kind"], c["response"]) for c in tree["calls"]] == [
-        (1, "turn", repl("FINAL(str(6 * 7))"))
-    ]
-    assert child.metrics["brood_children"] == 1.0
+    (kid,) = tree["children"]
+    assert (kid["parent_id"], kid["depth"], kid["prompt"]) == (tree["run_id"], 1, "child: 6*7?")
+    assert (kid["state"], kid["answer"]) == ("completed", "42")
+    assert [m["role"] for m in kid["messages"]] == ["system", "user", "assistant"]
+    assert "child: 6*7?" in kid["messages"][1]["content"]
+    assert kid["messages"][-1]["content"] == repl("FINAL(str(6 * 7))")
+    assert tree["calls"] == [] and kid["calls"] == []
+    assert child.metrics["brood_runs"] == 2.0
 
     plain = traces["plain"]
     assert plain.num_turns == 2 and plain.root_reply == "47"
     assert [m.role for m in plain.messages] == ["system", "user", "assistant", "user", "assistant"]
-    assert [(c["depth"], c["kind"]) for c in plain.info[METADATA_KEY]["calls"]] == [
-        (0, "llm_query")
-    ]
+    (call,) = plain.info[METADATA_KEY]["calls"]
+    assert (call["kind"], call["response"]) == ("llm_query", "7")
+    assert call["messages"] == [{"role": "user", "content": "plain: say 7"}]
+    assert plain.info[METADATA_KEY]["children"] == []
 
     # Timed out (the task's own agent timeout): the tree was cancelled, its trace kept and
     # scored (no answer), its state recorded.
     late = traces["stuck"]
     assert late.is_timeout and late.stop_condition == "agent_timeout"
     assert late.rewards["exact"].score == 0.0
-    assert late.root_reply == "" and late.last_reply == ""
+    assert late.last_reply == ""  # no answer (root_reply stays None if it made no turn)
     assert late.num_turns == sum(task_of(r) == "task-c" for r in policy_calls)
     assert late.info[METADATA_KEY]["state"] == "cancelled"
     assert late.info[METADATA_KEY]["answer"] is None
@@ -181,11 +194,11 @@ def test_a_tree_past_the_harness_timeout_ends_timed_out_and_is_scored(
     stuck = Gate(tmp_path, "never-opened")
     harness = {"sub_model": CHILD_MODEL, "timeout": 1.0, "limits": LIMITS}
     script = {"task-c": [repl(stuck.wait_code)]}
-    traces, _ = play(plugin, script, harness, monkeypatch, names=["stuck"])
+    traces, _ = play(plugin, script, harness, monkeypatch, names=["stuck"], brood_loads=True)
     late = traces["stuck"]
     assert late.is_timeout and late.stop_condition == "agent_timeout"
     assert late.info[METADATA_KEY]["state"] == "timed_out"
-    assert late.reward == 0.0 and late.root_reply == ""
+    assert late.reward == 0.0 and late.last_reply == ""
 
 
 def test_without_a_sub_model_the_policy_plays_the_children_too_as_other_branches(
@@ -202,12 +215,10 @@ def test_without_a_sub_model_the_policy_plays_the_children_too_as_other_branches
     # verifiers keeps the child's conversation as a branch of its own beside the root's
     firsts = sorted(b.messages[1].content.split(":")[0][-6:] for b in trace.branches)
     assert firsts == ["child", "task-a"]
-    assert [c["kind"] for c in trace.info[METADATA_KEY]["calls"]] == ["turn"]
+    assert [c["state"] for c in trace.info[METADATA_KEY]["children"]] == ["completed"]
 
 
-def test_a_policy_endpoint_that_fails_is_an_error_of_the_rollout_not_a_score(
-    plugin, monkeypatch
-):
+def test_a_policy_endpoint_that_fails_is_an_error_of_the_rollout_not_a_score(plugin, monkeypatch):
     # The policy's server has no reply for the task: it answers 400, and the root fails.
     traces, policy_calls = play(plugin, {}, {"limits": LIMITS}, monkeypatch, names=["child"])
     trace = traces["child"]
@@ -226,3 +237,12 @@ def test_bad_harness_settings_are_refused_naming_the_field():
         BroodHarnessConfig(limits={"max_depth": 0})
     with pytest.raises(ValueError, match="sub_model: unknown model spec 'gpt-4'"):
         BroodHarnessConfig(sub_model="gpt-4")
+
+
+def test_load_environment_wants_a_package_that_exports_brood_s_harness(monkeypatch):
+    module = types.ModuleType("brood_verifiers_plain")
+    module.SumTaskset = SumTaskset
+    module.__all__ = ["SumTaskset"]
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    with pytest.raises(vf.EnvError, match="does not export brood's harness; add `from brood"):
+        load_environment(module.__name__)

@@ -55,7 +55,7 @@ except ImportError as exc:  # the extra is not installed
         "brood.integrations.verifiers needs verifiers >= 0.4: pip install 'rlm-brood[verifiers]'"
     ) from exc
 
-__all__ = ["METADATA_KEY", "BroodHarness", "BroodHarnessConfig"]
+__all__ = ["METADATA_KEY", "BroodHarness", "BroodHarnessConfig", "load_environment"]
 
 METADATA_KEY = "brood"  # the trace's `info` key of a rollout's tree
 T = TypeVar("T")
@@ -97,11 +97,11 @@ class BroodHarnessConfig(vf.HarnessConfig):
     @field_validator("limits")
     @classmethod
     def _brood_limits(cls, given: dict[str, Any]) -> dict[str, Any]:
-        as_limits(given)
+        _limits_of(given)
         return given
 
 
-def as_limits(given: dict[str, Any]) -> Limits:
+def _limits_of(given: dict[str, Any]) -> Limits:
     """`brood.Limits` of a config's `limits`; ValueError naming a field Limits does not have
     (with the nearest one) or a bad value."""
     names = [f.name for f in dataclasses.fields(Limits)]
@@ -118,14 +118,17 @@ def as_limits(given: dict[str, Any]) -> Limits:
 
 class BroodHarness(vf.Harness[BroodHarnessConfig]):
     """Runs each rollout as a brood tree whose root's model is the policy (see the module's
-    docstring). The tree runs in this process's host, not in the rollout's runtime box."""
+    docstring). The tree runs in this process's host, not in the rollout's runtime box.
+    A task's data field `context`, when it has one, is the root's `context` variable.
+    MCP tool servers of a task are not wired into the REPL (SUPPORTS_MCP is off, so
+    verifiers refuses such tasks at the start rather than running them without tools)."""
 
     APPENDS_SYSTEM_PROMPT = True  # the task's system prompt opens the root's task text
     NEEDS_CONTAINER = False  # brood confines model code itself
 
     def __init__(self, config: BroodHarnessConfig) -> None:
         super().__init__(config)
-        self.limits = as_limits(config.limits)
+        self.limits = _limits_of(config.limits)
         # Each rollout's tree, by trace id, from launch to cleanup: its supervisor stays
         # open through scoring, so that the reward can be journaled on its root.
         self._trees: dict[str, _Tree] = {}
@@ -143,10 +146,11 @@ class BroodHarness(vf.Harness[BroodHarnessConfig]):
         """Run the rollout's tree to its end; its answer becomes `trace.root_reply` and its
         state `trace.info["brood"]`. A tree that ended otherwise than completed is scored
         like any other: `timed_out` stops the trace as `agent_timeout`, `failed` and
-        `cancelled` as `brood_failed` / `brood_cancelled`; but a root that failed because
-        a call to the policy failed raises HarnessError (an error of the rollout, not of
-        the model; verifiers records the call's error and retries as configured). Cancelled (the seat's rollout
-        timeout), it cancels the tree, confirms its workers' exit and records its state
+        `cancelled` as `brood_failed` / `brood_cancelled`. A root that failed because a
+        call to the policy failed raises HarnessError instead: the trainer's endpoint
+        failed, not the model, and verifiers records the call's error (and retries the
+        rollout as configured). Cancelled (the seat's rollout timeout), it cancels the
+        tree, confirms its workers' exit and records the tree's state on the trace
         before the cancellation goes on."""
         system, prompt = self.resolve_text_prompt(data)
         if not prompt:
@@ -181,6 +185,41 @@ class BroodHarness(vf.Harness[BroodHarnessConfig]):
         tree = self._trees.pop(trace.id, None)
         if tree is not None:
             await _shielded(tree.close(trace))
+
+
+def load_environment(
+    taskset: str,
+    *,
+    sub_model: str | None = None,
+    limits: dict[str, Any] | None = None,
+    timeout: float | None = None,
+    store: str | None = None,
+) -> Any:
+    """The verifiers environment (a `vf.Env`, single-agent) that plays the taskset of the
+    installed package `taskset` with brood trees, its seat on the subprocess runtime. The
+    package must export `BroodHarness` beside its taskset (its id is the harness's id);
+    the keywords are `BroodHarnessConfig`'s fields. The policy is the model and client a
+    rollout is run with (`vf.ModelContext`, as `vf-eval` and prime-rl give them)."""
+    if not _exports_brood_harness(taskset):
+        raise vf.EnvError(
+            f"the package {taskset!r} does not export brood's harness; add "
+            "`from brood.integrations.verifiers import BroodHarness` to it and 'BroodHarness' "
+            "to its __all__, beside its taskset"
+        )
+    knobs = {"sub_model": sub_model, "limits": limits or {}, "timeout": timeout, "store": store}
+    config = vf.SingleAgentEnvConfig(
+        taskset={"id": taskset},
+        agent={"runtime": {"type": "subprocess"}, "harness": {"id": taskset, **knobs}},
+    )
+    return vf.load_environment(config)
+
+
+def _exports_brood_harness(package: str) -> bool:
+    """Whether the package (which verifiers imports by its id) exports BroodHarness or a
+    subclass of it; a package not installed raises verifiers' ModuleNotFoundError."""
+    module = vf.import_taskset(package)
+    exported = (getattr(module, name, None) for name in getattr(module, "__all__", ()))
+    return any(isinstance(c, type) and issubclass(c, BroodHarness) for c in exported)
 
 
 class _Tree:
@@ -225,7 +264,7 @@ class _Tree:
         info = await _in_thread(lambda: _tree_info(sup, handle, result))
         trace.info[METADATA_KEY] = info
         trace.root_reply = result.answer or ""
-        trace.record_metric("brood_children", len(info["tree"]["children"]))
+        trace.record_metric("brood_runs", 1 + len(info["children"]))
 
     async def close(self, trace: Any) -> None:
         sup, handle = self.sup, self.handle
@@ -244,22 +283,64 @@ class _Tree:
 
 
 def _tree_info(sup: Supervisor, handle: RunHandle, result: RunResult) -> dict[str, Any]:
-    """What the trace keeps of a tree: its root's id, state, answer, error and usage, the
-    tree (states and usage of every run), and every model call below the root's own turns
-    (its plain calls and its descendants' turns and calls: the journal's export records)."""
+    """What the trace keeps of a tree besides the root's turns: the root's id, state,
+    answer, error and usage; its plain calls (`calls`); and each run below it
+    (`children`, in the journal's order: a run's children after it), with its place in
+    the tree, how it ended, its conversation (the messages of its last turn and that
+    turn's reply, the system prompt included) and its plain calls. A call is the journal's
+    record of it: kind, model, messages, response, error, usage."""
     sup.store.flush()
     with Journal(sup.store.url) as journal:
         records = list(journal.export(result.run_id))
-    below = [r for r in records if r["run_id"] != result.run_id or r["kind"] != "turn"]
+    ended = {run["run_id"]: run for run in _runs_of(handle.tree())}
+    calls: list[dict[str, Any]] = []
+    children: dict[str, dict[str, Any]] = {}
+    for record in records:
+        run_id = record["run_id"]
+        if run_id == result.run_id:
+            if record["kind"] != "turn":  # the root's turns are the trace's own
+                calls.append(_call(record))
+            continue
+        run = ended.get(run_id, {})
+        child = children.setdefault(
+            run_id,
+            {
+                "run_id": run_id,
+                "parent_id": record["parent_id"],
+                "depth": record["depth"],
+                "prompt": run.get("prompt"),
+                "state": run.get("state"),
+                "answer": run.get("answer"),
+                "error": run.get("reason"),
+                "usage": run.get("usage"),
+                "messages": [],
+                "calls": [],
+            },
+        )
+        if record["kind"] == "turn":
+            reply = record["response"]
+            said = [] if reply is None else [{"role": "assistant", "content": reply}]
+            child["messages"] = [*record["messages"], *said]
+        else:
+            child["calls"].append(_call(record))
     return {
         "run_id": result.run_id,
         "state": result.state,
         "answer": result.answer,
         "error": result.error,
         "usage": result.usage,
-        "tree": handle.tree(),
-        "calls": below,
+        "calls": calls,
+        "children": list(children.values()),
     }
+
+
+def _runs_of(node: dict[str, Any]) -> list[dict[str, Any]]:
+    """A tree snapshot's runs (`RunHandle.tree()`), the node first."""
+    return [node, *(run for child in node["children"] for run in _runs_of(child))]
+
+
+def _call(record: dict[str, Any]) -> dict[str, Any]:
+    return {k: record[k] for k in ("kind", "model", "messages", "response", "error", "usage")}
 
 
 async def _in_thread(fn: Callable[[], T]) -> T:
