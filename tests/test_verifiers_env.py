@@ -174,7 +174,7 @@ def test_three_rollouts_are_brood_trees_scored_by_the_rubric_one_timing_out(
     assert late.is_timeout and late.stop_condition == "agent_timeout"
     assert late.rewards["exact"].score == 0.0
     assert late.last_reply == ""  # no answer (root_reply stays None if it made no turn)
-    assert late.num_turns == sum(task_of(r) == "task-c" for r in policy_calls)
+    assert late.num_turns <= sum(task_of(r) == "task-c" for r in policy_calls) <= 1
     assert late.info[METADATA_KEY]["state"] == "cancelled"
     assert late.info[METADATA_KEY]["answer"] is None
 
