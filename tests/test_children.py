@@ -351,8 +351,14 @@ def test_a_root_s_sub_model_runs_everything_below_its_own_turns(tmp_path):
         },
         log_path=tmp_path / "below.log",
     )
+    below.name = "scripted-below"
     with brood.Supervisor(lambda m: "not this model", limits=fast(max_depth=3)) as sup:
-        assert sup.run("root task", model=root, sub_model=below).answer == "scg"
+        result = sup.run("root task", model=root, sub_model=below)
+        assert result.answer == "scg"
+        rows = sup.store.runs(result.run_id)
+    assert [(r["depth"], r["model"]) for r in rows] == [(0, "scripted")] + [
+        (d, "scripted-below") for d in (1, 2)
+    ]
     assert [c["key"] for c in read_log(tmp_path / "root.log")] == ["root"]
     assert [c["key"] for c in read_log(tmp_path / "below.log")] == [
         "plain:",

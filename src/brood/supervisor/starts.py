@@ -119,7 +119,8 @@ class Starts:
         timeout = msg.timeout if msg.timeout is not None else k.limits.child_timeout
         children = []
         for key, prompt in fresh:
-            rec = k.child_record(parent, key, prompt, msg.model or parent.rec.model)
+            below = parent.sub_model.name if parent.sub_model is not None else None
+            rec = k.child_record(parent, key, prompt, msg.model or below or parent.rec.model)
             rec.pool = msg.pool
             child = Run(
                 rec=rec,
