@@ -22,11 +22,13 @@ harness (`vf-eval my-env`, or prime-rl with `taskset.id = "my-env"`):
     from my_env.taskset import MyTaskset
     __all__ = ["BroodHarness", "MyTaskset"]
 
-Its knobs are the config's fields (`--env.agent.harness.sub-model echo`,
-`--env.agent.harness.limits '{"max_depth": 2}'`). brood confines the tree itself, on the
-host that runs the environment: run the seat on the subprocess runtime
+Its knobs are `BroodHarnessConfig`'s fields; on the command line they are read once the
+seat names its harness: `--env.agent.harness.id my-env --env.agent.harness.sub-model
+openai:gpt-4.1-mini --env.agent.harness.limits.max_depth 2` (in TOML,
+`[env.agent.harness]` and `[env.agent.harness.limits]`). brood confines the tree itself,
+on the host that runs the environment: run the seat on the subprocess runtime
 (`--env.agent.runtime.type subprocess`); a container or sandbox runtime would be started
-and left unused.
+and left unused. `load_environment(package, ...)` builds the same from Python.
 """
 
 from __future__ import annotations
