@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 import brood
+from brood.models.scripted import read_log
 from tests.util import FAST, Gate, Signal, fast
 
 FENCE = "```"
@@ -333,3 +334,34 @@ def test_cancelling_a_spawned_batch_reports_it_cancelled(tmp_path):
         first, second = obs.stdout.split()
         assert (first, second) == ("cancelled", "cancelled"), obs
         assert obs.children and {c["status"] for c in obs.children} == {"cancelled"}, obs
+
+
+def test_a_root_s_sub_model_runs_everything_below_its_own_turns(tmp_path):
+    # The root's model answers the root's turns only (it has no script for anything else);
+    # its llm_query, its child's turns and its grandchild's run on sub_model, passed down.
+    root = brood.ScriptedModel(
+        {"root": [repl("a = llm_query('plain: say s')\nFINAL(a + rlm_query('child: go'))")]},
+        log_path=tmp_path / "root.log",
+    )
+    below = brood.ScriptedModel(
+        {
+            "plain:": ["s"],
+            "child:": [repl("FINAL('c' + rlm_query('grandchild: go'))")],
+            "grandchild:": [repl("FINAL('g')")],
+        },
+        log_path=tmp_path / "below.log",
+    )
+    below.name = "scripted-below"
+    with brood.Supervisor(lambda m: "not this model", limits=fast(max_depth=3)) as sup:
+        result = sup.run("root task", model=root, sub_model=below)
+        assert result.answer == "scg"
+        rows = sup.store.runs(result.run_id)
+    assert [(r["depth"], r["model"]) for r in rows] == [(0, "scripted")] + [
+        (d, "scripted-below") for d in (1, 2)
+    ]
+    assert [c["key"] for c in read_log(tmp_path / "root.log")] == ["root"]
+    assert [c["key"] for c in read_log(tmp_path / "below.log")] == [
+        "plain:",
+        "child:",
+        "grandchild:",
+    ]

@@ -145,15 +145,25 @@ class Supervisor:
         timeout: float | None = None,
         model: str | Callable[..., Any] | Model | None = None,
         pool: str | None = None,
+        sub_model: str | Callable[..., Any] | Model | None = None,
     ) -> RunHandle:
         """Start a root run and return its handle at once. `timeout` is the root's
         wall-clock seconds (a number > 0, or None for no limit); `pool` names a pool of
-        Limits.pools the run holds a place in from its start to its end."""
+        Limits.pools the run holds a place in from its start to its end.
+
+        `model` is the root's model (default: the supervisor's). `sub_model` is the model
+        of everything below the root's own turns when model code names none: its plain
+        calls (llm_query and its kin) and its children's turns and calls, all the way
+        down; by default the root's model. A trainer gives the policy as `model` and a
+        fixed model as `sub_model`, so that only the root's turns are the policy's. A
+        resumed tree runs on the resuming supervisor's model."""
         engine = self._engine
         engine.check_open()
         check_timeout(timeout)
         run = engine.call(
-            engine.create_root(prompt, context, timeout, model, driven=False, pool=pool)
+            engine.create_root(
+                prompt, context, timeout, model, driven=False, pool=pool, sub_model=sub_model
+            )
         )
         return RunHandle(engine, run)
 
@@ -165,9 +175,12 @@ class Supervisor:
         timeout: float | None = None,
         model: str | Callable[..., Any] | Model | None = None,
         pool: str | None = None,
+        sub_model: str | Callable[..., Any] | Model | None = None,
     ) -> RunResult:
         """Run a root run to its end and return how it ended (never raises for a failed run)."""
-        handle = self.spawn(prompt, context=context, timeout=timeout, model=model, pool=pool)
+        handle = self.spawn(
+            prompt, context=context, timeout=timeout, model=model, pool=pool, sub_model=sub_model
+        )
         return handle.wait_result()
 
     def resume(self, run_id: str) -> RunHandle:

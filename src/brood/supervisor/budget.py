@@ -80,6 +80,8 @@ class Budget:
         if run.ending is not None or run.rec.state is not RUN:
             raise BroodError(f"run {run.id} is {run.rec.state.value} and ending; no model call")
         model, name = self.model_for(run, msg.model)
+        if msg.model is None and msg.kind != "turn" and run.sub_model is not None:
+            model = run.sub_model
         request = msg.messages[msg.new_from :]
         if not k.charge(run, frames.weight(request)):
             raise BroodError(f"run {run.id} is over its journal bytes; it makes no model call")
@@ -100,7 +102,7 @@ class Budget:
             run.calls.discard(task)  # ended while it waited: no call was made
             raise
         tree.calls_in_flight += 1
-        span = k.tracing.model_call(run, model, msg.model or run.model.name, msg.kind)
+        span = k.tracing.model_call(run, model, msg.model or model.name, msg.kind)
         started = time.perf_counter()
         done: Completion | None = None
         error: str | None = None
@@ -128,7 +130,7 @@ class Budget:
             self._account(
                 run,
                 kind=msg.kind,
-                model=msg.model or run.model.name,
+                model=msg.model or model.name,
                 priced=(model.provider, name or model.name),
                 latency=time.perf_counter() - started,
                 done=done,

@@ -242,16 +242,20 @@ class Engine:
         driven: bool,
         pool: str | None = None,
         run_id: str | None = None,
+        sub_model: Any = None,
     ) -> Run:
         """A new root run (`driven`: its code comes step by step from a Session), journaled
-        with the model it runs on."""
+        with the model it runs on; `sub_model` is its tree's model below it."""
         resolved = None if model is None else resolve_model(model)
-        if resolved is not None and self.pricing.cold(resolved.provider, resolved.name):
-            await asyncio.to_thread(self.pricing.warm, resolved.provider, resolved.name)
+        below = None if sub_model is None else resolve_model(sub_model)
+        for m in (resolved, below):
+            if m is not None and self.pricing.cold(m.provider, m.name):
+                await asyncio.to_thread(self.pricing.warm, m.provider, m.name)
         run = await self.core.create_root(
             prompt,
             context_blob=context_blob(context),
             model=resolved,
+            sub_model=below,
             model_name=resolved.name if resolved is not None else None,
             timeout=timeout,
             driven=driven,

@@ -101,6 +101,9 @@ class Run:
 
     rec: RunRecord
     model: Model
+    # The model of its children and of its plain calls (llm_query and its kin) when model
+    # code names none; None: its own. A root started with spawn(sub_model=) passes it down.
+    sub_model: Model | None = None
     context_blob: bytes | None = None
     model_name: str | None = None
     timeout: float | None = None

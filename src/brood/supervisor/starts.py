@@ -47,6 +47,7 @@ class Starts:
         *,
         context_blob: bytes | None,
         model: Model | None = None,
+        sub_model: Model | None = None,
         model_name: str | None = None,
         timeout: float | None = None,
         driven: bool = False,
@@ -77,6 +78,7 @@ class Starts:
         run = Run(
             rec=rec,
             model=model or k.model,
+            sub_model=sub_model,
             context_blob=context_blob,
             timeout=timeout,
             driven=driven,
@@ -117,11 +119,13 @@ class Starts:
         timeout = msg.timeout if msg.timeout is not None else k.limits.child_timeout
         children = []
         for key, prompt in fresh:
-            rec = k.child_record(parent, key, prompt, msg.model or parent.rec.model)
+            below = parent.sub_model.name if parent.sub_model is not None else None
+            rec = k.child_record(parent, key, prompt, msg.model or below or parent.rec.model)
             rec.pool = msg.pool
             child = Run(
                 rec=rec,
-                model=parent.model,
+                model=parent.sub_model or parent.model,
+                sub_model=parent.sub_model,
                 context_blob=msg.context,
                 model_name=msg.model or parent.model_name,
                 timeout=timeout,
