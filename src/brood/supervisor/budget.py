@@ -80,8 +80,8 @@ class Budget:
         if run.ending is not None or run.rec.state is not RUN:
             raise BroodError(f"run {run.id} is {run.rec.state.value} and ending; no model call")
         model, name = self.model_for(run, msg.model)
-        if msg.model is None and msg.kind != "turn" and run.sub_model is not None:
-            model = run.sub_model
+        if msg.model is None and msg.kind == "llm_query" and run.sub_model is not None:
+            model = run.sub_model  # the root's own turns and their summaries stay its model's
         request = msg.messages[msg.new_from :]
         if not k.charge(run, frames.weight(request)):
             raise BroodError(f"run {run.id} is over its journal bytes; it makes no model call")
