@@ -25,6 +25,11 @@ from fake_providers import FakeAnthropic, FakeGemini, Reply
 from tests.test_resume import crash
 from tests.util import fast
 
+# google-genai warns when aiohttp is installed too (the [verifiers] extra brings it).
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Inheritance class AiohttpClientSession:DeprecationWarning"
+)
+
 FENCE = "```"
 CLAUDE = "claude-test"
 GEMINI = "gemini-test"
