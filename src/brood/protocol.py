@@ -276,6 +276,7 @@ class Replay(msgspec.Struct, omit_defaults=True):
     steps: int = 0
     remembered: list[bytes] = []  # values of remember(), in order
     pending: list[str] = []  # plain calls in flight when a journaled step ended
+    user_turns: list[str] = []  # a conversation root's journaled user turns, in order
 
 
 class ToolInfo(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -332,6 +333,9 @@ class Start(Msg):
     replay: Replay | None = None  # set when the run is resumed from the journal
     budget: dict[str, Any] | None = None  # its place in the tree and what is left, at start
     tools: list[ToolInfo] = []  # the user's tools, placed in the REPL beside the helpers
+    # A conversation root (Supervisor.conversation): its user turns come as `Turn`s, each
+    # continuing the same history and REPL until FINAL; `prompt` is then only a label.
+    conversation: bool = False
 
 
 class BudgetReq(Msg):
@@ -392,6 +396,13 @@ class Notice(Msg):
     """A line for the run's next model turn (e.g. a milestone of a flow it started)."""
 
     text: str
+
+
+class Turn(Msg):
+    """A conversation root's next user turn: the user's message, handed once the turn is
+    journaled and the run holds a slot again."""
+
+    prompt: str
 
 
 class Exec(Msg):
@@ -476,6 +487,7 @@ AnyMsg = (
     | Progress
     | AskUpdate
     | Deliver
+    | Turn
     | Exec
     | Stop
     | CtlAuth

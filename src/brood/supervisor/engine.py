@@ -242,9 +242,11 @@ class Engine:
         driven: bool,
         pool: str | None = None,
         run_id: str | None = None,
+        conversation: bool = False,
     ) -> Run:
-        """A new root run (`driven`: its code comes step by step from a Session), journaled
-        with the model it runs on."""
+        """A new root run (`driven`: its code comes step by step from a Session;
+        `conversation`: its user turns come one by one, conversations.py), journaled with
+        the model it runs on."""
         resolved = None if model is None else resolve_model(model)
         if resolved is not None and self.pricing.cold(resolved.provider, resolved.name):
             await asyncio.to_thread(self.pricing.warm, resolved.provider, resolved.name)
@@ -257,6 +259,7 @@ class Engine:
             driven=driven,
             pool=pool,
             run_id=run_id,
+            conversation=conversation,
         )
         record = self._model_record if model is None else spec_record(model)
         self.core.event(run, MODEL_SPEC, record)

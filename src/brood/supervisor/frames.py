@@ -77,18 +77,30 @@ class Conversation:
 
     A resumed run's worker replays journaled turns without asking: `replies` starts with
     them, and the sizes of their user messages are learnt (within their caps) at its first
-    live turn."""
+    live turn.
+
+    A conversation root (Supervisor.conversation) is handed each later user message by
+    the supervisor (`user_turn`): that message has the cap of the prompt it holds, and
+    Limits.max_iterations counts the model turns since it."""
 
     replies: list[str] = field(default_factory=list)
     user_sizes: list[int] = field(default_factory=list)
     open: bool = False
+    caps: dict[int, int] = field(default_factory=dict)  # user message k -> its cap, if handed
+    base: int = 0  # replies before the user turn under way (a conversation's)
+
+    def user_turn(self, at: int, cap: int) -> None:
+        """A conversation's user turn begins with user message `at` (the replies so far),
+        which holds a prompt the supervisor handed, within `cap`."""
+        self.caps[at] = cap
+        self.base = at
 
     def check(self, msg: ModelReq, *, max_iterations: int, first_cap: int, cap: int) -> None:
         """Refuse a turn request that is not this conversation's next one."""
         turn = len(self.replies) + 1
         if self.open:
             raise Violation(f"model turn {turn} was asked while turn {turn - 1} was under way")
-        if turn > max_iterations + 1:
+        if turn - self.base > max_iterations + 1:
             raise Violation(
                 f"model turn {turn} is past Limits.max_iterations={max_iterations} (and the "
                 "one turn that asks for the answer)"
@@ -123,7 +135,7 @@ class Conversation:
                     f"model turn {turn}: user message {k + 1} has {size:,} characters, it was "
                     f"sent with {self.user_sizes[k]:,}"
                 )
-            bound = first_cap if k == 0 else cap
+            bound = self.caps.get(k, first_cap if k == 0 else cap)
             if k >= known and size > bound:
                 raise Violation(
                     f"model turn {turn}: a message of {size:,} characters, over "

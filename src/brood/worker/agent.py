@@ -97,6 +97,7 @@ class Agent:
         self.rt = rt
         self.repl = repl
         self.limits = rt.limits
+        self.history: list[dict[str, Any]] = []  # the model's conversation, grown by turns
 
     def run_code(self, code: str, timeout: float | None = None) -> StepOutput:
         """Run one block as a REPL step and journal it; its output, with brood's notes added
@@ -166,14 +167,27 @@ class Agent:
         return "\n".join(lines)
 
     def loop(self, first_message: str, system: str, first_cap: int | None = None) -> Final | Failed:
-        """The model's turns until FINAL. Each user message is kept within its cap (the
-        supervisor refuses a turn whose message is not): `first_cap` for the first, which
-        holds the task (by default the others'), Limits.max_prompt_chars for the others."""
+        """The model's turns until FINAL, from a history of the system prompt alone (see
+        `turn`); `first_cap` is the cap of the first user message, which holds the task."""
+        self.history = self.start_history(system)
+        return self.turn(first_message, first_cap)
+
+    def start_history(self, system: str) -> list[dict[str, Any]]:
+        """The history a run's model turns begin from: its system prompt."""
+        return [{"role": "system", "content": system}]
+
+    def turn(self, message: str, first_cap: int | None = None) -> Final | Failed:
+        """One user turn: `message` joins the history (the system prompt and, in a
+        conversation, every earlier turn), then the model's turns until FINAL, at most
+        Limits.max_iterations of them and one that asks for the answer. Each user message
+        is kept within its cap (the supervisor refuses a turn whose message is not):
+        `first_cap` for `message` (by default the others'), Limits.max_prompt_chars for the
+        others. The history keeps the model's last reply, so a next turn continues it."""
         rt = self.rt
-        messages: list[dict[str, Any]] = [
-            {"role": "system", "content": system},
-            {"role": "user", "content": first_message},
-        ]
+        rt.final, rt.products = None, None
+        messages = self.history
+        messages.append({"role": "user", "content": message})
+        opened = len(messages)  # the history with this turn's first message
         max_iter = self.limits.max_iterations
         cap = self.limits.max_prompt_chars
         first_cap = cap if first_cap is None else first_cap
@@ -189,8 +203,9 @@ class Agent:
                 return self.final(rt.final)
             messages.append({"role": "user", "content": feedback})
         last = messages[-1]["content"] + "\n\n" + ANSWER_NOW.format(n=max_iter)
-        messages[-1]["content"] = clip(last, first_cap if len(messages) == 2 else cap)
+        messages[-1]["content"] = clip(last, first_cap if len(messages) == opened else cap)
         reply = rt.call_model(messages, "turn", None)
+        messages.append({"role": "assistant", "content": reply})
         blocks = extract_blocks(reply)
         for code in blocks.code:
             self.run_code(code)
