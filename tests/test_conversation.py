@@ -11,6 +11,8 @@ import pytest
 
 import brood
 from brood.journal import Journal
+from brood.protocol import ModelReq
+from brood.supervisor.frames import Conversation, Violation
 from tests.test_resume import CRASH_TIMEOUT_S, wait_gone
 from tests.util import FAST, Gate, fast
 
@@ -217,3 +219,61 @@ def test_a_conversation_killed_between_turns_resumes_with_its_variables(tmp_path
     assert contents[1].startswith("please set x\n\n`context` is a str")
     assert contents[3::2] == ["now double x", "add them"]
     assert [t["answer"] for t in turns] == ["x is set", "y is 42", "sum is 63", "y is 42"]
+
+
+def test_a_supervisor_closed_between_turns_leaves_the_conversation_resumable(tmp_path):
+    url = f"sqlite:///{tmp_path}/j.db"
+    _, chat = scripted_chat()
+    with brood.Supervisor(chat, limits=FAST, store=url) as sup:
+        conv = sup.conversation()
+        assert conv.send("set x").answer == "x is set"
+    with pytest.raises(brood.ConversationClosed, match="resume_conversation"):
+        conv.send("double x")
+    with Journal(url) as journal:
+        row = journal.run(conv.id)
+        suspended = journal.store.events(conv.id, "suspended")
+    assert (row["state"], row["stale"]) == ("running", True)
+    assert "resume_conversation" in suspended[0]["data"]["reason"]
+    seen, chat = scripted_chat()
+    with brood.Supervisor(chat, limits=FAST, store=url) as sup:
+        again = sup.resume_conversation(conv.id)
+        assert again.send("double x").answer == "y is 42"
+        assert again.close().state == "completed"
+    assert len(seen) == 1
+
+
+# ---- the supervisor's check of a conversation's model turns ------------------------------
+def turn(messages, new_from):
+    return ModelReq(req_id=1, kind="turn", messages=messages, new_from=new_from)
+
+
+def history(replies, users):
+    out = [{"role": "system", "content": "sys"}]
+    for i, u in enumerate(users):
+        out.append({"role": "user", "content": u})
+        if i < len(replies):
+            out.append({"role": "assistant", "content": replies[i]})
+    return out
+
+
+def test_a_user_turn_has_its_prompts_cap_and_its_own_max_iterations():
+    kw = dict(max_iterations=1, first_cap=100, cap=5)
+    plain = Conversation()  # a run that is not a conversation: unchanged
+    plain.check(turn(history([], ["task"]), 0), **kw)
+    plain.answered("r1")
+    with pytest.raises(Violation, match="a message of 40 characters"):
+        plain.check(turn(history(["r1"], ["task", "p" * 40]), 2), **kw)
+
+    convo = Conversation()
+    convo.check(turn(history([], ["task"]), 0), **kw)
+    convo.answered("r1")  # the first user turn ends with its FINAL
+    convo.user_turn(1, 40)  # the supervisor hands a prompt of 40 characters' cap
+    with pytest.raises(Violation, match="a message of 41 characters"):
+        convo.check(turn(history(["r1"], ["task", "p" * 41]), 2), **kw)
+    convo.check(turn(history(["r1"], ["task", "p" * 40]), 2), **kw)
+    convo.answered("r2")
+    users = ["task", "p" * 40, "out"]
+    convo.check(turn(history(["r1", "r2"], users), 4), **kw)  # the turn asking for the answer
+    convo.answered("r3")
+    with pytest.raises(Violation, match=r"model turn 4 is past Limits\.max_iterations=1"):
+        convo.check(turn(history(["r1", "r2", "r3"], [*users, "more"]), 6), **kw)

@@ -281,7 +281,9 @@ class Supervisor:
 
     # ---- closing -----------------------------------------------------------------------
     def close(self) -> None:
-        """Cancel every run still going, confirm every worker's exit, close the journal.
+        """Cancel every run still going, confirm every worker's exit, close the journal. A
+        conversation between turns is not cancelled: its worker is stopped and it stays
+        resumable (`resume_conversation`).
 
         Raises ChildCleanupError (answer preserved on it) if some run's worker exit could not
         be confirmed (the first such cleanup failure, whether or not the group went later).
@@ -422,8 +424,11 @@ class Conversation:
     and computes nothing: children still running when a turn answers are cancelled (exit
     confirmed), as a FINAL ends them; their handles stay in the REPL. Each turn is
     journaled (`user_turn`, then `turn_answer`), so a crash between turns loses nothing:
-    `Supervisor.resume_conversation(id)` rebuilds the REPL by replaying them.
-    `close()` (or leaving a `with` block) ends it; a send after that raises
+    `Supervisor.resume_conversation(id)` rebuilds the REPL by replaying them. A
+    supervisor that closes while the conversation is between turns leaves it so too
+    (its worker stopped, its state `running`, a `suspended` event), to be resumed the
+    same way; one closed during a turn cancels it.
+    `close()` (or leaving a `with` block) ends it for good; a send after that raises
     ConversationClosed."""
 
     def __init__(self, engine: Engine, run: Run) -> None:
@@ -456,10 +461,15 @@ class Conversation:
         engine = self._engine
         if engine.closed:
             rec = self._run.rec
+            fix = (
+                "Start another with Supervisor.conversation()"
+                if rec.state.terminal
+                else "It was left resumable between turns: go on with "
+                f"Supervisor.resume_conversation({self.id!r}) in a new supervisor"
+            )
             raise ConversationClosed(
-                f"conversation {self.id} is closed: its supervisor was closed "
-                f"({rec.state.value}: {rec.reason}). Start another with "
-                "Supervisor.conversation()"
+                f"conversation {self.id} is closed here: its supervisor was closed "
+                f"({rec.state.value}: {rec.reason}). {fix}"
             )
         out = engine.call(engine.core.conversations.send(self._run, prompt, timeout))
         return RunResult(self.id, out["state"], out["answer"], out["error"], out["usage"])

@@ -204,7 +204,13 @@ class Core:
         k = self.kernel
         k.closing = True
         roots = k.live_roots()
-        await asyncio.gather(*(k.finish(r, RunState.CANCELLED, reason) for r in roots))
+        # A conversation between turns computes nothing: it is left resumable, not ended.
+        idle = [r for r in roots if r.turns is not None and r.turns.between and r.ending is None]
+        why = f"{reason} between turns; resume it with Supervisor.resume_conversation"
+        await asyncio.gather(
+            *(self.ending.suspend(r, why) for r in idle),
+            *(k.finish(r, RunState.CANCELLED, reason) for r in roots if r not in idle),
+        )
         await self.tools.aclose()
         await self.budget.gateway.aclose()
         await k.backend.close()
