@@ -28,6 +28,8 @@ from brood.store.base import open_store
 log = logging.getLogger("brood.serve")
 
 RUN_TIMEOUT_S = 3600.0  # a tree started over HTTP is never unbounded by mistake
+NEW_CONVERSATION = "new"  # the conversation_id of a chat completion that starts one
+START_ANOTHER = f'pass "conversation_id": "{NEW_CONVERSATION}" to start another conversation'
 STATES = frozenset(s.value for s in brood.RunState)
 
 
@@ -81,6 +83,9 @@ class Host:
         self._supervisor: brood.Supervisor | None = None
         self._lock = threading.Lock()
         self._closed = False
+        # The conversations this server holds live, by id; one turn at a time each.
+        self._conversations: dict[str, brood.Conversation] = {}
+        self._conversations_lock = threading.Lock()
 
     # ---- the hosted supervisor -----------------------------------------------------------
     def supervisor(self) -> brood.Supervisor:
@@ -112,8 +117,37 @@ class Host:
 
         return self.queued.admit(client, spawn)
 
+    def conversation(self, conversation_id: str, context: Any = None) -> brood.Conversation:
+        """Conversation `conversation_id`: one this server holds, else resumed from the
+        journal (left by a server that stopped or crashed between turns); NEW_CONVERSATION
+        starts one with `context`. 404 for an id the journal does not hold, 409 for one
+        that has ended or that a live supervisor elsewhere runs, 422 for a run that is not
+        a conversation."""
+        supervisor = self.supervisor()
+        with self._conversations_lock:
+            if conversation_id == NEW_CONVERSATION:
+                new = supervisor.conversation(context)
+                self._conversations[new.id] = new
+                return new
+            held = self._conversations.pop(conversation_id, None)
+            if held is not None and not held.closed:
+                self._conversations[conversation_id] = held
+                return held
+            self.run_row(conversation_id)  # 404 for an unknown id
+            try:
+                conv = supervisor.resume_conversation(conversation_id)
+            except brood.ConversationClosed as exc:
+                raise ApiError(409, str(exc), field="conversation_id", fix=START_ANOTHER) from None
+            except brood.InvalidArgument as exc:
+                raise ApiError(422, str(exc), field="conversation_id") from None
+            except brood.BroodError as exc:  # a live supervisor elsewhere runs it
+                raise ApiError(409, str(exc), field="conversation_id") from None
+            self._conversations[conv.id] = conv
+            return conv
+
     def close(self) -> None:
-        """Cancel the hosted supervisor's runs, confirm every exit, close the journal."""
+        """Cancel the hosted supervisor's runs, confirm every exit, close the journal
+        (conversations between turns are left resumable: see `Supervisor.close`)."""
         with self._lock:
             self._closed = True
             supervisor, self._supervisor = self._supervisor, None
