@@ -3,6 +3,7 @@ resumed after a crash between turns (Supervisor.conversation)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -14,7 +15,7 @@ from brood.journal import Journal
 from brood.protocol import ModelReq
 from brood.supervisor.frames import Conversation, Violation
 from tests.test_resume import CRASH_TIMEOUT_S, wait_gone
-from tests.util import FAST, Gate, fast
+from tests.util import FAST, Gate, Signal, fast
 
 FENCE = "```"
 
@@ -277,3 +278,54 @@ def test_a_user_turn_has_its_prompts_cap_and_its_own_max_iterations():
     convo.answered("r3")
     with pytest.raises(Violation, match=r"model turn 4 is past Limits\.max_iterations=1"):
         convo.check(turn(history(["r1", "r2", "r3"], [*users, "more"]), 6), **kw)
+
+
+def test_a_turn_the_crash_interrupted_goes_on_first_after_the_resume(tmp_path):
+    url = f"sqlite:///{tmp_path}/j.db"
+    in_turn = Signal(tmp_path, "in-turn-2")
+    os.mkfifo(tmp_path / "never")
+    script = textwrap.dedent(f"""
+        import brood
+        SEEN = []
+        {textwrap.indent(CHAT, "        ").strip()}
+        def blocking(messages, model=None):
+            if "double x" in messages[-1]["content"]:
+                open({in_turn.path!r}, "w").write("1")
+                open({str(tmp_path / "never")!r}).read()  # until the process is killed
+            return chat(messages)
+        sup = brood.Supervisor(blocking, store={url!r},
+                               limits=brood.Limits(shutdown_grace=0.3, term_grace=0.3))
+        conv = sup.conversation()
+        print(conv.id, flush=True)
+        print(conv.send("set x").answer, flush=True)
+        conv.send("double x")
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        conv_id = proc.stdout.readline().strip()
+        assert proc.stdout.readline().strip() == "x is set"
+        in_turn.wait()
+    finally:
+        proc.kill()
+        proc.wait(CRASH_TIMEOUT_S)
+        proc.stdout.close()
+    wait_gone(proc.pid)
+    seen, chat = scripted_chat()
+    with brood.Supervisor(chat, limits=FAST, store=url) as sup:
+        conv = sup.resume_conversation(conv_id)
+        third = conv.send("add them")  # once turn 2 has gone on to its answer
+        turns = conv.turns()
+    assert third.answer == "sum is 63"
+    assert [t["answer"] for t in turns] == ["x is set", "y is 42", "sum is 63"]
+    assert [m["content"] for m in seen[0]][3::2] == ["double x"]  # turn 2, asked again
+
+
+def test_a_conversation_runs_on_the_model_it_was_given():
+    _, chat = scripted_chat()
+
+    def never(messages, model=None):
+        raise AssertionError("the supervisor's own model is not the conversation's")
+
+    with brood.Supervisor(never, limits=FAST) as sup, sup.conversation(model=chat) as conv:
+        assert conv.send("set x").answer == "x is set"
+        assert conv.send("double x").answer == "y is 42"

@@ -907,6 +907,9 @@ LOG_KINDS = frozenset(
         "quarantined",
         "released",
         "flow",
+        "user_turn",
+        "turn_answer",
+        "suspended",
     }
 )
 FLOW_BOOKKEEPING = frozenset({"spec"})  # a flow's ledger entry holding its whole spec
@@ -979,6 +982,14 @@ def _event_lines(ev: dict[str, Any]) -> Group:
     if kind == "pool" and d.get("waiting"):
         holders = literal(", ".join(d.get("holders", [])))
         return Group(f"{head} waiting for pool {literal(repr(d['pool']))} (held by {holders})")
+    if kind == "user_turn":
+        return Group(
+            f"[dim]{stamp}[/dim] [bold]user turn {d['turn']}[/bold]",
+            plain(_indent(d["prompt"], "  | ")),
+        )
+    if kind == "turn_answer":
+        head = f"[dim]{stamp}[/dim] [bold]turn {d['turn']} answered[/bold] ({literal(d['reason'])})"
+        return Group(head, plain(_indent(d["answer"], "  | ")))
     if kind == "confinement":
         gaps = "; ".join(d.get("unenforced", []))
         return Group(f"{head} not enforced on this machine: {literal(gaps)}")
