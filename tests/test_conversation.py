@@ -329,3 +329,16 @@ def test_a_conversation_runs_on_the_model_it_was_given():
     with brood.Supervisor(never, limits=FAST) as sup, sup.conversation(model=chat) as conv:
         assert conv.send("set x").answer == "x is set"
         assert conv.send("double x").answer == "y is 42"
+
+
+def test_a_suspended_conversation_frees_its_worker_and_its_next_turn_resumes_it():
+    seen, chat = scripted_chat()
+    with brood.Supervisor(chat, limits=FAST) as sup, sup.conversation(model=chat) as conv:
+        assert conv.send("set x").answer == "x is set"
+        serving = sup.statistics()["workers"]["runs"]
+        assert conv.suspend() is True
+        assert conv.suspended and not conv.closed and conv.status() == "running"
+        assert sup.statistics()["workers"]["runs"] == serving - 1
+        assert conv.send("double x").answer == "y is 42"  # replayed, then the new turn
+        assert not conv.suspended
+    assert len(seen) == 2  # the first turn was not asked again

@@ -5,10 +5,12 @@ chat completion a turn of one root REPL."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import openai
 import pytest
 
+from brood.journal import Journal
 from tests.test_conversation import scripted_chat
 from tests.test_serve import TOKEN, serving
 
@@ -106,3 +108,26 @@ def test_bad_conversation_ids_are_refused_naming_the_field(tmp_path):
         error = json.loads(closed.value.response.text)["error"]
         assert f"conversation {conv_id} is closed (cancelled" in error["message"]
         assert error["fix"] == 'pass "conversation_id": "new" to start another conversation'
+
+
+def test_past_its_bound_a_server_suspends_the_least_recently_used_conversation(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr("brood.serve.host.LIVE_CONVERSATIONS", 1)
+    seen, chat = scripted_chat()
+    with serving(tmp_path, chat) as s:
+        client = client_of(s.base_url)
+
+        def turn(conv_id: str, text: str) -> Any:
+            return client.chat.completions.create(
+                model="chat", messages=user(text), extra_body={"conversation_id": conv_id}
+            )
+
+        a = turn("new", "set x").model_extra["conversation_id"]
+        b = turn("new", "set x").model_extra["conversation_id"]
+        assert turn(a, "double x").choices[0].message.content == "y is 42"
+        assert turn(b, "double x").choices[0].message.content == "y is 42"
+    assert len(seen) == 4  # each turn asked once: a suspended one is replayed, not asked
+    with Journal(f"sqlite:///{tmp_path / 'brood.db'}") as journal:
+        reasons = [e["data"]["reason"] for e in journal.store.events(a, "suspended")]
+    assert reasons[0] == "suspended between turns; the next turn resumes it from the journal"

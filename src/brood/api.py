@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import getpass
 import os
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -434,6 +435,7 @@ class Conversation:
     def __init__(self, engine: Engine, run: Run) -> None:
         self._engine = engine
         self._run = run
+        self._resuming = threading.Lock()
         self.id = run.id
 
     def __repr__(self) -> str:
@@ -471,6 +473,11 @@ class Conversation:
                 f"conversation {self.id} is closed here: its supervisor was closed "
                 f"({rec.state.value}: {rec.reason}). {fix}"
             )
+        run = self._run
+        if run.turns is not None and run.turns.suspended:
+            with self._resuming:  # one thread rebuilds it
+                if self._run is run:
+                    self._run = engine.resume(self.id)
         out = engine.call(engine.core.conversations.send(self._run, prompt, timeout))
         return RunResult(self.id, out["state"], out["answer"], out["error"], out["usage"])
 
@@ -490,6 +497,24 @@ class Conversation:
             }
             for e in store.events(self.id, USER_TURN)
         ]
+
+    def suspend(self) -> bool:
+        """Stop its worker between turns (a turn under way is waited for), exit confirmed,
+        freeing the process and its memory while it is kept resumable: the next `send`
+        rebuilds its REPL from the journal first, as `resume_conversation` does (no new
+        model call for recorded work). What a server holding many conversations does with
+        the ones not used for a while. False if it has ended."""
+        engine = self._engine
+        if engine.closed or self._run.rec.state.terminal:
+            return False
+        why = "suspended between turns; the next turn resumes it from the journal"
+        return engine.call(engine.core.conversations.suspend(self._run, why))
+
+    @property
+    def suspended(self) -> bool:
+        """Whether its worker is stopped between turns (`suspend`, or its supervisor
+        closed): its next turn resumes it from the journal."""
+        return self._run.turns is not None and self._run.turns.suspended
 
     @property
     def closed(self) -> bool:

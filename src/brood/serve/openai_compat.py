@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
@@ -287,20 +288,17 @@ class _Turn:
 
     def send(self, conversation_id: str, prompt: str, context: Any) -> brood.RunResult:
         """The turn, run to its end (blocking: called on a worker thread)."""
-        conv = self.host.conversation(conversation_id, context)
-        self.headers = {RUN_HEADER: conv.id, CONVERSATION_HEADER: conv.id}
         try:
-            result = conv.send(prompt)
+            conv_id, result = self.host.conversation_turn(conversation_id, prompt, context)
         except brood.ConversationClosed as exc:
-            raise ApiError(
-                409, str(exc), field="conversation_id", fix=START_ANOTHER, headers=self.headers
-            ) from None
-        self.id = f"chatcmpl-{conv.id}-{len(conv.turns())}"
+            raise ApiError(409, str(exc), field="conversation_id", fix=START_ANOTHER) from None
+        self.headers = {RUN_HEADER: conv_id, CONVERSATION_HEADER: conv_id}
+        self.id = f"chatcmpl-{conv_id}-{uuid.uuid4().hex[:8]}"
         if result.state != "completed":
             raise ApiError(
                 502,
-                f"conversation {conv.id} {result.state}: {result.error}",
-                fix=f"GET /v1/runs/{conv.id}/tree shows what each run did; {START_ANOTHER}",
+                f"conversation {conv_id} {result.state}: {result.error}",
+                fix=f"GET /v1/runs/{conv_id}/tree shows what each run did; {START_ANOTHER}",
                 headers=self.headers,
             )
         return result

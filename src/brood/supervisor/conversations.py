@@ -25,6 +25,8 @@ from brood.lifecycle import COUNT_KEYS, RunState
 from brood.protocol import Turn, user_message_cap
 from brood.store.base import Store
 from brood.supervisor.admission import Admission
+from brood.supervisor.asks import Asks
+from brood.supervisor.ending import Ending
 from brood.supervisor.frames import Violation
 from brood.supervisor.kernel import Kernel
 from brood.supervisor.runs import RUN, Run, Turns
@@ -33,7 +35,7 @@ CONVERSATION = "conversation"  # the event that marks a root as a conversation's
 USER_TURN = "user_turn"  # a turn handed: its number, prompt and the replies before it
 TURN_ANSWER = "turn_answer"  # a turn's answer: its number, answer, reason, products, usage
 CONVERSATION_PROMPT = "(conversation)"  # the root's prompt: its turns are its user_turns
-CHILDREN_END = "its conversation turn ended"
+CHILDREN_END = "its conversation turn ended"  # why its open children and asks end
 
 
 def journaled_turns(store: Store, run_id: str) -> Turns | None:
@@ -61,9 +63,11 @@ def usage_since(now: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
 
 
 class Conversations:
-    def __init__(self, kernel: Kernel, admission: Admission) -> None:
+    def __init__(self, kernel: Kernel, admission: Admission, asks: Asks, ending: Ending) -> None:
         self.kernel = kernel
         self.admission = admission
+        self.asks = asks
+        self.ending = ending
 
     # ---- a turn, from the API --------------------------------------------------------------
     async def send(self, run: Run, prompt: str, timeout: float | None) -> dict[str, Any]:
@@ -164,6 +168,26 @@ class Conversations:
             return await k.finish(run, RunState.COMPLETED, why, answer=turns.answer)
         why = f"conversation closed during turn {len(turns.prompts)}"
         return await k.finish(run, RunState.CANCELLED, why)
+
+    async def suspend(self, run: Run, why: str) -> bool:
+        """Stop the worker of conversation `run` between turns, its exit confirmed, and
+        leave it resumable from the journal (Ending.suspend); a turn under way is waited
+        for first. False if it has ended (nothing to suspend)."""
+        turns = run.turns
+        assert turns is not None
+        async with turns.lock:
+            if not turns.between:  # a resumed turn under way
+                await self._turn_end(run, turns)
+            return await self.suspend_now(run, why)
+
+    async def suspend_now(self, run: Run, why: str) -> bool:
+        """`suspend` without waiting for a turn or a send (the supervisor is closing)."""
+        if run.ending is not None or run.rec.state.terminal:
+            return False
+        assert run.turns is not None
+        run.turns.suspended = True
+        await self.ending.suspend(run, why)
+        return True
 
     # ---- the worker's side of a turn --------------------------------------------------------
     def check_in_turn(self, run: Run, what: str) -> None:

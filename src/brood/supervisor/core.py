@@ -93,7 +93,7 @@ class Core:
         self.resume = Resume(k, self.admission, self.asks, self.spread, flows)
         self.starts = Starts(k, self.admission, self.budget, self.ending, self.spread)
         self.tools = ToolBox(k, tools)
-        self.conversations = Conversations(k, self.admission)
+        self.conversations = Conversations(k, self.admission, self.asks, self.ending)
         self.requests = Requests(
             k,
             self.admission,
@@ -208,7 +208,7 @@ class Core:
         idle = [r for r in roots if r.turns is not None and r.turns.between and r.ending is None]
         why = f"{reason} between turns; resume it with Supervisor.resume_conversation"
         await asyncio.gather(
-            *(self.ending.suspend(r, why) for r in idle),
+            *(self.conversations.suspend_now(r, why) for r in idle),
             *(k.finish(r, RunState.CANCELLED, reason) for r in roots if r not in idle),
         )
         await self.tools.aclose()

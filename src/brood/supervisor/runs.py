@@ -110,6 +110,7 @@ class Turns:
     waiter: asyncio.Future[None] | None = None  # the send() of the turn under way
     usage_at: dict[str, Any] = field(default_factory=dict)  # the root's usage as it began
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one send at a time
+    suspended: bool = False  # its worker stopped between turns; resumable from the journal
 
     @property
     def between(self) -> bool:
