@@ -342,3 +342,16 @@ def test_a_suspended_conversation_frees_its_worker_and_its_next_turn_resumes_it(
         assert conv.send("double x").answer == "y is 42"  # replayed, then the new turn
         assert not conv.suspended
     assert len(seen) == 2  # the first turn was not asked again
+
+
+def test_an_ask_left_open_by_a_turn_is_withdrawn_at_its_end():
+    def chat(messages, model=None):
+        last = messages[-1]["content"]
+        if "ask the person" in last:
+            return repl("a = ask_person('Deploy?', blocking=False)\nFINAL('asked')")
+        return repl("FINAL(rlm_status(a))")
+
+    with brood.Supervisor(chat, limits=FAST) as sup, sup.conversation() as conv:
+        assert conv.send("ask the person").answer == "asked"
+        assert sup.asks() == []
+        assert conv.send("how is the ask").answer == "cancelled"

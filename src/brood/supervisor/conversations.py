@@ -5,8 +5,9 @@ Each turn is journaled (`user_turn`, committed before the worker sees it) and ha
 root's worker as a `Turn`; the root works as any run does until FINAL, whose answer is the
 turn's (`turn_answer`, committed before the caller hears it). The root then does not end:
 its state stays `running`, it gives its slot back, and its children still running are
-cancelled with exit confirmed (as a FINAL ends them), so nothing computes between turns;
-their handles stay in the REPL, reporting `cancelled`. Between turns the supervisor takes
+cancelled with exit confirmed and its open asks withdrawn (as a FINAL ends them), so
+nothing computes or waits between turns; their handles stay in the REPL, reporting
+`cancelled`. Between turns the supervisor takes
 no step and no model turn from it. A resumed conversation's worker replays every journaled
 turn (`Replay.user_turns`) and then waits for the next.
 
@@ -232,6 +233,8 @@ class Conversations:
         await asyncio.gather(
             *(k.finish(c, RunState.CANCELLED, CHILDREN_END) for c in open_children)
         )
+        with contextlib.suppress(BroodError):  # a failed journal ends the run anyway
+            await self.asks.end_of(run, CHILDREN_END)
         if turns.between:  # no turn was handed meanwhile
             self.admission.release(run)
         if written is not None:
@@ -247,6 +250,7 @@ class Conversations:
         if turns is None:
             return
         turns.ended = 0
+        turns.usage_at = dict(run.rec.usage)  # a turn it goes on with counts from here
         for i, (prompt, at) in enumerate(zip(turns.prompts, turns.at, strict=True)):
             run.convo.user_turn(at, self._cap(run, prompt, first=i == 0))
 
