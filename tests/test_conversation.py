@@ -175,41 +175,43 @@ def test_the_journal_and_the_export_show_each_turn(tmp_path):
 
 
 # ---- a crash between turns --------------------------------------------------------------
-def crashed_conversation(tmp_path, url: str) -> str:
-    """Two turns of a conversation in another process, then SIGKILL it between turns.
-    Returns the conversation's id."""
+def crash_after(url: str, prompt: str, conv_id: str | None = None) -> tuple[str, str]:
+    """One turn of a conversation (a new one, or `conv_id` resumed) in another process,
+    then SIGKILL it between turns. Returns (the conversation's id, the turn's answer)."""
     script = textwrap.dedent(f"""
         import brood
         SEEN = []
         {textwrap.indent(CHAT, "        ").strip()}
         sup = brood.Supervisor(chat, store={url!r},
                                limits=brood.Limits(shutdown_grace=0.3, term_grace=0.3))
-        conv = sup.conversation(context="the context")
+        conv_id = {conv_id!r}
+        conv = sup.resume_conversation(conv_id) if conv_id else sup.conversation("the context")
         print(conv.id, flush=True)
-        print(conv.send("please set x").answer, flush=True)
-        print(conv.send("now double x").answer, flush=True)
+        print(conv.send({prompt!r}).answer, flush=True)
         import signal; signal.pause()
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
-        conv_id = proc.stdout.readline().strip()
-        assert [proc.stdout.readline().strip() for _ in range(2)] == ["x is set", "y is 42"]
+        got_id = proc.stdout.readline().strip()
+        answer = proc.stdout.readline().strip()
     finally:
         proc.kill()
         proc.wait(CRASH_TIMEOUT_S)
         proc.stdout.close()
     wait_gone(proc.pid)
-    return conv_id
+    return got_id, answer
 
 
 def test_a_conversation_killed_between_turns_resumes_with_its_variables(tmp_path):
     url = f"sqlite:///{tmp_path}/j.db"
-    conv_id = crashed_conversation(tmp_path, url)
+    conv_id, first = crash_after(url, "please set x")
+    same_id, second = crash_after(url, "now double x", conv_id)  # uses x of turn 1
+    assert (same_id, first, second) == (conv_id, "x is set", "y is 42")
     seen, chat = scripted_chat()
     with brood.Supervisor(chat, limits=FAST, store=url) as sup:
         conv = sup.resume_conversation(conv_id)
         assert conv.id == conv_id
-        third = conv.send("add them")
+        third = conv.send("add them")  # uses x of turn 1 and y of turn 2
         fourth = conv.send("double x")
         turns = conv.turns()
     # The earlier turns were replayed from the journal, not asked again: the model was
@@ -220,6 +222,9 @@ def test_a_conversation_killed_between_turns_resumes_with_its_variables(tmp_path
     assert contents[1].startswith("please set x\n\n`context` is a str")
     assert contents[3::2] == ["now double x", "add them"]
     assert [t["answer"] for t in turns] == ["x is set", "y is 42", "sum is 63", "y is 42"]
+    with Journal(url) as journal:
+        resumes = journal.store.events(conv_id, "resume")
+    assert len(resumes) == 2
 
 
 def test_a_supervisor_closed_between_turns_leaves_the_conversation_resumable(tmp_path):
