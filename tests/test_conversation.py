@@ -360,3 +360,15 @@ def test_an_ask_left_open_by_a_turn_is_withdrawn_at_its_end():
         assert conv.send("ask the person").answer == "asked"
         assert sup.asks() == []
         assert conv.send("how is the ask").answer == "cancelled"
+
+
+def test_a_conversation_is_resumed_as_one_not_as_a_plain_tree(tmp_path):
+    url = f"sqlite:///{tmp_path}/j.db"
+    _, chat = scripted_chat()
+    with brood.Supervisor(chat, limits=FAST, store=url) as sup:
+        conv = sup.conversation()
+        conv.send("set x")
+    with brood.Supervisor(chat, limits=FAST, store=url) as sup:
+        with pytest.raises(brood.InvalidArgument, match="resume_conversation"):
+            sup.resume(conv.id)
+        assert sup.resume_conversation(conv.id).send("double x").answer == "y is 42"

@@ -187,9 +187,16 @@ class Supervisor:
         by key instead of started again; then it goes on live. A replay that asks for a call
         the journal does not hold stops the resume: `wait()` then raises ReplayDiverged.
         Refused (nothing changes) for an unknown id, a tree that has ended, and a tree whose
-        supervisor is still alive.
+        supervisor is still alive, and a conversation's tree (`resume_conversation`).
         """
-        return RunHandle(self._engine, self._engine.resume(run_id))
+        engine = self._engine
+        root_id = engine.store.get_run(run_id)["root_id"]
+        if engine.store.events(root_id, CONVERSATION):
+            raise InvalidArgument(
+                f"run {run_id} belongs to conversation {root_id}, whose root waits for user "
+                f"turns; resume it with Supervisor.resume_conversation({root_id!r})"
+            )
+        return RunHandle(engine, engine.resume(run_id))
 
     # ---- conversations -----------------------------------------------------------------
     def conversation(
