@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import pty
+import re
 import signal
 import subprocess
 
 from brood.journal import Journal
 from tests.test_cli import BROOD
+from tests.test_cli_live import READ_TIMEOUT_S, read_until
 
 CHAT_MODEL = """
 def chat(messages, model=None):
@@ -107,3 +110,32 @@ def test_ctrl_c_between_turns_keeps_it_for_resume(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     assert resumed.stdout.splitlines() == ["y is 42", "sum is 63"]
     assert f"conversation {conv_id} resumed" in resumed.stderr
+
+
+def test_on_a_terminal_it_prompts_for_each_line_and_ctrl_d_closes_it(tmp_path):
+    master, slave = pty.openpty()
+    url = f"sqlite:///{tmp_path}/j.db"
+    proc = subprocess.Popen(
+        [*BROOD, "chat", "--model", "python:chatmodel:chat", "--store", url],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        env=chat_env(tmp_path) | {"TERM": "xterm"},
+    )
+    os.close(slave)
+    seen: list[str] = []
+    try:
+        read_until(master, seen, lambda t: t.rstrip().endswith(">"))
+        os.write(master, b"set x\n")
+        read_until(master, seen, lambda t: "x is set" in t and t.rstrip().endswith(">"))
+        os.write(master, b"double x\n")
+        read_until(master, seen, lambda t: "y is 42" in t and t.rstrip().endswith(">"))
+        os.write(master, b"\x04")  # Ctrl-D: end of input
+        text = read_until(master, seen, lambda t: "closed (completed)" in t)
+        assert proc.wait(READ_TIMEOUT_S) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+    assert re.search(r"conversation r-\w+ closed \(completed\)", text)
