@@ -372,3 +372,21 @@ def test_a_conversation_is_resumed_as_one_not_as_a_plain_tree(tmp_path):
         with pytest.raises(brood.InvalidArgument, match="resume_conversation"):
             sup.resume(conv.id)
         assert sup.resume_conversation(conv.id).send("double x").answer == "y is 42"
+
+
+def test_a_suspended_conversation_can_be_closed_and_followed_by_another_handle(tmp_path):
+    url = f"sqlite:///{tmp_path}/j.db"
+    _, chat = scripted_chat()
+    with brood.Supervisor(chat, limits=FAST, store=url) as sup:
+        conv = sup.conversation()
+        conv.send("set x")
+        conv.suspend()
+        other = sup.resume_conversation(conv.id)  # rebuilt here from the journal
+        assert other.send("double x").answer == "y is 42"
+        assert conv.send("add them").answer == "sum is 63"  # the same, live conversation
+        second = sup.conversation()
+        second.send("set x")
+        assert second.suspend() and second.suspend() is False
+        assert second.close().state == "completed"
+        row = sup.store.get_run(second.id)
+    assert (row["state"], row["reason"]) == ("completed", "conversation closed after 1 turn")

@@ -483,7 +483,10 @@ class Conversation:
         run = self._run
         if run.turns is not None and run.turns.suspended:
             with self._resuming:  # one thread rebuilds it
-                if self._run is run:
+                live = engine.core.run_of(self.id)
+                if live is not run and live is not None and not _suspended(live):
+                    self._run = live  # rebuilt meanwhile (resume_conversation)
+                elif self._run is run:
                     self._run = engine.resume(self.id)
         out = engine.call(engine.core.conversations.send(self._run, prompt, timeout))
         return RunResult(self.id, out["state"], out["answer"], out["error"], out["usage"])
@@ -521,7 +524,7 @@ class Conversation:
     def suspended(self) -> bool:
         """Whether its worker is stopped between turns (`suspend`, or its supervisor
         closed): its next turn resumes it from the journal."""
-        return self._run.turns is not None and self._run.turns.suspended
+        return _suspended(self._run)
 
     @property
     def closed(self) -> bool:
@@ -549,6 +552,10 @@ class Conversation:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _suspended(run: Run) -> bool:
+    return run.turns is not None and run.turns.suspended
 
 
 class FlowHandle:

@@ -149,8 +149,14 @@ class Conversations:
         k.task(k.finish(run, RunState.TIMED_OUT, why))
 
     def check_open(self, run: Run) -> None:
-        """ConversationClosed once the root has ended (or is ending)."""
+        """ConversationClosed once the root has ended (or is ending); BroodError for one
+        suspended here (its next turn is sent once it is resumed)."""
         rec = run.rec
+        if run.turns is not None and run.turns.suspended and not rec.state.terminal:
+            raise BroodError(
+                f"conversation {run.id} is suspended; resume it first "
+                "(Conversation.send does, as Supervisor.resume_conversation does)"
+            )
         if rec.state.terminal or run.ending is not None:
             how = rec.state.value if rec.state.terminal else "ending"
             raise ConversationClosed(
@@ -165,7 +171,8 @@ class Conversations:
         assert turns is not None
         k = self.kernel
         if turns.between:
-            why = f"conversation closed after {turns.answered} turns"
+            n = turns.answered
+            why = f"conversation closed after {n} turn{'s' * (n != 1)}"
             return await k.finish(run, RunState.COMPLETED, why, answer=turns.answer)
         why = f"conversation closed during turn {len(turns.prompts)}"
         return await k.finish(run, RunState.CANCELLED, why)
@@ -183,9 +190,9 @@ class Conversations:
 
     async def suspend_now(self, run: Run, why: str) -> bool:
         """`suspend` without waiting for a turn or a send (the supervisor is closing)."""
-        if run.ending is not None or run.rec.state.terminal:
-            return False
         assert run.turns is not None
+        if run.ending is not None or run.rec.state.terminal or run.turns.suspended:
+            return False
         run.turns.suspended = True
         await self.ending.suspend(run, why)
         return True

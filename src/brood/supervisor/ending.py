@@ -155,6 +155,9 @@ class Ending:
         k.event(run, "suspended", {"reason": reason})
         k.tracing.run_ended(run)
         run.done.set()
+        # Its worker is gone, so nothing of it is heard any more: it may still be ended
+        # (a conversation closed while suspended), through `finish` as any run is.
+        run.ending = None
         return run.rec.state
 
     async def _ended_on_its_node(self, run: Run, state: RunState, reason: str) -> bool:
