@@ -1,6 +1,6 @@
 """brood: a runtime for recursive language models with a managed child-run lifecycle."""
 
-from brood.api import FlowHandle, RunHandle, RunInfo, RunResult, Supervisor
+from brood.api import Conversation, FlowHandle, RunHandle, RunInfo, RunResult, Supervisor
 from brood.cluster import Cluster  # imports Ray only when a Cluster is made, never here
 from brood.errors import (
     AskCancelled,
@@ -10,6 +10,7 @@ from brood.errors import (
     ChildFailed,
     ChildNotReady,
     ConfinementError,
+    ConversationClosed,
     IllegalTransition,
     InvalidArgument,
     InvalidSpec,
@@ -59,6 +60,8 @@ __all__ = [
     "Cluster",
     "Completion",
     "ConfinementError",
+    "Conversation",
+    "ConversationClosed",
     "FlowHandle",
     "GeminiModel",
     "IllegalTransition",

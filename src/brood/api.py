@@ -9,12 +9,14 @@ from __future__ import annotations
 import asyncio
 import getpass
 import os
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from brood.errors import (
     ChildFailed,
     ChildNotReady,
+    ConversationClosed,
     InvalidArgument,
     ReplayDiverged,
     StaleHandle,
@@ -25,6 +27,12 @@ from brood.limits import Limits, check_timeout
 from brood.models.base import Model
 from brood.models.prices import Price
 from brood.store.base import Store
+from brood.supervisor.conversations import (
+    CONVERSATION,
+    CONVERSATION_PROMPT,
+    TURN_ANSWER,
+    USER_TURN,
+)
 from brood.supervisor.core import Run, RunInfo
 from brood.supervisor.engine import Engine
 from brood.tools import Tool
@@ -34,7 +42,7 @@ from brood.tools import Tool
 if TYPE_CHECKING:
     from brood.flow.executor import FlowExecutor
 
-__all__ = ["FlowHandle", "RunHandle", "RunInfo", "RunResult", "Supervisor"]
+__all__ = ["Conversation", "FlowHandle", "RunHandle", "RunInfo", "RunResult", "Supervisor"]
 
 
 class RunResult(NamedTuple):
@@ -192,9 +200,55 @@ class Supervisor:
         by key instead of started again; then it goes on live. A replay that asks for a call
         the journal does not hold stops the resume: `wait()` then raises ReplayDiverged.
         Refused (nothing changes) for an unknown id, a tree that has ended, and a tree whose
-        supervisor is still alive.
+        supervisor is still alive, and a conversation's tree (`resume_conversation`).
         """
-        return RunHandle(self._engine, self._engine.resume(run_id))
+        engine = self._engine
+        root_id = engine.store.get_run(run_id)["root_id"]
+        if engine.store.events(root_id, CONVERSATION):
+            raise InvalidArgument(
+                f"run {run_id} belongs to conversation {root_id}, whose root waits for user "
+                f"turns; resume it with Supervisor.resume_conversation({root_id!r})"
+            )
+        return RunHandle(engine, engine.resume(run_id))
+
+    # ---- conversations -----------------------------------------------------------------
+    def conversation(
+        self, context: Any = None, model: str | Callable[..., Any] | Model | None = None
+    ) -> Conversation:
+        """Start a conversation: one root run whose REPL namespace and model history persist
+        across user turns (`Conversation.send`). `context` is its REPL's `context`; `model`
+        its model (default: the supervisor's). Its id is the root's, the same for every
+        turn; it is journaled and resumable like any tree (`resume_conversation`)."""
+        engine = self._engine
+        engine.check_open()
+        run = engine.call(
+            engine.create_root(
+                CONVERSATION_PROMPT, context, None, model, driven=False, conversation=True
+            )
+        )
+        return Conversation(engine, run)
+
+    def resume_conversation(self, run_id: str) -> Conversation:
+        """Resume the conversation `run_id` (its id) from this supervisor's journal after a
+        crash of the process that ran it: its worker replays every journaled turn (no new
+        model call for recorded work), so the REPL holds what it held, and the next `send`
+        goes on from there. A turn the crash interrupted goes on first; `send` waits for it.
+        Refused: an id that is not a conversation's (InvalidArgument), a conversation that
+        has ended (ConversationClosed), one a live supervisor still runs (BroodError)."""
+        engine = self._engine
+        engine.check_open()
+        row = engine.store.get_run(run_id)
+        if row["root_id"] != run_id or not engine.store.events(run_id, CONVERSATION):
+            raise InvalidArgument(
+                f"run {run_id} is not a conversation (Supervisor.conversation() starts one); "
+                "resume any other tree with Supervisor.resume(run_id)"
+            )
+        if RunState(row["state"]).terminal:
+            raise ConversationClosed(
+                f"conversation {run_id} is closed ({row['state']}: {row['reason']}); it takes "
+                "no more turns. Start another with Supervisor.conversation()"
+            )
+        return Conversation(engine, engine.resume(run_id))
 
     def flow_run(self, spec: Any, *, inputs: dict[str, Any] | None = None) -> FlowHandle:
         """Validate a flow spec (a path, YAML/JSON text, a dict, or a `FlowSpec` that
@@ -248,7 +302,9 @@ class Supervisor:
 
     # ---- closing -----------------------------------------------------------------------
     def close(self) -> None:
-        """Cancel every run still going, confirm every worker's exit, close the journal.
+        """Cancel every run still going, confirm every worker's exit, close the journal. A
+        conversation between turns is not cancelled: its worker is stopped and it stays
+        resumable (`resume_conversation`).
 
         Raises ChildCleanupError (answer preserved on it) if some run's worker exit could not
         be confirmed (the first such cleanup failure, whether or not the group went later).
@@ -378,6 +434,141 @@ class RunHandle:
             return self._engine.core.snapshot(self._run)
 
         return self._engine.call(snap())
+
+
+class Conversation:
+    """A conversation (`Supervisor.conversation`): one root run that keeps its REPL
+    namespace and its model's history (system prompt, every earlier turn) across user
+    turns. `id` is the root's run id, the same for every turn.
+
+    Between turns the root stays `running` in the journal, holds no max_concurrency slot
+    and computes nothing: children still running when a turn answers are cancelled (exit
+    confirmed), as a FINAL ends them; their handles stay in the REPL. Each turn is
+    journaled (`user_turn`, then `turn_answer`), so a crash between turns loses nothing:
+    `Supervisor.resume_conversation(id)` rebuilds the REPL by replaying them. A
+    supervisor that closes while the conversation is between turns leaves it so too
+    (its worker stopped, its state `running`, a `suspended` event), to be resumed the
+    same way; one closed during a turn cancels it.
+    `close()` (or leaving a `with` block) ends it for good; a send after that raises
+    ConversationClosed."""
+
+    def __init__(self, engine: Engine, run: Run) -> None:
+        self._engine = engine
+        self._run = run
+        self._resuming = threading.Lock()
+        self.id = run.id
+
+    def __repr__(self) -> str:
+        return f"<Conversation {self.id} {self._run.rec.state.value}>"
+
+    def send(self, prompt: str, *, timeout: float | None = None) -> RunResult:
+        """Run one user turn: `prompt` joins the history and the root works on it (model
+        turns, REPL steps, children as usual; Limits.max_iterations counts per turn) until
+        FINAL. Returns the turn's RunResult: `run_id` is the conversation's id, `state` is
+        `completed` when the turn answered (the root goes on `running`), `answer` its
+        answer, `usage` the root's own model usage during this turn. A turn during which
+        the root ended (its worker died, a budget ran out, `timeout` passed) returns the
+        root's final state with `error` saying why, and the conversation is closed.
+
+        `timeout` bounds this turn's wall-clock seconds: past it the conversation ends
+        `timed_out` (its subtree cancelled), as a run's timeout ends that run. One turn at
+        a time: a send from another thread waits for the turn under way. Raises
+        ConversationClosed once the conversation has ended."""
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise InvalidArgument(
+                f"send(prompt): prompt must be a non-empty str, got {prompt!r:.60}; pass the "
+                "user's message"
+            )
+        check_timeout(timeout)
+        engine = self._engine
+        if engine.closed:
+            rec = self._run.rec
+            fix = (
+                "Start another with Supervisor.conversation()"
+                if rec.state.terminal
+                else "It was left resumable between turns: go on with "
+                f"Supervisor.resume_conversation({self.id!r}) in a new supervisor"
+            )
+            raise ConversationClosed(
+                f"conversation {self.id} is closed here: its supervisor was closed "
+                f"({rec.state.value}: {rec.reason}). {fix}"
+            )
+        run = self._run
+        if run.turns is not None and run.turns.suspended:
+            with self._resuming:  # one thread rebuilds it
+                live = engine.core.run_of(self.id)
+                if live is not run and live is not None and not _suspended(live):
+                    self._run = live  # rebuilt meanwhile (resume_conversation)
+                elif self._run is run:
+                    self._run = engine.resume(self.id)
+        out = engine.call(engine.core.conversations.send(self._run, prompt, timeout))
+        return RunResult(self.id, out["state"], out["answer"], out["error"], out["usage"])
+
+    def turns(self) -> list[dict[str, Any]]:
+        """The user turns so far, oldest first, from the journal: `turn` (from 1),
+        `prompt`, and `answer` (None while it goes on, or if the root ended during it)."""
+        store = self._engine.store
+        self._engine.store.flush()
+        answers = {
+            e["data"]["turn"]: e["data"]["answer"] for e in store.events(self.id, TURN_ANSWER)
+        }
+        return [
+            {
+                "turn": e["data"]["turn"],
+                "prompt": e["data"]["prompt"],
+                "answer": answers.get(e["data"]["turn"]),
+            }
+            for e in store.events(self.id, USER_TURN)
+        ]
+
+    def suspend(self) -> bool:
+        """Stop its worker between turns (a turn under way is waited for), exit confirmed,
+        freeing the process and its memory while it is kept resumable: the next `send`
+        rebuilds its REPL from the journal first, as `resume_conversation` does (no new
+        model call for recorded work). What a server holding many conversations does with
+        the ones not used for a while. False if it has ended."""
+        engine = self._engine
+        if engine.closed or self._run.rec.state.terminal:
+            return False
+        why = "suspended between turns; the next turn resumes it from the journal"
+        return engine.call(engine.core.conversations.suspend(self._run, why))
+
+    @property
+    def suspended(self) -> bool:
+        """Whether its worker is stopped between turns (`suspend`, or its supervisor
+        closed): its next turn resumes it from the journal."""
+        return _suspended(self._run)
+
+    @property
+    def closed(self) -> bool:
+        """Whether it has ended (it takes no more turns)."""
+        return self._engine.closed or self._run.rec.state.terminal
+
+    def status(self) -> str:
+        """The root's state: `running` until the conversation ends; never blocks."""
+        return self._run.rec.state.value
+
+    def close(self) -> RunResult:
+        """End the conversation and its root, exit confirmed: `completed` (reason
+        "conversation closed after N turns", answer the last turn's) between turns,
+        `cancelled` during one. Returns how the root ended; closing again does nothing."""
+        engine = self._engine
+        run = self._run
+        if not engine.closed and not run.rec.state.terminal:
+            engine.call(engine.core.conversations.close(run))
+        rec = run.rec
+        error = None if rec.state is RunState.COMPLETED else rec.reason
+        return RunResult(rec.id, rec.state.value, rec.answer, error, dict(rec.usage))
+
+    def __enter__(self) -> Conversation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _suspended(run: Run) -> bool:
+    return run.turns is not None and run.turns.suspended
 
 
 class FlowHandle:

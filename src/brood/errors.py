@@ -17,6 +17,7 @@ __all__ = [
     "ChildFailed",
     "ChildNotReady",
     "ConfinementError",
+    "ConversationClosed",
     "IllegalTransition",
     "InvalidArgument",
     "InvalidSpec",
@@ -166,6 +167,11 @@ class ReplayDiverged(BroodError):
 
 class SupervisorClosed(BroodError):
     """The supervisor is closed (or refused reuse after a cleanup failure)."""
+
+
+class ConversationClosed(BroodError):
+    """A turn was sent to a conversation that has ended (closed, failed, timed out or
+    cancelled); the message says how it ended and how to start another."""
 
 
 class ModelError(BroodError):

@@ -302,6 +302,7 @@ class Replay(msgspec.Struct, omit_defaults=True):
     turn_tokens: list[int] = []  # each turn's prompt tokens, as its model reported them
     # Each compaction's summary, by the number of turns answered before it.
     compactions: dict[int, str] = {}
+    user_turns: list[str] = []  # a conversation root's journaled user turns, in order
 
 
 class ToolInfo(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -359,6 +360,9 @@ class Start(Msg):
     replay: Replay | None = None  # set when the run is resumed from the journal
     budget: dict[str, Any] | None = None  # its place in the tree and what is left, at start
     tools: list[ToolInfo] = []  # the user's tools, placed in the REPL beside the helpers
+    # A conversation root (Supervisor.conversation): its user turns come as `Turn`s, each
+    # continuing the same history and REPL until FINAL; `prompt` is then only a label.
+    conversation: bool = False
 
 
 class BudgetReq(Msg):
@@ -422,6 +426,13 @@ class Notice(Msg):
     """A line for the run's next model turn (e.g. a milestone of a flow it started)."""
 
     text: str
+
+
+class Turn(Msg):
+    """A conversation root's next user turn: the user's message, handed once the turn is
+    journaled and the run holds a slot again."""
+
+    prompt: str
 
 
 class Exec(Msg):
@@ -506,6 +517,7 @@ AnyMsg = (
     | Progress
     | AskUpdate
     | Deliver
+    | Turn
     | Exec
     | Stop
     | CtlAuth

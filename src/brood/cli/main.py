@@ -7,6 +7,7 @@ it ended, and never changes the journal. `--json` prints only JSON on stdout.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -33,6 +34,7 @@ from brood.cli.terminal import Terminal, clean, echo, literal, plain, print_json
 from brood.cli.words import for_cli
 from brood.journal import Journal, default_store_url
 from brood.lifecycle import FLOW_ENDED, TERMINAL_VALUES, FlowStatus
+from brood.limits import check_timeout
 from brood.models import resolve_model
 from brood.models.demo import ROOT_TASK
 from brood.models.prices import Price, cost_text, dollars, parse_price
@@ -398,6 +400,29 @@ def _options(
 
 
 # ---- commands: running ---------------------------------------------------------------------
+def _context_text(context: Path | None) -> str | None:
+    """The text of --context FILE (None without it); fails naming the file and the fix."""
+    if context is None:
+        return None
+    try:
+        size = context.stat().st_size
+        if size > MAX_CONTEXT_BYTES:  # refused before a byte is read or journaled
+            _fail(
+                f"--context {context}: {size:,} bytes, over the {MAX_CONTEXT_BYTES:,}-byte "
+                "bound of a run's context; pass less, or let the run read the file "
+                "(--fs-read PATH)"
+            )
+        return context.read_bytes().decode("utf-8")
+    except OSError as exc:
+        _fail(f"--context {context}: {exc.strerror}")
+    except UnicodeDecodeError as exc:
+        _fail(
+            f"--context {context}: not UTF-8 text (byte {exc.start}); `context` is text: "
+            "pass a text file, or decode the data first"
+        )
+    return None
+
+
 @app.command()
 def run(
     prompt: Annotated[str, typer.Argument(metavar="PROMPT", help="the task")],
@@ -445,24 +470,7 @@ def run(
     mcp: McpOpt = None,
 ) -> None:
     """Run PROMPT as a root run, show its tree live, and print its answer."""
-    text = None
-    if context is not None:
-        try:
-            size = context.stat().st_size
-            if size > MAX_CONTEXT_BYTES:  # refused before a byte is read or journaled
-                _fail(
-                    f"--context {context}: {size:,} bytes, over the {MAX_CONTEXT_BYTES:,}-byte "
-                    "bound of a run's context; pass less, or let the run read the file "
-                    "(--fs-read PATH)"
-                )
-            text = context.read_bytes().decode("utf-8")
-        except OSError as exc:
-            _fail(f"--context {context}: {exc.strerror}")
-        except UnicodeDecodeError as exc:
-            _fail(
-                f"--context {context}: not UTF-8 text (byte {exc.start}); `context` is text: "
-                "pass a text file, or decode the data first"
-            )
+    text = _context_text(context)
     given: dict[str, Any] = {
         "max_depth": max_depth,
         "max_children": max_children,
@@ -547,6 +555,120 @@ def resume(
         _refused(exc)
         return
     _report(result, as_json, url)
+
+
+CHAT_EXIT = frozenset({"exit", "quit"})  # a line that ends `brood chat`, as EOF does
+
+
+@app.command()
+def chat(
+    model: Annotated[
+        str | None,
+        typer.Option(
+            help="model spec: openai:MODEL@URL, python:MODULE:FUNCTION, echo, … (or "
+            "BROOD_MODEL; with --resume, the spec the conversation was started with)"
+        ),
+    ] = None,
+    store: StoreOpt = None,
+    context: Annotated[
+        Path | None, typer.Option(help="a file whose text becomes `context`")
+    ] = None,
+    resume: Annotated[
+        str | None,
+        typer.Option(
+            "--resume",
+            metavar="RUN",
+            help="go on with the journaled conversation RUN (one left by Ctrl-C or a crash)",
+        ),
+    ] = None,
+    max_iterations: Annotated[int | None, typer.Option(help="model turns per user turn")] = None,
+    timeout: Annotated[
+        float | None, typer.Option(help="wall-clock seconds of one turn (a number > 0)")
+    ] = None,
+    fs_read: FsReadOpt = None,
+    fs_write: FsWriteOpt = None,
+    network: NetworkOpt = False,
+    confine: ConfineOpt = True,
+    model_timeout: ModelTimeoutOpt = None,
+    price: PriceOpt = None,
+    tool: ToolOpt = None,
+    mcp: McpOpt = None,
+) -> None:
+    """A conversation in the terminal: each line you type is a turn of one root run,
+    whose REPL variables and history persist from turn to turn; its answer is printed.
+    `exit`, `quit` or end of input (Ctrl-D) closes the conversation. Ctrl-C leaves it
+    journaled between turns (a turn under way is cancelled): `brood chat --resume RUN`
+    goes on with it, its REPL rebuilt from the journal."""
+    text = _context_text(context)
+    if resume is not None and text is not None:
+        _fail("--context is the context of a new conversation; a resumed one keeps its own")
+    url = store or default_store_url()
+    given: dict[str, Any] = {"max_iterations": max_iterations}
+    try:
+        check_timeout(timeout)
+        limits = brood.Limits(
+            **{k: v for k, v in given.items() if v is not None},
+            **_confinement(fs_read, fs_write, network, confine),
+        )
+        journaled = _journaled_model(url, resume) if resume and not model else None
+        spec = _model(model or journaled, model_timeout)
+        prices = _prices(price, spec)
+        with (
+            interruptible() as interrupt,
+            brood.Supervisor(
+                spec, limits=limits, store=url, prices=prices, tools=tool, mcp_servers=mcp
+            ) as sup,
+        ):
+            _stop_if_interrupted(interrupt)
+            conv = sup.resume_conversation(resume) if resume else sup.conversation(text)
+            code = _converse(conv, interrupt, timeout)
+    except brood.BroodError as exc:
+        _refused(exc)
+        return
+    if code:
+        raise typer.Exit(code)
+
+
+def _converse(conv: brood.Conversation, interrupt: Interrupt, timeout: float | None) -> int:
+    """Read lines and send each as a turn until `exit` or end of input (then close the
+    conversation: 0), a turn that ends the conversation (1), or Ctrl-C (130; the
+    conversation stays resumable between turns). Answers go to stdout; the rest to
+    stderr, so `brood chat < questions.txt > answers.txt` keeps only the answers."""
+    err = Terminal(stderr=True)
+    interactive = sys.stdin.isatty()
+    verb = "resumed" if conv.turns() else "started"
+    err.print(
+        f"conversation {conv.id} {verb}; `exit` or Ctrl-D closes it, Ctrl-C keeps it for "
+        f"`brood chat --resume {conv.id}`",
+        markup=False,
+    )
+    while True:
+        if interactive:
+            err.print("> ", end="", markup=False)
+        line = interrupt.result_of(sys.stdin.readline)
+        if line is None or interrupt.hit:
+            err.print(f"\ninterrupted: continue with `brood chat --resume {conv.id}`", markup=False)
+            return INTERRUPTED
+        prompt = line.strip()
+        if not line or prompt in CHAT_EXIT:
+            ended = conv.close()
+            err.print(f"conversation {conv.id} closed ({ended.state})", markup=False)
+            return 0
+        if not prompt:
+            continue
+        result = interrupt.result_of(functools.partial(conv.send, prompt, timeout=timeout))
+        if result is None or interrupt.hit:
+            interrupt.cleaning = True
+            ended = conv.close()  # the turn under way is cancelled, every exit confirmed
+            err.print(f"interrupted: conversation {conv.id} {ended.state}", markup=False)
+            return INTERRUPTED
+        if result.state != "completed":
+            err.print(
+                f"conversation {conv.id} {result.state}: {result.error}",
+                markup=False,
+            )
+            return 1
+        echo(result.answer or "")
 
 
 def _journaled_model(url: str, run_id: str) -> str | None:
@@ -794,6 +916,9 @@ LOG_KINDS = frozenset(
         "quarantined",
         "released",
         "flow",
+        "user_turn",
+        "turn_answer",
+        "suspended",
     }
 )
 FLOW_BOOKKEEPING = frozenset({"spec"})  # a flow's ledger entry holding its whole spec
@@ -866,6 +991,14 @@ def _event_lines(ev: dict[str, Any]) -> Group:
     if kind == "pool" and d.get("waiting"):
         holders = literal(", ".join(d.get("holders", [])))
         return Group(f"{head} waiting for pool {literal(repr(d['pool']))} (held by {holders})")
+    if kind == "user_turn":
+        return Group(
+            f"[dim]{stamp}[/dim] [bold]user turn {d['turn']}[/bold]",
+            plain(_indent(d["prompt"], "  | ")),
+        )
+    if kind == "turn_answer":
+        head = f"[dim]{stamp}[/dim] [bold]turn {d['turn']} answered[/bold] ({literal(d['reason'])})"
+        return Group(head, plain(_indent(d["answer"], "  | ")))
     if kind == "confinement":
         gaps = "; ".join(d.get("unenforced", []))
         return Group(f"{head} not enforced on this machine: {literal(gaps)}")

@@ -55,6 +55,12 @@ REWRITES: tuple[Rewrite, ...] = (
         "--model SPEC (e.g. openai:MODEL@URL; --model echo tries brood with no server)",
     ),
     (re.compile(r", or pass a chat_fn callable or a brood\.Model"), ""),
+    (
+        re.compile(r"Supervisor\.resume_conversation\('([^']*)'\)( in a new supervisor)?"),
+        r"brood chat --resume \1",
+    ),
+    (re.compile(r"Supervisor\.resume_conversation(\(run_id\))?"), "brood chat --resume RUN"),
+    (re.compile(r"Supervisor\.conversation\(\)"), "brood chat"),
     (re.compile(r"\bray_address=None\b"), "--ray local (a bare --ray)"),
     (re.compile(r"\bray_address\b"), "--ray"),
     (re.compile(r"\bstore='([^']*)'"), r"--store \1"),

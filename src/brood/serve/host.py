@@ -28,6 +28,11 @@ from brood.store.base import open_store
 log = logging.getLogger("brood.serve")
 
 RUN_TIMEOUT_S = 3600.0  # a tree started over HTTP is never unbounded by mistake
+NEW_CONVERSATION = "new"  # the conversation_id of a chat completion that starts one
+# Conversations a server keeps a worker for: past this, the least recently used that no
+# request is using are suspended (worker stopped; the next turn resumes it from the journal).
+LIVE_CONVERSATIONS = 64
+START_ANOTHER = f'pass "conversation_id": "{NEW_CONVERSATION}" to start another conversation'
 STATES = frozenset(s.value for s in brood.RunState)
 
 
@@ -81,6 +86,11 @@ class Host:
         self._supervisor: brood.Supervisor | None = None
         self._lock = threading.Lock()
         self._closed = False
+        # The conversations this server holds live, by id, least recently used first, and
+        # how many requests use each now.
+        self._conversations: dict[str, brood.Conversation] = {}
+        self._using: dict[str, int] = {}
+        self._conversations_lock = threading.Lock()
 
     # ---- the hosted supervisor -----------------------------------------------------------
     def supervisor(self) -> brood.Supervisor:
@@ -112,8 +122,65 @@ class Host:
 
         return self.queued.admit(client, spawn)
 
+    def conversation_turn(
+        self, conversation_id: str, prompt: str, context: Any = None
+    ) -> tuple[str, brood.RunResult]:
+        """One turn of conversation `conversation_id` (see `conversation`), run to its
+        end: (its id, the turn's result). Past LIVE_CONVERSATIONS, the least recently used
+        conversations no request is using are suspended after it."""
+        conv = self.conversation(conversation_id, context)
+        try:
+            return conv.id, conv.send(prompt)
+        finally:
+            with self._conversations_lock:
+                self._using[conv.id] -= 1
+                if not self._using[conv.id]:
+                    del self._using[conv.id]
+            self._suspend_beyond(LIVE_CONVERSATIONS)
+
+    def conversation(self, conversation_id: str, context: Any = None) -> brood.Conversation:
+        """Conversation `conversation_id`, counted as used by one more request: one this
+        server holds, else resumed from the journal (left by a server that stopped or
+        crashed between turns); NEW_CONVERSATION starts one with `context`. 404 for an id
+        the journal does not hold, 409 for one that has ended or that a live supervisor
+        elsewhere runs, 422 for a run that is not a conversation."""
+        supervisor = self.supervisor()
+        with self._conversations_lock:
+            conv = self._held(supervisor, conversation_id, context)
+            self._conversations[conv.id] = conv  # the most recently used, last
+            self._using[conv.id] = self._using.get(conv.id, 0) + 1
+            return conv
+
+    def _held(
+        self, supervisor: brood.Supervisor, conversation_id: str, context: Any
+    ) -> brood.Conversation:
+        if conversation_id == NEW_CONVERSATION:
+            return supervisor.conversation(context)
+        held = self._conversations.pop(conversation_id, None)
+        if held is not None and not held.closed:
+            return held
+        self.run_row(conversation_id)  # 404 for an unknown id
+        try:
+            return supervisor.resume_conversation(conversation_id)
+        except brood.ConversationClosed as exc:
+            raise ApiError(409, str(exc), field="conversation_id", fix=START_ANOTHER) from None
+        except brood.InvalidArgument as exc:
+            raise ApiError(422, str(exc), field="conversation_id") from None
+        except brood.BroodError as exc:  # a live supervisor elsewhere runs it
+            raise ApiError(409, str(exc), field="conversation_id") from None
+
+    def _suspend_beyond(self, most: int) -> None:
+        """Suspend the least recently used conversations no request uses, down to `most`
+        held; they stay held, and their next turn resumes them from the journal."""
+        with self._conversations_lock:
+            live = [c for c in self._conversations.values() if not c.closed and not c.suspended]
+            idle = [c for c in live if c.id not in self._using][: max(0, len(live) - most)]
+        for conv in idle:
+            conv.suspend()
+
     def close(self) -> None:
-        """Cancel the hosted supervisor's runs, confirm every exit, close the journal."""
+        """Cancel the hosted supervisor's runs, confirm every exit, close the journal
+        (conversations between turns are left resumable: see `Supervisor.close`)."""
         with self._lock:
             self._closed = True
             supervisor, self._supervisor = self._supervisor, None

@@ -5,12 +5,21 @@ The last user message is the task; every other message goes into the run's `cont
 list of `{"role", "content"}`, in order. The root runs in the hosted supervisor to its
 end; `usage` sums the whole tree. A client that goes away cancels the tree (shielded, so
 the cancel is not itself cut short), journaled as `client disconnected`.
+
+With a `conversation_id` field (the openai client sends it with `extra_body`), the request
+is a turn of a conversation (`Supervisor.conversation`) instead: `"new"` starts one (the
+other messages are its context), a conversation's id continues it (its root keeps its own
+history, so only the last user message is read). The answer carries the id to continue
+with, as the `conversation_id` field and the X-Brood-Conversation-Id header; `usage` is
+the turn's (the root's own model calls during it). A client that goes away does not end
+the turn: its answer is journaled, and the conversation goes on.
 """
 
 from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
@@ -26,10 +35,11 @@ import brood
 from brood.serve.bodies import json_type, read_object
 from brood.serve.caps import client_of, streams_of
 from brood.serve.errors import ApiError, Json
-from brood.serve.host import Host
+from brood.serve.host import START_ANOTHER, Host
 from brood.serve.stream import SSE_SEP, tree_progress
 
 RUN_HEADER = "X-Brood-Run-Id"
+CONVERSATION_HEADER = "X-Brood-Conversation-Id"
 CLIENT_GONE = 499  # nginx's "client closed request": the status of an answer nobody reads
 CLIENT_GONE_REASON = "client disconnected"  # the reason journaled for a tree it cancels
 
@@ -116,10 +126,28 @@ async def chat_completions(request: Request, host: Host) -> ASGIApp:
             f"stream_options must be an object, got {json_type(options)}",
             field="stream_options",
         )
+    conversation_id = body.get("conversation_id")
+    if conversation_id is not None and (
+        not isinstance(conversation_id, str) or not conversation_id.strip()
+    ):
+        raise ApiError(
+            422,
+            f'conversation_id must be a conversation\'s id, or "new" to start one; got '
+            f"{json_type(conversation_id)}",
+            field="conversation_id",
+        )
     streams = streams_of(request)
     give = streams.take()
     handed = False  # to the streamed response, which gives the stream back once sent
     try:
+        if conversation_id is not None:
+            turn = _Turn(host, str(body["model"]), usage_chunk=options.get("include_usage") is True)
+            result = await run_in_threadpool(turn.send, conversation_id, task, context)
+            if stream:
+                chunks = EventSourceResponse(turn.chunks(result), sep=SSE_SEP, headers=turn.headers)
+                handed = True
+                return streams.held(chunks, give)
+            return turn.whole(result)
         start = partial(host.start, client=client_of(request))
         run_id = await run_in_threadpool(start, task, context)
         reply = _Reply(
@@ -244,3 +272,82 @@ class _Reply:
             yield ServerSentEvent("[DONE]", sep=SSE_SEP)
         finally:
             await self._cancel_if_going()
+
+
+class _Turn:
+    """One chat completion that is a turn of a conversation: sent, then answered whole or
+    as chunks (the turn's answer comes at its end, as a tree's does)."""
+
+    def __init__(self, host: Host, model: str, *, usage_chunk: bool) -> None:
+        self.host = host
+        self.model = model
+        self.usage_chunk = usage_chunk
+        self.created = int(time.time())
+        self.id = ""
+        self.headers: dict[str, str] = {}
+
+    def send(self, conversation_id: str, prompt: str, context: Any) -> brood.RunResult:
+        """The turn, run to its end (blocking: called on a worker thread)."""
+        try:
+            conv_id, result = self.host.conversation_turn(conversation_id, prompt, context)
+        except brood.ConversationClosed as exc:
+            raise ApiError(409, str(exc), field="conversation_id", fix=START_ANOTHER) from None
+        self.headers = {RUN_HEADER: conv_id, CONVERSATION_HEADER: conv_id}
+        self.id = f"chatcmpl-{conv_id}-{uuid.uuid4().hex[:8]}"
+        if result.state != "completed":
+            raise ApiError(
+                502,
+                f"conversation {conv_id} {result.state}: {result.error}",
+                fix=f"GET /v1/runs/{conv_id}/tree shows what each run did; {START_ANOTHER}",
+                headers=self.headers,
+            )
+        return result
+
+    def _usage(self, result: brood.RunResult) -> dict[str, Any]:
+        u = result.usage
+        prompt, completion = int(u.get("input_tokens", 0)), int(u.get("output_tokens", 0))
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "cost": u.get("cost"),
+            "unpriced_calls": int(u.get("unpriced_calls") or 0),
+        }
+
+    def _head(self, kind: str, conversation_id: str) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "conversation_id": conversation_id,
+        }
+
+    def whole(self, result: brood.RunResult) -> Response:
+        message = {"role": "assistant", "content": result.answer or ""}
+        return Json(
+            self._head("chat.completion", result.run_id)
+            | {
+                "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                "usage": self._usage(result),
+            },
+            headers=self.headers,
+        )
+
+    def _chunk(self, result: brood.RunResult, **fields: Any) -> ServerSentEvent:
+        chunk = self._head("chat.completion.chunk", result.run_id) | fields
+        return ServerSentEvent(json.dumps(chunk), sep=SSE_SEP)
+
+    async def chunks(self, result: brood.RunResult) -> AsyncIterator[ServerSentEvent]:
+        """OpenAI's streaming form of the turn's answer: the role, the answer, the finish,
+        the usage if asked for, `[DONE]`."""
+        for delta, finish in (
+            ({"role": "assistant", "content": ""}, None),
+            ({"content": result.answer or ""}, None),
+            ({}, "stop"),
+        ):
+            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            yield self._chunk(result, choices=[choice])
+        if self.usage_chunk:
+            yield self._chunk(result, choices=[], usage=self._usage(result))
+        yield ServerSentEvent("[DONE]", sep=SSE_SEP)

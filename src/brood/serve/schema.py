@@ -218,12 +218,18 @@ def openapi() -> dict[str, Any]:
                 "post": _op(
                     "OpenAI chat completion: the last user message is the task of a root "
                     "run, the other messages its context; the answer is the tree's. "
-                    "stream: true gives chat.completion.chunk events, then [DONE]",
+                    "stream: true gives chat.completion.chunk events, then [DONE]. With "
+                    'conversation_id ("new" starts one, with the other messages as its '
+                    "context; an id continues it, reading only the last user message) it is "
+                    "a turn of a conversation whose REPL and history persist; the answer "
+                    "carries conversation_id (and the X-Brood-Conversation-Id header) to "
+                    "continue with, and usage is the turn's",
                     body=_obj(
                         ["model", "messages"],
                         model={"type": "string"},
                         messages={"type": "array", "items": MESSAGE},
                         stream={"type": "boolean"},
+                        conversation_id={"type": "string", "pattern": NOT_BLANK},
                     ),
                 )
             },

@@ -36,6 +36,7 @@ from brood.store.base import Store
 from brood.supervisor.admission import Admission
 from brood.supervisor.asks import Asks
 from brood.supervisor.budget import Budget
+from brood.supervisor.conversations import Conversations
 from brood.supervisor.ending import Ending, exit_reason
 from brood.supervisor.frames import Conversation, Steps
 from brood.supervisor.gateway import ModelGateway
@@ -92,8 +93,17 @@ class Core:
         self.resume = Resume(k, self.admission, self.asks, self.spread, flows)
         self.starts = Starts(k, self.admission, self.budget, self.ending, self.spread)
         self.tools = ToolBox(k, tools)
+        self.conversations = Conversations(k, self.admission, self.asks, self.ending)
         self.requests = Requests(
-            k, self.admission, self.budget, self.asks, self.resume, self.starts, flows, self.tools
+            k,
+            self.admission,
+            self.budget,
+            self.asks,
+            self.resume,
+            self.starts,
+            flows,
+            self.tools,
+            self.conversations,
         )
         # The calls that go up from a room to one built on it, bound once here.
         k.finish = self.ending.finish
@@ -131,6 +141,7 @@ class Core:
                 run.convo = Conversation.resumed(run.replay)
                 run.steps = Steps(replayed=run.replay.steps)
             run.first_cap = user_message_cap(k.limits.max_prompt_chars, r.prompt, run.messages)
+            self.conversations.starting(run)
             conn.send(
                 Start(
                     run_id=r.id,
@@ -144,6 +155,7 @@ class Core:
                     replay=run.replay,
                     budget=self.budget.budget_of(run),
                     tools=self.tools.infos,
+                    conversation=run.turns is not None,
                 )
             )
             run.messages = []
@@ -163,6 +175,7 @@ class Core:
         # The run has started (journaled, with a worker) even if a cancel landed while the
         # start was being journaled: observers and waiters hear of it either way.
         run.started.set()
+        self.conversations.started(run)
         k.observers.emit("on_start", run.info())
         if run.rec.state is not RUN or run.ending is not None:
             return  # that cancel stops the worker
@@ -191,7 +204,13 @@ class Core:
         k = self.kernel
         k.closing = True
         roots = k.live_roots()
-        await asyncio.gather(*(k.finish(r, RunState.CANCELLED, reason) for r in roots))
+        # A conversation between turns computes nothing: it is left resumable, not ended.
+        idle = [r for r in roots if r.turns is not None and r.turns.between and r.ending is None]
+        why = f"{reason} between turns; resume it with Supervisor.resume_conversation"
+        await asyncio.gather(
+            *(self.conversations.suspend_now(r, why) for r in idle),
+            *(k.finish(r, RunState.CANCELLED, reason) for r in roots if r not in idle),
+        )
         await self.tools.aclose()
         await self.budget.gateway.aclose()
         await k.backend.close()
@@ -240,6 +259,7 @@ class Core:
         driven: bool = False,
         pool: str | None = None,
         run_id: str | None = None,
+        conversation: bool = False,
     ) -> Run:
         """A new root run (starts.py)."""
         return await self.starts.create_root(
@@ -252,6 +272,7 @@ class Core:
             driven=driven,
             pool=pool,
             run_id=run_id,
+            conversation=conversation,
         )
 
     async def spawn_children(self, parent: Run, msg: SpawnReq) -> list[str]:

@@ -130,6 +130,36 @@ class Ending:
         k.observers.emit("on_end", run.info())
         return state
 
+    async def suspend(self, run: Run, reason: str) -> RunState:
+        """Stop `run`'s worker (the one escalation, exit confirmed; its open children are
+        cancelled first) and leave its state as the journal holds it, with a `suspended`
+        event saying why: a conversation between turns when its supervisor closes, which
+        a later supervisor resumes from the journal. Returns its state (still running)."""
+        if run.rec.state.terminal:
+            return run.rec.state
+        if run.ending is None:
+            run.ending = self.kernel.task(self._suspend(run, reason))
+        return await asyncio.shield(run.ending)
+
+    async def _suspend(self, run: Run, reason: str) -> RunState:
+        k = self.kernel
+        k.stop_watch(run)
+        open_children = [c for c in run.children if not c.rec.state.terminal]
+        await asyncio.gather(*(self.finish(c, RunState.CANCELLED, reason) for c in open_children))
+        confirmed = await self.stop_worker(run)
+        if confirmed and run.conn is not None:
+            k.backend.discard_scratch(run.conn)
+        self.admission.release(run)
+        if not confirmed and run.conn is not None:
+            self.quarantine(run, run.conn)
+        k.event(run, "suspended", {"reason": reason})
+        k.tracing.run_ended(run)
+        run.done.set()
+        # Its worker is gone, so nothing of it is heard any more: it may still be ended
+        # (a conversation closed while suspended), through `finish` as any run is.
+        run.ending = None
+        return run.rec.state
+
     async def _ended_on_its_node(self, run: Run, state: RunState, reason: str) -> bool:
         """A child placed on another node (placement="spread") is ended there, which
         confirms every exit there: True once its end is mirrored here. False when it

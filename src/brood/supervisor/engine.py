@@ -243,9 +243,11 @@ class Engine:
         pool: str | None = None,
         run_id: str | None = None,
         sub_model: Any = None,
+        conversation: bool = False,
     ) -> Run:
-        """A new root run (`driven`: its code comes step by step from a Session), journaled
-        with the model it runs on; `sub_model` is its tree's model below it."""
+        """A new root run (`driven`: its code comes step by step from a Session;
+        `conversation`: its user turns come one by one, conversations.py), journaled with
+        the model it runs on; `sub_model` is its tree's model below it."""
         resolved = None if model is None else resolve_model(model)
         below = None if sub_model is None else resolve_model(sub_model)
         for m in (resolved, below):
@@ -261,6 +263,7 @@ class Engine:
             driven=driven,
             pool=pool,
             run_id=run_id,
+            conversation=conversation,
         )
         record = self._model_record if model is None else spec_record(model)
         self.core.event(run, MODEL_SPEC, record)
@@ -277,7 +280,11 @@ class Engine:
             raise BroodError(
                 f"run {root_id} is {root['state']}; a tree that has ended has nothing to resume"
             )
+        here = self.core.run_of(root_id)  # a conversation suspended here, say
+        suspended = here is not None and here.turns is not None and here.turns.suspended
         for token in {r["supervisor"] for r in runs if not RunState(r["state"]).terminal}:
+            if suspended and token == self.core.owner:
+                continue  # its worker is stopped: its runs here are rebuilt from the journal
             row = self.store.supervisor(token) if token else None
             if row is not None and not lease.lease_holder_gone(row):
                 if token != root["supervisor"] and self.core.spreader is not None:
@@ -288,10 +295,13 @@ class Engine:
                     "it can be resumed once that supervisor is gone or its lease has lapsed "
                     "(brood cancel stops it)"
                 )
-        return self.call(self._resume_tree(root_id))
+        return self.call(self._resume_tree(root_id, here if suspended else None))
 
-    async def _resume_tree(self, root_id: str) -> Run:
+    async def _resume_tree(self, root_id: str, suspended: Run | None = None) -> Run:
         run = await self.core.resume_tree(root_id)
+        if suspended is not None:  # suspended here: it goes on with the model it had
+            run.model, run.model_name = suspended.model, suspended.model_name
+            return run
         self.core.event(run, MODEL_SPEC, self._model_record)  # the model it goes on with
         return run
 

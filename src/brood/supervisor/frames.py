@@ -95,7 +95,11 @@ class Conversation:
 
     A resumed run's worker replays journaled turns (and compactions) without asking:
     `resumed` starts the conversation where they left it, and the sizes of its user
-    messages are learnt (within their caps) at its first live turn."""
+    messages are learnt (within their caps) at its first live turn.
+
+    A conversation root (Supervisor.conversation) is handed each later user message by
+    the supervisor (`user_turn`, after a number of answered turns): that message has the
+    cap of the prompt it holds, and Limits.max_iterations counts the model turns since it."""
 
     replies: list[str] = field(default_factory=list)
     user_sizes: list[int] = field(default_factory=list)
@@ -103,6 +107,9 @@ class Conversation:
     turns: int = 0  # turns answered, compactions or not
     prompt_tokens: int = 0  # the last turn's, as its model reported them (0: not reported)
     compacting: tuple[int, str] | None = None  # the history's size at the compaction asked
+    folded_at: int | None = None  # turns answered before the last compaction
+    caps: dict[int, int] = field(default_factory=dict)  # handed after N turns -> its cap
+    base: int = 0  # turns answered before the user turn under way (a conversation's)
 
     def __post_init__(self) -> None:
         self.turns = max(self.turns, len(self.replies))
@@ -117,7 +124,21 @@ class Conversation:
             if reply is not None:
                 replies.append(reply)
         tokens = replay.turn_tokens[-1] if replay.turn_tokens else 0
-        return cls(replies=replies, turns=len(replay.turns), prompt_tokens=tokens)
+        folded = max(replay.compactions, default=None)
+        return cls(replies=replies, turns=len(replay.turns), prompt_tokens=tokens, folded_at=folded)
+
+    def user_turn(self, at: int, cap: int) -> None:
+        """A conversation's user turn is handed after `at` answered turns: its message
+        holds a prompt the supervisor handed, within `cap`."""
+        self.caps[at] = cap
+        self.base = at
+
+    def _cap_of(self, k: int, *, first_cap: int, cap: int) -> int:
+        """The cap of user message `k` of the conversation as it stands: a handed turn's
+        own, else the task's (k = 0) or the others'. After a compaction, message 0 is still
+        the task and message k > 0 came after `folded_at` + k - 1 answered turns."""
+        handed_after = k if self.folded_at is None or k == 0 else self.folded_at + k - 1
+        return self.caps.get(handed_after, first_cap if k == 0 else cap)
 
     def check(self, msg: ModelReq, *, max_iterations: int, first_cap: int, cap: int) -> None:
         """Refuse a turn request that is not this conversation's next one."""
@@ -126,7 +147,7 @@ class Conversation:
         if self.open:
             busy = "the compaction" if self.compacting else f"turn {turn - 1}"
             raise Violation(f"{label} was asked while {busy} was under way")
-        if turn > max_iterations + 1:
+        if turn - self.base > max_iterations + 1:
             raise Violation(
                 f"{label} is past Limits.max_iterations={max_iterations} (and the "
                 "one turn that asks for the answer)"
@@ -194,7 +215,7 @@ class Conversation:
                     f"{label}: user message {k + 1} has {size:,} characters, it was "
                     f"sent with {self.user_sizes[k]:,}"
                 )
-            bound = first_cap if k == 0 else cap
+            bound = self._cap_of(k, first_cap=first_cap, cap=cap)
             if k >= known and size > bound:
                 raise Violation(
                     f"{label}: a message of {size:,} characters, over "
@@ -220,6 +241,7 @@ class Conversation:
         if summary is not None:
             self.replies = [summary]
             self.user_sizes = self.user_sizes[:1]  # the task's message stays
+            self.folded_at = self.turns
 
 
 def check_call(msg: ModelReq, limits: Limits) -> None:

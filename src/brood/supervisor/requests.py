@@ -46,6 +46,7 @@ from brood.supervisor import frames
 from brood.supervisor.admission import Admission
 from brood.supervisor.asks import Asks
 from brood.supervisor.budget import Budget
+from brood.supervisor.conversations import Conversations
 from brood.supervisor.frames import Violation
 from brood.supervisor.kernel import Flows, Kernel
 from brood.supervisor.resume import Resume
@@ -65,6 +66,7 @@ class Requests:
         starts: Starts,
         flows: Flows,
         tools: ToolBox,
+        conversations: Conversations,
     ) -> None:
         self.kernel = kernel
         self.admission = admission
@@ -74,6 +76,7 @@ class Requests:
         self.starts = starts
         self.flows = flows
         self.tools = tools
+        self.conversations = conversations
 
     def on_msg(self, run: Run, msg: Msg) -> None:
         """A frame from `run`'s worker, handled by the one handler of its type."""
@@ -180,6 +183,7 @@ class Requests:
             raise Violation(f"a Session's root asked for a model {msg.kind}; its steps are driven")
         if msg.model != run.model_name:
             raise Violation(f"a model {msg.kind} named model {msg.model!r}, not its run's")
+        self.conversations.check_in_turn(run, f"a model {msg.kind}")
         if msg.kind == "turn":
             run.convo.check(
                 msg,
@@ -240,6 +244,9 @@ class Requests:
             raise Violation(f"FINAL with the reason {clip(msg.reason, 80)!r}")
         if run.steps.open:
             raise Violation(f"FINAL came while step {run.steps.last} was under way")
+        if run.turns is not None:  # a conversation's turn ended; the root goes on
+            self.conversations.turn_ended(run, msg.answer, msg.reason, products)
+            return
         run.rec.answer = msg.answer
         run.rec.products = products
         k = self.kernel
@@ -262,6 +269,8 @@ class Requests:
         """Start the supervisor's own clock of a step, and let the step run once its start
         is journaled (a step during which the host dies is then known to a resume). On
         the hot path of every step: no task, one callback from the journal's writer."""
+        if run.turns is not None:
+            self.conversations.check_in_turn(run, f"step {msg.step}")
         run.steps.begin(msg)
         k = self.kernel
         k.stop_watch(run)

@@ -20,6 +20,7 @@ from brood.lifecycle import RunRecord, RunState
 from brood.protocol import Replay
 from brood.supervisor.admission import Admission
 from brood.supervisor.asks import Asks
+from brood.supervisor.conversations import journaled_turns
 from brood.supervisor.kernel import Flows, Kernel
 from brood.supervisor.runs import (
     CANCELLING,
@@ -154,6 +155,8 @@ class Resume:
                 timeout=k.limits.child_timeout if parent or rec.id != root_id else None,
                 parent=parent,
             )
+            if rec.id == root_id and not rec.state.terminal:  # a conversation's turns
+                run.turns = journaled_turns(k.store, rec.id)
             run.guest = rec.id == top_id != root_id
             run.remote = where  # placed on a node that goes on: followed there
             if parent is not None:
@@ -284,6 +287,8 @@ class Resume:
         ]
         replay.pending = [p for e in steps for p in e["data"].get("pending", [])]
         replay.steps = max((int(e["data"]["step"]) for e in steps), default=0)
+        if run.turns is not None:
+            replay.user_turns = list(run.turns.prompts)
         # A model it has already said is unpriced is not said again.
         run.unpriced = {e["data"].get("model") for e in store.events(run.id, COST_UNKNOWN)}
         return replay

@@ -94,6 +94,30 @@ class Tree:
     budget_waiters: list[asyncio.Future[None]] = field(default_factory=list)
 
 
+@dataclass(eq=False)
+class Turns:
+    """A conversation root's user turns (Supervisor.conversation), as the supervisor
+    handed them and saw them end: every turn handed (journaled `user_turn`s, in order, each
+    with the number of model replies before it), how many have a journaled answer, and how
+    many its current worker has ended (a resumed one replays the journaled ones first).
+    Between two turns the root holds no slot, takes no step and no model turn."""
+
+    prompts: list[str] = field(default_factory=list)
+    at: list[int] = field(default_factory=list)  # model replies before each turn began
+    answered: int = 0
+    ended: int = 0
+    answer: str | None = None  # the last turn's
+    waiter: asyncio.Future[None] | None = None  # the send() of the turn under way
+    usage_at: dict[str, Any] = field(default_factory=dict)  # the root's usage as it began
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one send at a time
+    suspended: bool = False  # its worker stopped between turns; resumable from the journal
+
+    @property
+    def between(self) -> bool:
+        """No turn under way: every turn handed has ended."""
+        return self.ended >= len(self.prompts)
+
+
 @dataclass(eq=False, kw_only=True)
 class Run:
     """One run as the supervisor holds it: its journaled record, its worker, its place in
@@ -109,6 +133,7 @@ class Run:
     timeout: float | None = None
     parent: Run | None = None
     driven: bool = False
+    turns: Turns | None = None  # a conversation root's user turns
     children: list[Run] = field(default_factory=list)
     conn: WorkerConn | None = None
     holds_slot: bool = False
@@ -290,6 +315,7 @@ __all__ = [
     "RunInfo",
     "StepWatch",
     "Tree",
+    "Turns",
     "child_update",
     "graft",
     "journaled_kind",

@@ -16,9 +16,10 @@ from brood.models.base import Model
 from brood.protocol import MAX_CONTEXT_BYTES, SpawnReq
 from brood.supervisor.admission import Admission
 from brood.supervisor.budget import Budget
+from brood.supervisor.conversations import CONVERSATION
 from brood.supervisor.ending import Ending
 from brood.supervisor.kernel import Kernel
-from brood.supervisor.runs import FLOW_MODEL, RUN, Run, child_update, flow_key
+from brood.supervisor.runs import FLOW_MODEL, RUN, Run, Turns, child_update, flow_key
 from brood.supervisor.spread import Spread
 
 
@@ -53,9 +54,11 @@ class Starts:
         driven: bool = False,
         pool: str | None = None,
         run_id: str | None = None,
+        conversation: bool = False,
     ) -> Run:
         """A new root run. `run_id` is chosen by the caller (a cluster, which must know a
-        tree's id before the node starting it could be lost); by default one is drawn."""
+        tree's id before the node starting it could be lost); by default one is drawn.
+        A `conversation` root (conversations.py) takes its user turns one by one."""
         k = self.kernel
         k.check_open()
         if not isinstance(prompt, str) or not prompt.strip():
@@ -82,8 +85,11 @@ class Starts:
             context_blob=context_blob,
             timeout=timeout,
             driven=driven,
+            turns=Turns() if conversation else None,
         )
         await k.journal_or_forget([run])
+        if conversation:
+            k.event(run, CONVERSATION, {})
         if k.unenforced:  # said in the journal of every tree this supervisor runs
             k.event(run, "confinement", {"unenforced": k.unenforced})
         self.admission.admit(run)
@@ -95,6 +101,11 @@ class Starts:
         if k.closing or parent.rec.state is not RUN or parent.ending is not None:
             raise BroodError(
                 f"run {parent.id} is {parent.rec.state.value} and ending; it cannot start children"
+            )
+        if parent.turns is not None and parent.turns.between:  # its spawned work, after FINAL
+            raise BroodError(
+                f"conversation {parent.id} is between user turns; it starts children only "
+                "during a turn"
             )
         if not k.limits.can_start_child(parent.rec.depth):
             raise LimitExceeded("max_depth", parent.rec.depth + 2, k.limits.max_depth)

@@ -101,6 +101,8 @@ class Agent:
         self.rt = rt
         self.repl = repl
         self.limits = rt.limits
+        self.history: list[dict[str, Any]] = []  # the model's conversation, grown by turns
+        self.answered = 0  # model turns answered in the run, across its user turns
 
     def run_code(self, code: str, timeout: float | None = None) -> StepOutput:
         """Run one block as a REPL step and journal it; its output, with brood's notes added
@@ -170,40 +172,56 @@ class Agent:
         return "\n".join(lines)
 
     def loop(self, first_message: str, system: str, first_cap: int | None = None) -> Final | Failed:
-        """The model's turns until FINAL. Each user message is kept within its cap (the
-        supervisor refuses a turn whose message is not): `first_cap` for the first, which
-        holds the task (by default the others'), Limits.max_prompt_chars for the others."""
+        """The model's turns until FINAL, from a history of the system prompt alone (see
+        `turn`); `first_cap` is the cap of the first user message, which holds the task."""
+        self.history = self.start_history(system)
+        return self.turn(first_message, first_cap)
+
+    def start_history(self, system: str) -> list[dict[str, Any]]:
+        """The history a run's model turns begin from: its system prompt."""
+        return [{"role": "system", "content": system}]
+
+    def turn(self, message: str, first_cap: int | None = None) -> Final | Failed:
+        """One user turn: `message` joins the history (the system prompt and, in a
+        conversation, every earlier turn), then the model's turns until FINAL, at most
+        Limits.max_iterations of them and one that asks for the answer. Each user message
+        is kept within its cap (the supervisor refuses a turn whose message is not):
+        `first_cap` for `message` (by default the others'), Limits.max_prompt_chars for the
+        others. The history keeps the model's last reply, so a next turn continues it."""
         rt = self.rt
-        messages: list[dict[str, Any]] = [
-            {"role": "system", "content": system},
-            {"role": "user", "content": first_message},
-        ]
+        rt.final, rt.products = None, None
+        messages = self.history
+        messages.append({"role": "user", "content": message})
         max_iter = self.limits.max_iterations
         cap = self.limits.max_prompt_chars
         first_cap = cap if first_cap is None else first_cap
         for turn in range(max_iter):
-            if turn:
-                compacted = self.compact(messages, turn)
+            if self.answered:  # a conversation's later user turn may compact first, too
+                compacted = self.compact(messages, self.answered)
                 if isinstance(compacted, Failed):
                     return compacted
-                messages = compacted
+                self.history = messages = compacted
             extra = self.notices()
             if extra:
                 messages[-1]["content"] = extra + "\n\n" + messages[-1]["content"]
             messages[-1]["content"] = clip(messages[-1]["content"], first_cap if turn == 0 else cap)
             reply = rt.call_model(messages, "turn", None)
+            self.answered += 1
             messages.append({"role": "assistant", "content": reply})
             feedback = self.feedback(reply)
             if rt.final is not None:
                 return self.final(rt.final)
             messages.append({"role": "user", "content": feedback})
-        compacted = self.compact(messages, max_iter)
+        compacted = self.compact(messages, self.answered)
         if isinstance(compacted, Failed):
             return compacted
-        messages = compacted
+        self.history = messages = compacted
         last = messages[-1]["content"] + "\n\n" + ANSWER_NOW.format(n=max_iter)
-        messages[-1]["content"] = clip(last, first_cap if len(messages) == 2 else cap)
+        # Its last message is this turn's first only when no turn ran (max_iterations=0).
+        messages[-1]["content"] = clip(last, first_cap if max_iter == 0 else cap)
         reply = rt.call_model(messages, "turn", None)
+        self.answered += 1
+        messages.append({"role": "assistant", "content": reply})
         blocks = extract_blocks(reply)
         for code in blocks.code:
             self.run_code(code)

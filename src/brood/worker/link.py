@@ -30,6 +30,7 @@ from brood.protocol import (
     Start,
     Stop,
     SyncChannel,
+    Turn,
     check,
     rebuild_error,
 )
@@ -58,6 +59,7 @@ class Link:
         self.inbox: list[str] = []  # guarded by cond
         self.execs: queue.Queue[Exec] = queue.Queue()
         self.starts: queue.Queue[Start] = queue.Queue()
+        self.turns: queue.Queue[Turn] = queue.Queue()  # a conversation's next user turns
 
     def start_reader(self) -> None:
         # A bare thread, not threading.Thread: the worker never joins or names it, and
@@ -159,3 +161,5 @@ class Link:
             self.execs.put(msg)
         elif isinstance(msg, Start):
             self.starts.put(msg)
+        elif isinstance(msg, Turn):
+            self.turns.put(msg)

@@ -24,8 +24,10 @@ from brood.worker.tools import make_tools
 from brood.worker.verbs import ERRORS, make_helpers
 
 
-def first_message(start: Start, context: object) -> str:
-    parts = [start.prompt, "", describe_context(context)]
+def first_message(start: Start, context: object, prompt: str | None = None) -> str:
+    """A run's first user message: its task (`prompt`, else the Start's), its context
+    described, and the follow-ups sent before it started."""
+    parts = [start.prompt if prompt is None else prompt, "", describe_context(context)]
     parts += [f"[message from your parent] {m}" for m in start.messages]
     return "\n".join(parts)
 
@@ -107,9 +109,35 @@ def run(start: Start, link: Link) -> None:
     system = cached_system_prompt(can_spawn) + describe_tools(start.tools)
     if start.budget is not None:
         system += describe_budget(start.budget)
+    if start.conversation:
+        converse(agent, start, context, system)
+        return
     cap = user_message_cap(limits.max_prompt_chars, start.prompt, start.messages)
     final = agent.loop(first_message(start, context), system, cap)
     link.send(final)
+
+
+def converse(agent: Agent, start: Start, context: object, system: str) -> None:
+    """A conversation root: each user turn continues the same history and REPL until
+    FINAL, whose answer (a `Final`) the supervisor takes as the turn's; then the worker
+    waits for the next `Turn`. A resumed one replays its journaled turns first. The first
+    turn's message also describes the context, as a run's first message does."""
+    link, limits = agent.rt.link, agent.rt.limits
+    journaled = list(start.replay.user_turns) if start.replay is not None else []
+    agent.history = agent.start_history(system)
+    first = True
+    while True:
+        prompt = journaled.pop(0) if journaled else link.turns.get().prompt
+        if first:
+            message = first_message(start, context, prompt)
+            cap = user_message_cap(limits.max_prompt_chars, prompt, start.messages)
+        else:
+            message, cap = prompt, user_message_cap(limits.max_prompt_chars, prompt)
+        first = False
+        end = agent.turn(message, cap)
+        link.send(end)
+        if isinstance(end, Failed):
+            return
 
 
 __all__ = ["Final", "serve"]
