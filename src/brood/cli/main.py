@@ -31,6 +31,7 @@ from brood.cli.interrupt import EXIT_CODE as INTERRUPTED
 from brood.cli.interrupt import Interrupt, interruptible
 from brood.cli.terminal import Terminal, clean, echo, literal, plain, print_json
 from brood.cli.words import for_cli
+from brood.exports import EXPORT_FORMATS, write_jsonl
 from brood.journal import Journal, default_store_url
 from brood.lifecycle import FLOW_ENDED, TERMINAL_VALUES, FlowStatus
 from brood.models import resolve_model
@@ -906,15 +907,18 @@ def logs(
 @app.command()
 def export(
     run_id: RunArg,
-    fmt: Annotated[str, typer.Option("--format", help="jsonl")] = "jsonl",
+    fmt: Annotated[str, typer.Option("--format", help="jsonl, openai-chat or verifiers")] = "jsonl",
     store: StoreOpt = None,
 ) -> None:
-    """One JSON line per model call of the tree under RUN: messages, response, usage."""
-    if fmt != "jsonl":
-        _fail(f"--format {fmt!r} is not supported; use --format jsonl")
+    """The tree under RUN as JSON lines, streamed: per model call (jsonl: messages,
+    response, usage), per run (openai-chat: a fine-tuning example with its metadata and
+    reward) or per tree (verifiers: a rollout, the children's turns in its info). A tree
+    still running is refused: wait for it or cancel it first."""
+    if fmt not in EXPORT_FORMATS:
+        _fail(f"--format {fmt!r} is not supported; use --format {', '.join(EXPORT_FORMATS)}")
     with _journal(store) as journal:
-        for record in journal.export(run_id):
-            print_json(record)
+        write_jsonl(journal.export(run_id, fmt), sys.stdout)
+        sys.stdout.flush()
 
 
 # ---- commands: acting on a tree another process runs ---------------------------------------
