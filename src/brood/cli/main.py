@@ -1195,11 +1195,19 @@ def serve(
         int | None,
         typer.Option(help="runs a client has started here that have not started yet (default 64)"),
     ] = None,
+    max_sessions: Annotated[
+        int | None,
+        typer.Option(help="remote sessions (/v1/sessions) open at once (default 16)"),
+    ] = None,
+    session_idle: Annotated[
+        float | None,
+        typer.Option(help="seconds after which an idle remote session is closed (default 900)"),
+    ] = None,
     price: PriceOpt = None,
 ) -> None:
     """Serve the journal: a live dashboard at /, a JSON API under /v1 (runs, trees, events,
-    asks, flows) and an OpenAI-compatible /v1/chat/completions whose answer is an RLM
-    tree's. Every call needs the server's token; without --token it makes one and prints a
+    asks, flows, remote sessions) and an OpenAI-compatible /v1/chat/completions whose answer
+    is an RLM tree's. Every call needs the server's token; without --token it makes one and prints a
     login URL that carries it."""
     try:
         import uvicorn
@@ -1207,6 +1215,7 @@ def serve(
         from brood.serve import make_app
         from brood.serve.caps import MAX_QUEUED, MAX_STREAMS
         from brood.serve.guard import is_loopback
+        from brood.serve.sessions import MAX_SESSIONS, SESSION_IDLE_S
     except ModuleNotFoundError as exc:
         _fail(f"brood serve needs {exc.name}: pip install 'rlm-brood[serve]'")
         return
@@ -1225,6 +1234,8 @@ def serve(
             token=token,
             max_streams=MAX_STREAMS if max_streams is None else max_streams,
             max_queued=MAX_QUEUED if max_queued is None else max_queued,
+            max_sessions=MAX_SESSIONS if max_sessions is None else max_sessions,
+            session_idle=SESSION_IDLE_S if session_idle is None else session_idle,
         )
     except brood.BroodError as exc:
         _refused(exc)
