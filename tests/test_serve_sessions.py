@@ -4,6 +4,7 @@ model for the children, real workers)."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -150,3 +151,23 @@ def test_closing_the_server_closes_every_session_with_confirmed_exit(tmp_path):
     assert not leftover_processes()
     with Journal(f"sqlite:///{tmp_path / 'brood.db'}") as journal:
         assert journal.run(run_id)["state"] == "cancelled"
+
+
+def test_closing_a_session_in_the_middle_of_a_step_ends_the_step(tmp_path):
+    gate = Gate(tmp_path, "never")
+    with serving(tmp_path, script=SESSION_SCRIPT) as s:
+        env = remote(s)
+        env.reset("task")
+        seen: list[brood.Observation] = []
+        stepping = threading.Thread(target=lambda: seen.append(env.step(gate.wait_code)))
+        stepping.start()
+        until(lambda: s.client.get(f"/v1/sessions/{env.session_id}").json()["busy"])
+        err = error_of(
+            s.client.post(f"/v1/sessions/{env.session_id}/step", json={"code": "1"}), 409
+        )
+        assert "busy" in err["message"]
+        assert s.client.delete(f"/v1/sessions/{env.session_id}").json()["closed"] is True
+        stepping.join(60)
+        (obs,) = seen
+        assert obs.done and "the episode ended cancelled" in (obs.error or "")
+        assert not leftover_processes()

@@ -253,9 +253,17 @@ class Sessions:
 
     # ---- close -----------------------------------------------------------------------------
     def close(self, sid: str, how: str = "closed by DELETE") -> dict[str, Any]:
-        """End the session's episode and stop its workers, exit confirmed."""
+        """End the session's episode and stop its workers, exit confirmed. A step it is
+        running is ended with its episode (it answers done, cancelled)."""
         live = self._get(sid)
-        with live.lock:  # after the call it runs (a step is bounded by its timeout)
+        if live.lock.locked():
+            # A step is running: its episode is ended first, so that the step answers now
+            # (done, saying the episode was cancelled) rather than after its timeout.
+            try:
+                live.session.handle().cancel()
+            except brood.BroodError:
+                pass  # no episode, or it ended meanwhile: the step is ending anyway
+        with live.lock:
             with self._lock:
                 if self._live.get(sid) is not live:
                     raise ApiError(409, f"session {sid} is closed")
