@@ -100,7 +100,8 @@ def openapi() -> dict[str, Any]:
             "title": "brood serve",
             "version": brood.__version__,
             "description": "Runs, trees, journal events, asks and flows of a brood journal, "
-            "and an OpenAI-compatible chat completion whose answer is an RLM tree's.",
+            "remote sessions (reset / step / close of a brood.Session), and an "
+            "OpenAI-compatible chat completion whose answer is an RLM tree's.",
         },
         "components": {
             "schemas": {
