@@ -171,3 +171,11 @@ def test_closing_a_session_in_the_middle_of_a_step_ends_the_step(tmp_path):
         (obs,) = seen
         assert obs.done and "the episode ended cancelled" in (obs.error or "")
         assert not leftover_processes()
+
+
+def test_a_server_without_a_model_opens_no_session(tmp_path, monkeypatch):
+    monkeypatch.delenv("BROOD_MODEL", raising=False)
+    with serving(tmp_path, model=None) as s:
+        err = error_of(s.client.post("/v1/sessions", json={}), 503)
+        assert "no model" in err["message"] and "--model" in err["fix"]
+        assert s.client.get("/v1/runs").json()["runs"] == []
