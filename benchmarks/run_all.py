@@ -37,6 +37,7 @@ BENCHMARKS = (
     "bench_toolkit",
     "bench_serve",
     "bench_cluster",
+    "bench_export",
 )
 TIMEOUT_S = 300.0  # each is meant to take under a minute; this only stops a hung one
 

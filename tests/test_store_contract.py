@@ -441,6 +441,42 @@ def test_events_filter_by_run_kind_seq_and_tree(store: Store):
     assert ns(store.events(a1.id, root_id=a.id)) == [2, 5]
     assert ns(store.events(a1.id, root_id=b.id)) == []
     assert store.events("r-unknown") == []
+    # A reader pages through events (an export): `limit` of them, on from the last seq.
+    assert ns(store.events(a.id, limit=2)) == [1, 4]
+    assert ns(store.events(a.id, after=seq_of[4], limit=2)) == [7]
+    assert ns(store.events(a.id, "step", limit=1)) == [1]
+    assert ns(store.events(root_id=a.id, kind="model_call", limit=5)) == [2, 4]
+    assert ns(store.events(limit=3)) == [1, 2, 3]
+
+
+def test_an_outline_of_a_tree_holds_its_runs_ids_and_states_in_creation_order(store: Store):
+    root = record("r-out000", prompt="root " * 1000, created_at=1.0)
+    child = record("r-out100", parent=root, created_at=2.0)
+    grand = record("r-out110", parent=child, created_at=3.0)
+    other = record("r-other0", prompt="another tree", created_at=1.5)
+    for r in (grand, other, child, root):  # insertion order is not time
+        store.insert_run(r, "sup")
+    move(child, RunState.RUNNING)
+    store.transition(child, "queued", "running")
+    store.flush()
+    assert store.outline(root.id) == [
+        {"id": "r-out000", "parent_id": None, "depth": 0, "state": "queued", "supervisor": "sup"},
+        {
+            "id": "r-out100",
+            "parent_id": root.id,
+            "depth": 1,
+            "state": "running",
+            "supervisor": "sup",
+        },
+        {
+            "id": "r-out110",
+            "parent_id": child.id,
+            "depth": 2,
+            "state": "queued",
+            "supervisor": "sup",
+        },
+    ]
+    assert store.outline("r-nothing") == []
 
 
 def test_roots_newest_first_and_runs_by_tree(store: Store):

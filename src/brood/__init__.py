@@ -41,6 +41,7 @@ from brood.models import (
     Price,
     ScriptedModel,
 )
+from brood.remote import RemoteSession  # urllib is imported when a session is opened
 from brood.session import Observation, Session
 from brood.tools import Tool, tool
 
@@ -79,6 +80,7 @@ __all__ = [
     "ProtocolError",
     "RateLimited",
     "RayMissing",
+    "RemoteSession",
     "ReplayDiverged",
     "RunHandle",
     "RunInfo",

@@ -15,6 +15,7 @@ from typing import Any
 from brood.backends.local import own_memory
 from brood.backends.owners import proc_stat
 from brood.errors import BroodError, InvalidArgument
+from brood.exports import export_records
 from brood.lease import lease_holder_gone
 from brood.lifecycle import ASK_OPENED, TERMINAL_VALUES, USAGE_KEYS, FlowStatus, add_usage
 from brood.models.base import MODEL_SPEC
@@ -186,71 +187,18 @@ class Journal:
         found = self.store.events(root_id, MODEL_SPEC)
         return dict(found[-1]["data"]) if found else None
 
-    def export(self, run_id: str) -> Iterator[dict[str, Any]]:
-        """One record per model call of the tree under `run_id`, with the full request
-        messages, the response and usage: the shape RL and fine-tuning pipelines read. A
-        run's last record also carries its FINAL products (when it gave any). After a
-        compaction (kind "compact"), a turn's messages are the compacted ones the model
-        really got."""
-        tree = self.tree(run_id)
-        prompts = {  # journaled by the root, and by the top of a subtree on another node
-            e["data"]["ref"]: e["data"]["content"]
-            for e in self.store.events(kind="prompt", root_id=tree["root_id"])
-        }
+    def export(self, run_id: str, format: str = "jsonl") -> Iterator[dict[str, Any]]:
+        """The tree under `run_id` for training, streamed (see `brood.exports`):
+        `jsonl`, one record per model call (full request messages, response, usage; a
+        run's last one carries its FINAL products); `openai-chat`, one example per run
+        (`messages` with the system prompt restored, `metadata` with its ids, state,
+        answer, usage and latest reward); `verifiers`, one rollout for the tree (`prompt`,
+        `completion`, `answer`, `reward`, `info` with the children's turns, lazily).
 
-        def resolved(request: list[dict[str, Any]]) -> list[dict[str, Any]]:
-            return [
-                {"role": m["role"], "content": prompts[m["prompt_ref"]] + m.get("suffix", "")}
-                if "prompt_ref" in m
-                else m
-                for m in request
-            ]
-
-        stack = [tree]
-        while stack:
-            node = stack.pop(0)
-            conversation: list[dict[str, Any]] = []
-            turn = 0
-            records: list[dict[str, Any]] = []
-            for ev in self.store.events(node["id"], "model_call"):
-                d = ev["data"]
-                if d["kind"] == "turn":
-                    conversation.extend(resolved(d.get("request", [])))
-                    messages = list(conversation)
-                    turn += 1
-                elif d["kind"] == "compact":
-                    # The conversation and brood's request for a summary. Once answered, the
-                    # model's next turns see the system prompt, the task, then the summary
-                    # and the next message (which the next turn's record holds).
-                    messages = conversation + resolved(d.get("request", []))
-                    failed = d.get("response") is None  # then nothing was replaced
-                    conversation = conversation if failed else messages[:2]
-                else:
-                    messages = resolved(d.get("request", []))
-                records.append(
-                    {
-                        "run_id": node["id"],
-                        "root_id": node["root_id"],
-                        "parent_id": node["parent_id"],
-                        "depth": node["depth"],
-                        "kind": d["kind"],
-                        "turn": turn if d["kind"] == "turn" else None,
-                        "model": d.get("model"),
-                        "messages": messages,
-                        "response": d.get("response"),
-                        "error": d.get("error"),
-                        "usage": {
-                            "input_tokens": d.get("input_tokens", 0),
-                            "output_tokens": d.get("output_tokens", 0),
-                            "cost": d.get("cost"),
-                        },
-                        "latency": d.get("latency"),
-                    }
-                )
-            if records and node.get("products") is not None:
-                records[-1]["products"] = node["products"]
-            yield from records
-            stack.extend(node["children"])
+        Raises at once (before any record) for an unknown run (UnknownRun), a format not
+        among these (InvalidArgument), or a tree still running (BroodError: wait for it or
+        cancel it). `brood.exports.write_jsonl` writes the records as JSON lines."""
+        return export_records(self.store, run_id, format, self.supervisor_alive)
 
     # ---- acting on another process's tree ------------------------------------------------
     def _control(self, run_id: str) -> str:

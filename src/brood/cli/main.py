@@ -32,6 +32,7 @@ from brood.cli.interrupt import EXIT_CODE as INTERRUPTED
 from brood.cli.interrupt import Interrupt, interruptible
 from brood.cli.terminal import Terminal, clean, echo, literal, plain, print_json
 from brood.cli.words import for_cli
+from brood.exports import EXPORT_FORMATS, write_jsonl
 from brood.journal import Journal, default_store_url
 from brood.lifecycle import FLOW_ENDED, TERMINAL_VALUES, FlowStatus
 from brood.limits import check_timeout
@@ -1048,15 +1049,18 @@ def logs(
 @app.command()
 def export(
     run_id: RunArg,
-    fmt: Annotated[str, typer.Option("--format", help="jsonl")] = "jsonl",
+    fmt: Annotated[str, typer.Option("--format", help="jsonl, openai-chat or verifiers")] = "jsonl",
     store: StoreOpt = None,
 ) -> None:
-    """One JSON line per model call of the tree under RUN: messages, response, usage."""
-    if fmt != "jsonl":
-        _fail(f"--format {fmt!r} is not supported; use --format jsonl")
+    """The tree under RUN as JSON lines, streamed: per model call (jsonl: messages,
+    response, usage), per run (openai-chat: a fine-tuning example with its metadata and
+    reward) or per tree (verifiers: a rollout, the children's turns in its info). A tree
+    still running is refused: wait for it or cancel it first."""
+    if fmt not in EXPORT_FORMATS:
+        _fail(f"--format {fmt!r} is not supported; use --format {', '.join(EXPORT_FORMATS)}")
     with _journal(store) as journal:
-        for record in journal.export(run_id):
-            print_json(record)
+        write_jsonl(journal.export(run_id, fmt), sys.stdout)
+        sys.stdout.flush()
 
 
 # ---- commands: acting on a tree another process runs ---------------------------------------
@@ -1333,11 +1337,19 @@ def serve(
         int | None,
         typer.Option(help="runs a client has started here that have not started yet (default 64)"),
     ] = None,
+    max_sessions: Annotated[
+        int | None,
+        typer.Option(help="remote sessions (/v1/sessions) open at once (default 16)"),
+    ] = None,
+    session_idle: Annotated[
+        float | None,
+        typer.Option(help="seconds after which an idle remote session is closed (default 900)"),
+    ] = None,
     price: PriceOpt = None,
 ) -> None:
     """Serve the journal: a live dashboard at /, a JSON API under /v1 (runs, trees, events,
-    asks, flows) and an OpenAI-compatible /v1/chat/completions whose answer is an RLM
-    tree's. Every call needs the server's token; without --token it makes one and prints a
+    asks, flows, remote sessions) and an OpenAI-compatible /v1/chat/completions whose answer
+    is an RLM tree's. Every call needs the server's token; without --token it makes one and prints a
     login URL that carries it."""
     try:
         import uvicorn
@@ -1345,6 +1357,7 @@ def serve(
         from brood.serve import make_app
         from brood.serve.caps import MAX_QUEUED, MAX_STREAMS
         from brood.serve.guard import is_loopback
+        from brood.serve.sessions import MAX_SESSIONS, SESSION_IDLE_S
     except ModuleNotFoundError as exc:
         _fail(f"brood serve needs {exc.name}: pip install 'rlm-brood[serve]'")
         return
@@ -1363,6 +1376,8 @@ def serve(
             token=token,
             max_streams=MAX_STREAMS if max_streams is None else max_streams,
             max_queued=MAX_QUEUED if max_queued is None else max_queued,
+            max_sessions=MAX_SESSIONS if max_sessions is None else max_sessions,
+            session_idle=SESSION_IDLE_S if session_idle is None else session_idle,
         )
     except brood.BroodError as exc:
         _refused(exc)

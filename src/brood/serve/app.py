@@ -41,6 +41,12 @@ from brood.serve.errors import ApiError, Json, error_response, from_brood
 from brood.serve.guard import CatchAll, Guard
 from brood.serve.host import RUN_TIMEOUT_S, STATES, Host
 from brood.serve.schema import openapi
+from brood.serve.sessions import (
+    MAX_SESSIONS,
+    MAX_SESSIONS_PER_CLIENT,
+    SESSION_IDLE_S,
+    Sessions,
+)
 from brood.serve.stream import resume_point, tree_events
 
 MAX_PAGE = 1000  # roots one GET /v1/runs returns at most
@@ -195,6 +201,65 @@ async def resume_flow(request: Request) -> Response:
     return await _flow_op(request, "resume")
 
 
+# ---- sessions: reset / step / close over HTTP -------------------------------------------------
+def _sessions(request: Request) -> Sessions:
+    sessions: Sessions = request.app.state.sessions
+    return sessions
+
+
+def _session_id(request: Request) -> str:
+    return str(request.path_params["session_id"])
+
+
+async def open_session(request: Request) -> Response:
+    body = await read_object(request, allowed=("limits", "model"))
+    limits = object_field(body, "limits")
+    model = text_field(body, "model", required=False)
+    start = partial(_sessions(request).open, client_of(request))
+    sid = await run_in_threadpool(start, limits, model)
+    return Json({"session_id": sid}, status_code=201, headers={"Location": f"/v1/sessions/{sid}"})
+
+
+async def reset_session(request: Request) -> Response:
+    body = await read_object(request, allowed=("prompt", "context"))
+    prompt = str(text_field(body, "prompt"))
+    reset = _sessions(request).reset
+    return Json(await run_in_threadpool(reset, _session_id(request), prompt, body.get("context")))
+
+
+async def step_session(request: Request) -> Response:
+    body = await read_object(request, allowed=("code", "timeout"))
+    code = body.get("code")
+    if not isinstance(code, str):
+        raise ApiError(422, f"code must be a string of Python, got {json_type(code)}", field="code")
+    timeout = seconds_field(body, "timeout", 0.0) or None
+    step = _sessions(request).step
+    return Json(await run_in_threadpool(step, _session_id(request), code, timeout))
+
+
+async def reward_session(request: Request) -> Response:
+    body = await read_object(request, allowed=("reward", "info"))
+    reward = body.get("reward")
+    if isinstance(reward, bool) or not isinstance(reward, int | float):
+        raise ApiError(422, f"reward must be a number, got {json_type(reward)}", field="reward")
+    info = object_field(body, "info")
+    record = _sessions(request).record_reward
+    return Json(await run_in_threadpool(record, _session_id(request), float(reward), info))
+
+
+async def session(request: Request) -> Response:
+    """GET reads a session, DELETE closes it: one route, so a 405 names both methods."""
+    sessions, sid = _sessions(request), _session_id(request)
+    if request.method == "DELETE":
+        return Json(await run_in_threadpool(sessions.close, sid))
+    journal = _host(request).journal
+
+    def state_of(run_id: str) -> str:
+        return str(journal.store.get_run(run_id)["state"])
+
+    return Json(await run_in_threadpool(sessions.status, sid, state_of))
+
+
 # ---- OpenAI-compatible, and the schema ---------------------------------------------------
 async def list_models(request: Request) -> Response:
     return Json(openai_compat.models(_host(request), request.app.state.started))
@@ -222,6 +287,11 @@ ROUTES = [
     Route("/v1/flows/{run_id}", flow_status, methods=["GET"]),
     Route("/v1/flows/{run_id}/stop", stop_flow, methods=["POST"]),
     Route("/v1/flows/{run_id}/resume", resume_flow, methods=["POST"]),
+    Route("/v1/sessions", open_session, methods=["POST"]),
+    Route("/v1/sessions/{session_id}", session, methods=["GET", "DELETE"]),
+    Route("/v1/sessions/{session_id}/reset", reset_session, methods=["POST"]),
+    Route("/v1/sessions/{session_id}/step", step_session, methods=["POST"]),
+    Route("/v1/sessions/{session_id}/reward", reward_session, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     *dashboard.ROUTES,
@@ -261,6 +331,9 @@ def make_app(
     prices: Mapping[str, brood.Price | tuple[float, float]] | None = None,
     max_streams: int = MAX_STREAMS,
     max_queued: int = MAX_QUEUED,
+    max_sessions: int = MAX_SESSIONS,
+    max_sessions_per_client: int = MAX_SESSIONS_PER_CLIENT,
+    session_idle: float = SESSION_IDLE_S,
 ) -> Starlette:
     """The app of `brood serve`: the JSON API under `/v1` over the journal at `store_url`.
 
@@ -281,6 +354,11 @@ def make_app(
     `max_streams` bounds the responses that follow a tree at once (event streams, live
     trees, chat completions; 503 past it), `max_queued` the runs each client address has
     started here that have not started yet (429 past it).
+
+    `/v1/sessions` opens `brood.Session`s of the app's model, journal and limits (reset /
+    step / close over HTTP): at most `max_sessions` at once, `max_sessions_per_client` per
+    client address (429 past either); one idle for `session_idle` seconds is closed, and
+    every one is closed, exit confirmed, when the app shuts down.
     """
     if token is not None and (not isinstance(token, str) or not token.strip()):
         raise brood.InvalidArgument(
@@ -290,7 +368,12 @@ def make_app(
         raise brood.InvalidArgument(
             f"limits must be brood.Limits(...), got {type(limits).__name__}"
         )
-    for name, value in (("max_streams", max_streams), ("max_queued", max_queued)):
+    for name, value in (
+        ("max_streams", max_streams),
+        ("max_queued", max_queued),
+        ("max_sessions", max_sessions),
+        ("max_sessions_per_client", max_sessions_per_client),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             flag = "--" + name.replace("_", "-")  # brood serve's name for it
             raise brood.InvalidArgument(
@@ -298,7 +381,19 @@ def make_app(
             )
     made = token is None
     token = secrets.token_urlsafe(32) if token is None else token
+    if isinstance(session_idle, bool) or not isinstance(session_idle, int | float):
+        raise brood.InvalidArgument(f"session_idle must be seconds > 0, got {session_idle!r}")
+    if not session_idle > 0:
+        raise brood.InvalidArgument(f"session_idle must be seconds > 0, got {session_idle!r}")
     host = Host(store_url, model, limits, max_queued=max_queued, prices=prices)
+    sessions = Sessions(
+        host.session,
+        limits=limits,
+        model_name=host.model_name,
+        cap=max_sessions,
+        per_client=max_sessions_per_client,
+        idle_s=float(session_idle),
+    )
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -306,7 +401,10 @@ def make_app(
             yield
         finally:
             with anyio.CancelScope(shield=True):  # the workers' exits are confirmed
-                await run_in_threadpool(host.close)
+                try:
+                    await run_in_threadpool(sessions.close_all)
+                finally:
+                    await run_in_threadpool(host.close)
 
     app = Starlette(
         routes=ROUTES,
@@ -322,6 +420,7 @@ def make_app(
         lifespan=lifespan,
     )
     app.state.host = host
+    app.state.sessions = sessions
     app.state.token = token
     app.state.token_made = made  # brood serve prints a login URL for a token it made
     app.state.streams = Streams(max_streams)

@@ -178,6 +178,16 @@ class Host:
         for conv in idle:
             conv.suspend()
 
+    def session(self, limits: brood.Limits | None) -> brood.Session:
+        """A new `brood.Session` of the hosted model and journal (a remote session's)."""
+        if self.model is None:
+            raise ApiError(
+                503,
+                "this server has no model, so it opens no sessions",
+                fix="start it with brood serve --model SPEC (or set BROOD_MODEL)",
+            )
+        return brood.Session(self.spec, limits=limits, store=self.store_url, prices=self.prices)
+
     def close(self) -> None:
         """Cancel the hosted supervisor's runs, confirm every exit, close the journal
         (conversations between turns are left resumable: see `Supervisor.close`)."""

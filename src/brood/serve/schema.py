@@ -7,10 +7,12 @@ from typing import Any
 
 import brood
 from brood.serve.bodies import MAX_BODY_BYTES, MAX_JSON_DEPTH
+from brood.serve.sessions import SESSION_LIMITS
 
 REF_ERROR = {"$ref": "#/components/schemas/Error"}
 ANY_OBJECT: dict[str, Any] = {"type": "object", "additionalProperties": True}
 RUN_ID = {"name": "run_id", "in": "path", "required": True, "schema": {"type": "string"}}
+SESSION_ID = {"name": "session_id", "in": "path", "required": True, "schema": {"type": "string"}}
 ASK_ID = {"name": "ask_id", "in": "path", "required": True, "schema": {"type": "string"}}
 SSE = "text/event-stream"
 NOT_BLANK = "\\S"  # a string with some text: the server refuses a blank one (422)
@@ -21,10 +23,11 @@ ERRORS = {
     "401": "a missing or wrong token",
     "403": "a Host or Origin this server does not answer",
     "404": "an unknown id",
-    "409": "the run, ask or flow has ended (or is stale)",
+    "409": "the run, ask, flow or session has ended (or is stale), or a session is busy",
     "413": f"a body over {MAX_BODY_BYTES:,} bytes",
     "422": "a field of the wrong type or value",
-    "429": "the client has its bound of runs started here that have not started yet",
+    "429": "the client has its bound of runs started here that have not started yet, or "
+    "the server or the client its bound of open sessions",
     "503": "no model, the journal cannot be read, or the server follows its bound of streams",
 }
 
@@ -69,6 +72,16 @@ def _query(name: str, schema: dict[str, Any], what: str) -> dict[str, Any]:
 
 
 STATES = sorted(s.value for s in brood.RunState)
+OBSERVATION = _obj(
+    ["stdout", "stderr", "error", "done", "answer", "children", "run_id"],
+    stdout={"type": "string"},
+    stderr={"type": "string"},
+    error={"type": ["string", "null"]},
+    done={"type": "boolean"},
+    answer={"type": ["string", "null"]},
+    children={"type": "array", "items": ANY_OBJECT},
+    run_id={"type": ["string", "null"]},
+)
 RUN_STATE = {
     "type": "object",
     "properties": {"run_id": {"type": "string"}, "state": {"type": "string"}},
@@ -87,7 +100,8 @@ def openapi() -> dict[str, Any]:
             "title": "brood serve",
             "version": brood.__version__,
             "description": "Runs, trees, journal events, asks and flows of a brood journal, "
-            "and an OpenAI-compatible chat completion whose answer is an RLM tree's.",
+            "remote sessions (reset / step / close of a brood.Session), and an "
+            "OpenAI-compatible chat completion whose answer is an RLM tree's.",
         },
         "components": {
             "schemas": {
@@ -212,6 +226,55 @@ def openapi() -> dict[str, Any]:
             },
             "/v1/flows/{run_id}/resume": {
                 "post": _op("Let a paused flow go on", params=(RUN_ID,), answer=RUN_STATE)
+            },
+            "/v1/sessions": {
+                "post": _op(
+                    "Open a session (brood.Session over HTTP) on this server's model and "
+                    "journal; limits may tighten the server's, never loosen them",
+                    body=_body(
+                        [],
+                        limits=_body(
+                            [], **{name: {"type": ["number", "null"]} for name in SESSION_LIMITS}
+                        ),
+                        model={"type": "string"},
+                    ),
+                    status="201",
+                    answer=_obj(["session_id"], session_id={"type": "string"}),
+                )
+            },
+            "/v1/sessions/{session_id}": {
+                "get": _op("A session: its episode's run, state, children", params=(SESSION_ID,)),
+                "delete": _op(
+                    "Close a session: its episode's tree ends, every worker's exit confirmed",
+                    params=(SESSION_ID,),
+                ),
+            },
+            "/v1/sessions/{session_id}/reset": {
+                "post": _op(
+                    "End the episode (if any) and start a new one whose root waits for steps",
+                    params=(SESSION_ID,),
+                    body=_body(["prompt"], prompt=TEXT, context={}),
+                    answer=OBSERVATION,
+                )
+            },
+            "/v1/sessions/{session_id}/step": {
+                "post": _op(
+                    "Run code in the episode root's REPL; done and answer once it calls FINAL",
+                    params=(SESSION_ID,),
+                    body=_body(
+                        ["code"],
+                        code={"type": "string"},
+                        timeout={"type": "number", "exclusiveMinimum": 0},
+                    ),
+                    answer=OBSERVATION,
+                )
+            },
+            "/v1/sessions/{session_id}/reward": {
+                "post": _op(
+                    "Journal the episode's reward (carried by brood export)",
+                    params=(SESSION_ID,),
+                    body=_body(["reward"], reward={"type": "number"}, info=ANY_OBJECT),
+                )
             },
             "/v1/models": {"get": _op("The model this server's runs use (OpenAI's form)")},
             "/v1/chat/completions": {

@@ -85,7 +85,10 @@ class Store(Protocol):
         *,
         after: int = 0,
         root_id: str | None = None,
+        limit: int | None = None,
     ) -> list[dict[str, Any]]: ...
+
+    def outline(self, root_id: str) -> list[dict[str, Any]]: ...
 
     def event_marks(self, root_id: str, after: int = 0) -> list[dict[str, Any]]: ...
 
