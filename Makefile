@@ -90,7 +90,7 @@ docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --clean --site-dir site
 	$(BIN)/python docs/check_links.py site
 
-# A wheel and an sdist in dist/, for `pip install dist/rlm_brood-*.whl` elsewhere.
+# A wheel in dist/, for `pip install dist/rlm_brood-0.1.0-py3-none-any.whl` on another machine.
 dist: $(STAMP)
 	rm -rf dist
 	$(BIN)/python -m pip wheel --quiet --no-deps --wheel-dir dist .

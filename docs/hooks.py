@@ -330,6 +330,21 @@ PAGES: dict[str, Callable[[], str]] = {
 }
 
 
+def hand_part(page: str) -> str:
+    """The hand-written part of a generated page (docs/reference/_NAME.md for NAME.md): what
+    the code does not say of itself, placed after the page's opening paragraph."""
+    path = Path(__file__).resolve().parent / page.replace("reference/", "reference/_")
+    return path.read_text(encoding="utf-8") if path.is_file() else ""
+
+
+def with_hand_part(page: str, text: str) -> str:
+    head, sep, rest = text.partition("\n\n## ")
+    part = hand_part(page)
+    if not part or not sep:
+        return text + part
+    return f"{head}\n\n{part.rstrip()}\n\n## {rest}"
+
+
 def on_files(files: Any, config: Any) -> Any:
     """Fail the build on a missing docstring, then add the generated pages."""
     from mkdocs.exceptions import PluginError
@@ -342,7 +357,7 @@ def on_files(files: Any, config: Any) -> Any:
         raise PluginError("the reference cannot be generated:\n  " + "\n  ".join(problems))
     for path, make in PAGES.items():
         try:
-            content = make()
+            content = with_hand_part(path, make())
         except RuntimeError as exc:
             raise PluginError(f"{path}: {exc}") from exc
         files.append(File.generated(config, path, content=content))
@@ -358,7 +373,7 @@ def main(argv: list[str]) -> int:
     out = Path(argv[1] if len(argv) > 1 else "site-reference")
     for path, make in PAGES.items():
         (out / path).parent.mkdir(parents=True, exist_ok=True)
-        (out / path).write_text(make(), encoding="utf-8")
+        (out / path).write_text(with_hand_part(path, make()), encoding="utf-8")
     return 1 if missing else 0
 
 
