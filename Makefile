@@ -16,8 +16,8 @@ demo: $(STAMP)
 	$(BIN)/brood demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks examples docs
-	$(BIN)/ruff format --check src tests benchmarks examples docs
+	$(BIN)/ruff check src tests benchmarks examples docs/*.py
+	$(BIN)/ruff format --check src tests benchmarks examples docs/*.py
 	$(BIN)/mypy
 
 # Every part of a target runs even when one before it failed (a recipe of `part NAME
@@ -30,8 +30,8 @@ PARTS_END = echo "make $@: passed:$${passed:- none}"; \
 
 test: $(STAMP)
 	@$(PARTS); \
-	part ruff $(BIN)/ruff check src tests benchmarks examples docs; \
-	part ruff-format $(BIN)/ruff format --check src tests benchmarks examples docs; \
+	part ruff $(BIN)/ruff check src tests benchmarks examples docs/*.py; \
+	part ruff-format $(BIN)/ruff format --check src tests benchmarks examples docs/*.py; \
 	part mypy $(BIN)/mypy; \
 	part pytest $(BIN)/pytest -q -m "not local and not browser and not scale and not ray and not train"; \
 	part ray $(BIN)/pytest -q -m ray; \
