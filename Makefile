@@ -90,6 +90,11 @@ docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --clean --site-dir site
 	$(BIN)/python docs/check_links.py site
 
+# The docs' screenshots, made anew: `brood demo`'s journal served by `brood serve` and
+# photographed in a headless Chromium (Debian's `chromium` package, driven by Playwright).
+docs-images: $(STAMP)
+	$(BIN)/python docs/images.py docs/images
+
 # A wheel in dist/, for `pip install dist/rlm_brood-0.1.0-py3-none-any.whl` on another machine.
 dist: $(STAMP)
 	rm -rf dist
@@ -99,7 +104,7 @@ dist: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py
 
-.PHONY: venv demo demo-serve lint test test-all test-local test-train bench docs dist
+.PHONY: venv demo demo-serve lint test test-all test-local test-train bench docs docs-images dist
 
 soak: $(STAMP)
 	$(BIN)/python benchmarks/soak.py

@@ -5,9 +5,13 @@ without a docstring summary line is named, and the link check finds every broken
 from __future__ import annotations
 
 import importlib.util
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+
+import pytest
 
 import brood
 
@@ -82,3 +86,19 @@ def test_the_link_check_finds_missing_pages_and_anchors(tmp_path):
         "index.html: a/#nowhere (no anchor #nowhere in index.html)",
         "index.html: img.png (no such file)",
     ]
+
+
+@pytest.mark.browser
+def test_make_docs_images_photographs_the_demo_tree_in_the_dashboard(tmp_path):
+    if shutil.which("chromium") is None:
+        pytest.skip("no chromium on this machine: apt-get install chromium")
+    out = subprocess.run(
+        [sys.executable, str(DOCS / "images.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    png = (tmp_path / "dashboard.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 20_000
