@@ -1,5 +1,6 @@
 """Every script of examples/ runs as it is, with no model server (the echo model, or a
-scripted one), and prints what it says it does: no example goes stale."""
+scripted one), and prints what it says it does: no example goes stale. The how-to pages
+include them whole (pymdownx.snippets), so the code a page shows is the code tested here."""
 
 from __future__ import annotations
 
@@ -16,6 +17,14 @@ EXPECTED = {
     "children.py": ["completed 10 words; longest part 29 chars", "1 cancelled Watch for late"],
     "session.py": ["2 children: 2", "True 5"],
     "tools.py": ["completed Oslo: sun, sun"],
+    "flow.py": ["finished", "{'draft': 2, 'review': 2}", "{'approved': True}"],
+    "pools.py": ["completed deployed, deployed, deployed", "overlap: False"],
+    "people.py": ["asked: Deploy to prod?", "completed yes (answered by alice)"],
+    "retries.py": [
+        "completed 3 sites; busiest: Oak wood (6)",
+        "1 failed model error: the model endpoint was down",
+        "1 completed answer",
+    ],
 }
 
 
