@@ -5,7 +5,8 @@ cannot drift from it (a MkDocs hook: `hooks:` in mkdocs.yml).
 - reference/repl.md: the REPL helpers, from the docstrings the system prompt is built from,
   and the system prompt itself as a model reads it;
 - reference/cli.md: every `brood` command's own `--help`;
-- reference/http.md: `brood serve`'s OpenAPI document (paths, methods, bodies, answers).
+- reference/http.md: `brood serve`'s OpenAPI document (paths, methods, bodies, answers);
+- reference/errors.md: the tree of brood's errors, from their classes.
 
 The build fails, naming each one, when a public object has no docstring summary line (a
 name of `brood.__all__`, a public method or property of its classes, a REPL helper, a CLI
@@ -171,6 +172,42 @@ def python_page() -> str:
     return "\n".join(lines)
 
 
+# ---- the errors -------------------------------------------------------------------------------
+
+
+def _first_sentence(obj: object) -> str:
+    paragraph = inspect.cleandoc(getattr(obj, "__doc__", None) or "").split("\n\n")[0]
+    return re.split(r"(?<=\.)\s", " ".join(paragraph.split()))[0]
+
+
+def errors_page() -> str:
+    """The tree of brood's errors, from their classes, then each class's docstring."""
+    from brood import errors
+
+    classes = [getattr(errors, name) for name in errors.__all__]
+    classes = [c for c in classes if inspect.isclass(c) and issubclass(c, errors.BroodError)]
+    lines = [
+        "# Errors",
+        "",
+        "Generated from `brood.errors`: every error brood raises on purpose.",
+        "",
+    ]
+    tree = ["```text"]
+
+    def walk(cls: type, depth: int) -> None:
+        also = [b.__name__ for b in cls.__bases__ if not issubclass(b, errors.BroodError)]
+        also = [] if cls is errors.BroodError else also
+        name = cls.__name__ + (f" (also {', '.join(also)})" if also else "")
+        tree.append(f"{'    ' * depth}{name:<{40 - 4 * depth}} {_first_sentence(cls)}")
+        for sub in sorted((c for c in classes if cls in c.__bases__), key=classes.index):
+            walk(sub, depth + 1)
+
+    walk(errors.BroodError, 0)
+    lines += [*tree, "```", "", "## The classes", "", "::: brood.errors", "    options:"]
+    lines += ["      heading_level: 3", ""]
+    return "\n".join(lines)
+
+
 # ---- the REPL helpers -------------------------------------------------------------------------
 
 
@@ -327,6 +364,7 @@ PAGES: dict[str, Callable[[], str]] = {
     "reference/repl.md": repl_page,
     "reference/cli.md": cli_page,
     "reference/http.md": http_page,
+    "reference/errors.md": errors_page,
 }
 
 

@@ -66,6 +66,10 @@ def test_the_generated_pages_cover_the_code():
     for command in ("brood run", "brood flow validate", "brood serve", "brood doctor"):
         assert f"## `{command}`" in cli
     assert "Usage: brood run [OPTIONS]" in cli
+    errors = hooks.errors_page()
+    for name in brood.errors.__all__:
+        assert f"{name} " in errors or f"{name}\n" in errors
+    assert "\n        RateLimited " in errors  # under ModelError
     http = hooks.http_page()
     for endpoint in ("GET /v1/runs", "POST /v1/chat/completions", "POST /v1/flows"):
         assert f"## `{endpoint}`" in http
