@@ -11,7 +11,7 @@ cannot drift from it (a MkDocs hook: `hooks:` in mkdocs.yml).
 The build fails, naming each one, when a public object has no docstring summary line (a
 name of `brood.__all__`, a public method or property of its classes, a REPL helper, a CLI
 command), and when the hand-written table of `Limits` fields in reference/limits.md names a
-field `Limits` does not have or leaves one out.
+field `Limits` does not have, leaves one out, or gives a default that is not the field's.
 
 `python docs/hooks.py OUT_DIR` writes the generated pages to OUT_DIR, to read them as
 markdown; `python docs/hooks.py --check` runs only the docstring check.
@@ -19,6 +19,7 @@ markdown; `python docs/hooks.py --check` runs only the docstring check.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import inspect
 import json
@@ -126,19 +127,46 @@ def missing_docstrings() -> list[str]:
     return sorted(set(missing))
 
 
+def _table_value(text: str) -> object:
+    """A default as the Limits table writes it: a Python literal, or `N GiB` / `N MiB`."""
+    size = re.fullmatch(r"(\d+) (GiB|MiB)", text)
+    if size:
+        return int(size.group(1)) * (2**30 if size.group(2) == "GiB" else 2**20)
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
 def limits_table_problems(page: str) -> list[str]:
-    """The fields a hand-written table of `Limits` (rows starting `| \\`name\\``) names
-    that `Limits` does not have, and those it leaves out."""
+    """What the hand-written table of `Limits` (rows `| NAME | DEFAULT | MEANING |`) gets
+    wrong: a field `Limits` does not have, a field it leaves out, a default that is not the
+    field's."""
     from brood import Limits
 
+    real = {
+        f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        for f in dataclasses.fields(Limits)
+    }
     named: set[str] = set()
-    for match in re.finditer(r"^\| `([a-z_]+)`(?: / `([a-z_]+)`)? \|", page, re.M):
-        named |= {name for name in match.groups() if name}
-    real = {f.name for f in dataclasses.fields(Limits)}
-    return [
+    problems = []
+    for match in re.finditer(r"^\| `([a-z_]+)`(?: / `([a-z_]+)`)? \| `([^`]*)` \|", page, re.M):
+        default = _table_value(match.group(3))
+        for name in filter(None, match.groups()[:2]):
+            named.add(name)
+            if name in real and default != real[name]:
+                problems.append(
+                    f"the Limits table gives `{name}` the default `{match.group(3)}`; "
+                    f"it is {real[name]!r}"
+                )
+    problems += [
         f"the Limits table names `{name}`, which Limits has no field of"
-        for name in sorted(named - real)
-    ] + [f"the Limits table leaves out the field `{name}`" for name in sorted(real - named)]
+        for name in sorted(named - real.keys())
+    ]
+    problems += [
+        f"the Limits table leaves out the field `{name}`" for name in sorted(real.keys() - named)
+    ]
+    return problems
 
 
 # ---- the Python API ---------------------------------------------------------------------------

@@ -53,6 +53,9 @@ def test_the_limits_table_names_every_field_and_no_other():
         "the Limits table names `max_dept`, which Limits has no field of",
         "the Limits table leaves out the field `max_depth`",
     ]
+    assert hooks.limits_table_problems(
+        page.replace("| `max_depth` | `3` |", "| `max_depth` | `4` |")
+    ) == ["the Limits table gives `max_depth` the default `4`; it is 3"]
 
 
 def test_the_generated_pages_cover_the_code():
