@@ -298,7 +298,7 @@ def cli_help(path: tuple[str, ...]) -> str:
 
     from brood.cli.main import app
 
-    env = {"COLUMNS": "100", "TERMINAL_WIDTH": "100", "NO_COLOR": "1", "TERM": "dumb"}
+    env = {"COLUMNS": "100"}
     out = CliRunner().invoke(app, [*path, "--help"], env=env, prog_name="brood")
     if out.exit_code != 0:
         raise RuntimeError(f"`brood {' '.join(path)} --help` failed: {out.output}")
