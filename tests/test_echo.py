@@ -413,7 +413,8 @@ def test_brood_resume_imports_the_journaled_python_spec_again(user_module, tmp_p
 
 
 def test_the_readme_python_example_runs_as_written(tmp_path):
-    """The first example of the README's "Use it from Python", as a script of its own."""
+    """The first example of the README (and of the tutorial's first run), as a script of its
+    own; tests/test_doc_examples.py runs every Python block of both as they are."""
     script = tmp_path / "first.py"
     script.write_text(textwrap.dedent(README_PYTHON))
     out = subprocess.run(

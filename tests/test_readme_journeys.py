@@ -1,5 +1,6 @@
-"""Every journey of the README's command line, tried as a newcomer tries it: with
-`--model echo`, no model server, real `brood` processes and a journal of the test's own.
+"""Every journey of the command line that the README and the tutorial (docs/tutorial/) show,
+tried as a newcomer tries it: with `--model echo`, no model server, real `brood` processes
+and a journal of the test's own.
 
 run (with a context file, and without), ps, tree, show, logs, export; flow validate, run
 and status; an ask answered from another terminal, across a crash and `brood resume`;
@@ -39,7 +40,7 @@ def env() -> dict[str, str]:
     return found
 
 
-# The README's first example, as it is printed there.
+# The README's and the tutorial's first example, as it is printed there.
 NOTES = "the owl hunts at dusk\ntwo owls nest in the old oak\nno owls seen today\n"
 TASK = "Count the words in the notes"
 

@@ -290,6 +290,7 @@ class Supervisor:
     # ---- introspection -----------------------------------------------------------------
     @property
     def store(self) -> Store:
+        """The journal this supervisor writes (its `runs(root_id)` lists a tree's runs)."""
         return self._engine.store
 
     def statistics(self) -> dict[str, Any]:
@@ -345,6 +346,7 @@ class RunHandle:
 
     @property
     def done(self) -> bool:
+        """Whether the run has ended (a terminal state; its workers' exit confirmed)."""
         return self.status() in TERMINAL_VALUES
 
     def wait(self, timeout: float | None = None) -> str:

@@ -42,6 +42,8 @@ __all__ = [
 
 
 class RunState(enum.StrEnum):
+    """The states of a run; `TRANSITIONS` holds the legal moves between them."""
+
     QUEUED = "queued"
     RUNNING = "running"
     CANCELLING = "cancelling"
@@ -52,6 +54,7 @@ class RunState(enum.StrEnum):
 
     @property
     def terminal(self) -> bool:
+        """Whether the state is an end: completed, failed, cancelled or timed_out."""
         return self in TERMINAL
 
 

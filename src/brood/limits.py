@@ -280,6 +280,7 @@ class Limits:
         object.__setattr__(self, "blocked_builtins", tuple(names))
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field by name, as plain values."""
         return asdict(self)
 
     def check_pool(self, pool: object, where: str = "pool") -> str | None:

@@ -72,6 +72,7 @@ class Session:
 
     @property
     def run_id(self) -> str | None:
+        """The id of the current episode's root run (None before the first reset)."""
         return self._root.id if self._root else None
 
     def reset(self, prompt: str, context: Any = None) -> Observation:
@@ -131,6 +132,7 @@ class Session:
         return Observation(res.stdout, res.stderr, res.error, res.done, res.answer, self.children())
 
     def children(self) -> list[dict[str, str]]:
+        """The root's children, each `{"id", "status"}`, in the order they started."""
         root = self._root
         if root is None:
             return []

@@ -46,9 +46,12 @@ class Model:
     provider: str | None = None
 
     def complete(self, messages: Messages, model: str | None = None) -> Completion:
+        """Answer a chat (`messages`, OpenAI's shape) with the reply text and its usage;
+        `model` names another model of the same endpoint."""
         raise NotImplementedError
 
     def describe(self) -> str:
+        """The model's name in the journal, logs and errors (its endpoint, for rate limits)."""
         return self.name or type(self).__name__
 
 
@@ -71,6 +74,7 @@ class CallableModel(Model):
         self.name = name or _callable_name(chat_fn)
 
     def complete(self, messages: Messages, model: str | None = None) -> Completion:
+        """The chat_fn's reply, which must be a str; anything it raises is a ModelError."""
         try:
             reply = self.chat_fn(messages, model=model) if model else self.chat_fn(messages)
         except ModelError:

@@ -50,6 +50,7 @@ class ScriptedModel(Model):
         self.tokens_per_call = tokens_per_call
 
     def complete(self, messages: Messages, model: str | None = None) -> Completion:
+        """The script's next reply for this run's key and turn (ModelError past its end)."""
         task = next((str(m.get("content", "")) for m in messages if m.get("role") == "user"), "")
         turn = sum(1 for m in messages if m.get("role") == "assistant")
         keys = [k for k in self.script if k in task]
