@@ -38,9 +38,15 @@ API_SECTIONS: list[tuple[str, str, list[str]]] = [
         ["Supervisor", "RunHandle", "RunResult", "RunInfo", "FlowHandle"],
     ),
     (
+        "Conversations",
+        "One root REPL and its model history across user turns (`Supervisor.conversation`).",
+        ["Conversation"],
+    ),
+    (
         "Session",
-        "A root run a trainer drives step by step (an RL environment).",
-        ["Session", "Observation"],
+        "A root run a trainer drives step by step (an RL environment), here or on a "
+        "`brood serve` elsewhere.",
+        ["Session", "Observation", "RemoteSession"],
     ),
     ("Cluster", "Trees on the nodes of a Ray cluster (the `[ray]` extra).", ["Cluster"]),
     (
