@@ -36,6 +36,7 @@ BENCHMARKS = (
     "bench_asks",
     "bench_toolkit",
     "bench_serve",
+    "bench_openenv",
     "bench_cluster",
 )
 TIMEOUT_S = 300.0  # each is meant to take under a minute; this only stops a hung one
