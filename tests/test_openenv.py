@@ -377,6 +377,34 @@ def test_an_openenv_rubric_scores_every_step_and_each_environment_has_its_own(tm
     assert rewards_of(store, done.run_id)[0]["reward"] == 0.5
 
 
+class ExpectedAnswerRubric(Rubric):
+    """A rubric in the manner of repl_env's ExactMatchRubric: the expected answer comes by
+    set_expected() at reset, the answer from the observation's metadata."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.expected: str | None = None
+
+    def set_expected(self, expected: str) -> None:
+        self.expected = expected
+
+    def forward(self, action: Any, observation: Any) -> float:
+        return float(observation.metadata.get("final_answer") == self.expected)
+
+
+def test_a_repl_env_style_rubric_gets_the_expected_answer_and_the_final_one(tmp_path):
+    env = BroodEnvironment(quick_model, rubric=ExpectedAnswerRubric(), limits=FAST)
+    try:
+        env.reset(prompt="q", expected_answer="7")
+        assert env.step(BroodAction(code="print(3 + 4)")).reward == 0.0
+        done = env.step(BroodAction(is_final=True, final_answer="7"))
+        assert (done.done, done.answer, done.reward) == (True, "7", 1.0)
+        env.reset(prompt="q", expected_answer="8")
+        assert env.step(BroodAction(is_final=True, final_answer="7")).reward == 0.0
+    finally:
+        env.close()
+
+
 def test_a_rubric_that_returns_no_number_and_a_wrong_reset_are_said_clearly(tmp_path):
     def words(answer: str | None, trajectory: list[Any]) -> Any:
         return "good"

@@ -5,8 +5,9 @@ Actions and observations follow OpenEnv's repl_env where brood has the same thin
 (`code`, or `is_final` with `final_answer`); `stdout`, `stderr`, `error`, `done`, `answer`
 and `reward` out, plus the root's child runs (`children`, whose handles live in the REPL
 across steps), the episode's run id and its step count (`iteration`). Where brood differs:
-the answer is a field, not `metadata["final_answer"]` (openenv-core's server leaves
-`metadata` out of what it sends); stdout, stderr and the error are fields of the
+the answer is a field (openenv-core's server leaves `metadata` out of what it sends; in the
+process, a done observation's `metadata["final_answer"]` holds it too, where repl_env's
+rubrics look for it); stdout, stderr and the error are fields of the
 observation itself, not of a nested `result`; FINAL is a call that ends the episode, not
 text printed to stdout.
 """
@@ -31,6 +32,7 @@ from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
 from brood.errors import BroodError, InvalidArgument
 from brood.session import Session
+from brood.store.base import redact
 from brood.supervisor.engine import Engine
 
 __all__ = [
@@ -452,6 +454,8 @@ class BroodEnvironment(Environment[BroodAction, BroodObservation, BroodState]):
                 error=str(exc), done=self._session.handle().done, children=self._session.children()
             )
         obs.run_id = ep.run_id
+        if obs.done:  # where repl_env's rubrics (ExactMatchRubric, ...) read the answer
+            obs.metadata = {"final_answer": obs.answer}
         ep.trajectory.append((action, obs))
         obs.iteration = len(ep.trajectory)
         ep.done, ep.answer = obs.done, obs.answer
@@ -568,8 +572,8 @@ class BroodEnvironmentFactory:
 
     @property
     def store_url(self) -> str:
-        """The journal the episodes are written to."""
-        return self.engine.store.url
+        """The journal the episodes are written to (a password in it masked)."""
+        return redact(self.engine.store.url)
 
     def close(self) -> None:
         """End every episode still going, confirm every worker's exit, close the journal."""
