@@ -136,6 +136,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
             said += chunk.decode(errors="replace")
         served = Server(proc, found[1], store, os.environ[REGISTRY_ENV])
         yield served
+        # A session still open when the server stops, its episode's child computing.
+        loop = asyncio.new_event_loop()
+        client = GenericEnvClient(base_url=served.url)
+        left_open = loop.run_until_complete(open_episode(client))
         started = served.workers()
         assert started, "the server's zygote is not found: the leftover check would see nothing"
     finally:
@@ -150,6 +154,17 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     # uvicorn shuts down (the supervisor closes, exit confirmed), then re-raises SIGTERM.
     assert proc.returncode in (0, -signal.SIGTERM), proc.returncode
     assert not [p for p in started if alive(p)], "the server left processes behind"
+    assert {r["state"] for r in runs_of(store, left_open)} == {"cancelled"}
+    loop.run_until_complete(client.disconnect())
+    loop.close()
+
+
+async def open_episode(env: GenericEnvClient) -> str:
+    await env.connect()
+    r = await env.reset(prompt="open when the server stops")
+    r = await env.step({"code": "s = rlm_spawn('slow at the end')"})
+    assert r.observation["error"] is None
+    return str(r.observation["run_id"])
 
 
 SPAWN = (

@@ -28,6 +28,7 @@ from typing import Any
 from fastapi import FastAPI
 from openenv.core.env_server.http_server import create_app
 from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.websockets import WebSocketDisconnect
 
 from brood.errors import InvalidArgument
 from brood.integrations.openenv.environment import (
@@ -149,6 +150,8 @@ def serve(
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
     try:
         server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn raises the SIGINT it caught again, once shut down
+        pass
     finally:
         sock.close()
         app.state.environments.close()  # when the lifespan did not run (a failed start)
@@ -204,7 +207,13 @@ class Guard:
             return
         refused = self._refusal(scope)
         if refused is None:
-            await self.app(scope, receive, send)
+            try:
+                await self.app(scope, receive, send)
+            except WebSocketDisconnect:
+                # openenv-core's endpoint closes a socket whose client has already gone (at
+                # a shutdown with sessions open) and raises; the session was ended before.
+                if scope["type"] != "websocket":
+                    raise
             return
         status, message = refused
         body = json.dumps({"error": message}).encode()
