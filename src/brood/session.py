@@ -188,8 +188,11 @@ class Session:
 
     def _end_episode(self, reason: str) -> None:
         root = self._root
-        if root is not None and not root.rec.state.terminal:
+        if root is None:
+            return
+        if not root.rec.state.terminal:
             self._engine.call(self._engine.core.finish(root, RunState.CANCELLED, reason))
+        self._engine.forget_tree(root)  # the journal keeps it; memory stays flat per episode
 
     def _check_open(self) -> None:
         if self._closed:
