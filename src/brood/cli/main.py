@@ -1329,6 +1329,7 @@ def openenv_serve(
     step_timeout: Annotated[
         float | None, typer.Option(help="seconds of one step's own compute")
     ] = None,
+    token_budget: Annotated[int | None, typer.Option(help="tokens for one episode's tree")] = None,
     price: PriceOpt = None,
 ) -> None:
     """Serve brood as an OpenEnv environment with openenv-core's own HTTP and WebSocket
@@ -1351,6 +1352,7 @@ def openenv_serve(
         "max_iterations": max_iterations,
         "child_timeout": child_timeout,
         "step_timeout": step_timeout,
+        "token_budget": token_budget,
     }
     try:
         limits = brood.Limits(**{k: v for k, v in given.items() if v is not None})
