@@ -1343,7 +1343,10 @@ def openenv_serve(
     try:
         from brood.integrations.openenv import DEFAULT_MAX_ENVS, load_rubric, serve
     except ModuleNotFoundError as exc:
-        _fail(f"brood openenv serve needs {exc.name}: pip install 'rlm-brood[openenv]'")
+        _fail(
+            f"brood openenv serve needs the [openenv] extra ({exc.name} is missing): "
+            "pip install 'rlm-brood[openenv]'"
+        )
         return
     given: dict[str, Any] = {
         "max_depth": max_depth,

@@ -13,8 +13,8 @@ try:
     import openenv.core.env_server  # noqa: F401  (the extra: its absence is said here)
 except ModuleNotFoundError as exc:
     raise ModuleNotFoundError(
-        f"brood.integrations.openenv needs openenv-core ({exc.name} is missing): "
-        "pip install 'rlm-brood[openenv]'",
+        f"brood.integrations.openenv needs the [openenv] extra, openenv-core ({exc.name} is "
+        "missing): pip install 'rlm-brood[openenv]'",
         name=exc.name,
     ) from exc
 
