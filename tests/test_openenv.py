@@ -40,6 +40,7 @@ from brood.integrations.openenv import (
     BroodEnvironmentFactory,
     load_rubric,
     make_app,
+    served_limits,
 )
 from brood.journal import Journal
 from tests.util import FAST
@@ -115,9 +116,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
             "--store",
             store,
             "--max-envs",
-            str(EPISODES + 2),
-            "--max-concurrency",
-            str(3 * EPISODES),
+            str(EPISODES + 2),  # max_concurrency: 8 workers for each (the default)
             "--max-depth",
             "2",
         ],
@@ -439,6 +438,13 @@ def test_a_rubric_that_returns_no_number_and_a_wrong_reset_are_said_clearly(tmp_
     finally:
         env.close()
     assert "no episode" in (env.step(BroodAction(code="1")).error or "")
+
+
+def test_a_full_server_s_sessions_have_a_session_s_worth_of_workers_each():
+    assert served_limits(10).max_concurrency == 10 * brood.Limits().max_concurrency
+    assert served_limits(10, max_concurrency=3, max_depth=2) == brood.Limits(
+        max_concurrency=3, max_depth=2
+    )
 
 
 def test_rubric_specs_and_cli_refusals(tmp_path, monkeypatch):

@@ -1322,7 +1322,11 @@ def openenv_serve(
         int | None, typer.Option(help="child runs in one episode's tree")
     ] = None,
     max_concurrency: Annotated[
-        int | None, typer.Option(help="workers computing at once, all episodes together")
+        int | None,
+        typer.Option(
+            help="workers computing at once, all episodes together (default: 8 for each of "
+            "--max-envs)"
+        ),
     ] = None,
     max_iterations: Annotated[int | None, typer.Option(help="model turns per child run")] = None,
     child_timeout: Annotated[float | None, typer.Option(help="seconds per child run")] = None,
@@ -1341,7 +1345,7 @@ def openenv_serve(
     Without --token the server listens on loopback only; openenv-core's clients send no
     credentials. Same as `python -m brood.integrations.openenv`."""
     try:
-        from brood.integrations.openenv import DEFAULT_MAX_ENVS, load_rubric, serve
+        from brood.integrations.openenv import DEFAULT_MAX_ENVS, load_rubric, serve, served_limits
     except ModuleNotFoundError as exc:
         _fail(
             f"brood openenv serve needs the [openenv] extra ({exc.name} is missing): "
@@ -1357,17 +1361,17 @@ def openenv_serve(
         "step_timeout": step_timeout,
         "token_budget": token_budget,
     }
+    envs = DEFAULT_MAX_ENVS if max_envs is None else max_envs
     try:
-        limits = brood.Limits(**{k: v for k, v in given.items() if v is not None})
         serve(
             model,
             host=host,
             port=port,
             token=token or None,
             rubric=load_rubric(rubric) if rubric else None,
-            limits=limits,
+            limits=served_limits(envs, **{k: v for k, v in given.items() if v is not None}),
             store=store or default_store_url(),
-            max_concurrent_envs=DEFAULT_MAX_ENVS if max_envs is None else max_envs,
+            max_concurrent_envs=envs,
             prices=_prices(price, model),
         )
     except brood.BroodError as exc:

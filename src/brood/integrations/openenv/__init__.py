@@ -28,7 +28,7 @@ from brood.integrations.openenv.environment import (
     RewardFn,
     load_rubric,
 )
-from brood.integrations.openenv.server import DEFAULT_MAX_ENVS, make_app, serve
+from brood.integrations.openenv.server import DEFAULT_MAX_ENVS, make_app, serve, served_limits
 
 __all__ = [
     "DEFAULT_MAX_ENVS",
@@ -42,4 +42,5 @@ __all__ = [
     "load_rubric",
     "make_app",
     "serve",
+    "served_limits",
 ]

@@ -10,7 +10,10 @@ import sys
 LIMIT_FLAGS = {
     "max_depth": (int, "run levels including the root"),
     "max_children": (int, "child runs in one episode's tree"),
-    "max_concurrency": (int, "workers computing at once, all episodes together"),
+    "max_concurrency": (
+        int,
+        "workers computing at once, all episodes together (default: 8 for each of --max-envs)",
+    ),
     "max_iterations": (int, "model turns per child run"),
     "child_timeout": (float, "seconds per child run"),
     "step_timeout": (float, "seconds of one step's own compute"),
@@ -48,12 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         from brood.errors import BroodError
-        from brood.integrations.openenv import DEFAULT_MAX_ENVS, load_rubric, serve
+        from brood.integrations.openenv import DEFAULT_MAX_ENVS, load_rubric, serve, served_limits
         from brood.journal import default_store_url
-        from brood.limits import Limits
     except ModuleNotFoundError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    envs = DEFAULT_MAX_ENVS if args.max_envs is None else args.max_envs
     try:
         given = {n: getattr(args, n) for n in LIMIT_FLAGS if getattr(args, n) is not None}
         serve(
@@ -62,9 +65,9 @@ def main(argv: list[str] | None = None) -> int:
             port=args.port,
             token=args.token,
             rubric=load_rubric(args.rubric) if args.rubric else None,
-            limits=Limits(**given) if given else None,
+            limits=served_limits(envs, **given),
             store=args.store or default_store_url(),
-            max_concurrent_envs=DEFAULT_MAX_ENVS if args.max_envs is None else args.max_envs,
+            max_concurrent_envs=envs,
         )
     except BroodError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -37,12 +37,23 @@ from brood.integrations.openenv.environment import (
     BroodObservation,
     RewardFn,
 )
+from brood.limits import Limits
 
-__all__ = ["DEFAULT_MAX_ENVS", "DEFAULT_PORT", "make_app", "serve"]
+__all__ = ["DEFAULT_MAX_ENVS", "DEFAULT_PORT", "make_app", "serve", "served_limits"]
 
-DEFAULT_MAX_ENVS = 64  # WebSocket sessions at once; their workers share max_concurrency
+DEFAULT_MAX_ENVS = 64  # WebSocket sessions at once
 DEFAULT_PORT = 8000  # openenv's servers' own default
 LISTEN_BACKLOG = 2048  # uvicorn's own default
+
+
+def served_limits(max_concurrent_envs: int, **fields: Any) -> Limits:
+    """Limits for a server of `max_concurrent_envs` sessions: `fields` as given, and unless
+    max_concurrency is among them, each session may have as many workers computing at once
+    as a Session of its own (Limits().max_concurrency), so the episodes of a full server
+    do not wait for each other's children."""
+    if fields.get("max_concurrency") is None:
+        fields["max_concurrency"] = Limits().max_concurrency * max_concurrent_envs
+    return Limits(**fields)
 
 
 def make_app(
@@ -58,11 +69,13 @@ def make_app(
 ) -> FastAPI:
     """openenv-core's app serving brood environments: `model`, `rubric`, `limits`, `store`
     and the other supervisor options are `BroodEnvironmentFactory`'s (`store` None: a
-    temporary journal, removed at shutdown). `token`: every request must send
-    `Authorization: Bearer TOKEN`. `loopback_only` (default: when there is no token)
-    refuses a Host header that is not a loopback name. The supervisor is closed, every
-    episode ended with confirmed exit, when the app shuts down (`app.state.environments`
-    is the factory)."""
+    temporary journal, removed at shutdown; `limits` None: `served_limits`). Every
+    episode is a tree of its own for the tree-wide limits (max_children, token_budget,
+    ...); max_concurrency counts the workers of all episodes together. `token`: every
+    request must send `Authorization: Bearer TOKEN`. `loopback_only` (default: when there
+    is no token) refuses a Host header that is not a loopback name. The supervisor is
+    closed, every episode ended with confirmed exit, when the app shuts down
+    (`app.state.environments` is the factory)."""
     if isinstance(max_concurrent_envs, bool) or not isinstance(max_concurrent_envs, int):
         raise InvalidArgument(
             f"max_concurrent_envs: must be a whole number >= 1, got {max_concurrent_envs!r}"
@@ -71,6 +84,8 @@ def make_app(
         raise InvalidArgument(f"max_concurrent_envs: must be >= 1, got {max_concurrent_envs}")
     if token is not None and not (isinstance(token, str) and token.strip()):
         raise InvalidArgument("token: must be a non-empty string, or None for no token")
+    if limits is None:
+        limits = served_limits(max_concurrent_envs)
     factory = BroodEnvironmentFactory(
         model, rubric=rubric, limits=limits, store=store, **supervisor
     )
