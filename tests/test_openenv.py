@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx2 as httpx
 import psutil
 import pytest
 import uvicorn
@@ -326,7 +327,7 @@ def test_a_token_server_takes_brood_s_client_and_refuses_the_rest(tmp_path):
     store = f"sqlite:///{tmp_path / 'j.db'}"
     app = make_app(quick_model, limits=FAST, store=store, token="s3cret", max_concurrent_envs=2)
     with served_here(app) as url:
-        with pytest.raises(Exception, match="401"):
+        with pytest.raises(ConnectionError, match="401"):
             asyncio.run(GenericEnvClient(base_url=url).connect())
         with BroodEnv(url, token="s3cret").sync() as env:
             r = env.reset(prompt="typed")
@@ -335,8 +336,6 @@ def test_a_token_server_takes_brood_s_client_and_refuses_the_rest(tmp_path):
             r = env.submit_final_answer("done")
             assert r.done and r.observation.answer == "done" and r.reward is None
             run_id = r.observation.run_id
-        import httpx2 as httpx
-
         assert httpx.get(f"{url}/health").status_code == 401
         page = httpx.get(
             f"{url}/health",
@@ -348,8 +347,6 @@ def test_a_token_server_takes_brood_s_client_and_refuses_the_rest(tmp_path):
 
 
 def test_a_loopback_server_without_a_token_refuses_other_host_names(tmp_path):
-    import httpx2 as httpx
-
     app = make_app(quick_model, limits=FAST, store=f"sqlite:///{tmp_path / 'j.db'}")
     with served_here(app) as url:
         assert httpx.get(f"{url}/health").is_success
