@@ -36,6 +36,7 @@ BENCHMARKS = (
     "bench_asks",
     "bench_toolkit",
     "bench_serve",
+    "bench_openenv",
     "bench_cluster",
     "bench_export",
 )

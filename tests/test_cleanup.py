@@ -306,3 +306,50 @@ def test_a_worker_that_closes_its_channel_and_lives_on_ends_at_once_as_connectio
         result = sup.run("root", timeout=120)
     assert result.state == "failed", result
     assert result.error.startswith("worker connection lost"), result
+
+
+def test_a_session_holds_nothing_of_the_episodes_it_ended():
+    """A supervisor that runs episode after episode (a Session, an OpenEnv server) does not
+    keep the runs of ended episodes, nor their workers' connections (the journal keeps
+    them), so its memory does not grow with every episode. (A run's connection is let go
+    once its worker's end of it is read, a moment after the exit is confirmed.)"""
+    import gc
+
+    from brood.backends.base import WorkerConn
+    from brood.supervisor.runs import Run
+
+    def held() -> tuple[set[str], int]:
+        gc.collect()
+        objects = gc.get_objects()
+        runs = {o.id for o in objects if isinstance(o, Run)}
+        return runs, sum(isinstance(o, WorkerConn) for o in objects)
+
+    def settled(ended: list[str]) -> tuple[set[str], int]:
+        """What is held once no run of an ended episode is (bounded: a failure, not a pace)."""
+        pause = threading.Event()
+        for _ in range(250):
+            runs, conns = held()
+            if not runs & set(ended):
+                return runs, conns
+            pause.wait(0.02)
+        raise AssertionError(f"runs of ended episodes held: {runs & set(ended)}")
+
+    model = brood.ScriptedModel({"child": [repl("FINAL('c')")]})
+    with brood.Session(model, limits=FAST) as env:
+        ended: list[str] = []
+
+        def episodes(n: int) -> None:
+            for i in range(n):
+                env.reset(f"episode {i}")
+                obs = env.step("print(rlm_query('child task'))")
+                assert obs.stdout == "c\n"
+                ended.extend([env.run_id or "", obs.children[0]["id"]])
+            env.reset("the last")
+
+        episodes(3)
+        runs, conns = settled(ended)
+        assert runs == {env.run_id}
+        episodes(6)
+        runs, more_conns = settled(ended)
+        assert runs == {env.run_id}
+        assert more_conns < conns + 6  # the warm pool, the live root: not one per run (12)

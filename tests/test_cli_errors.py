@@ -111,3 +111,21 @@ def test_answering_an_ask_whose_run_has_ended_names_the_ask_its_run_and_its_end(
     said = " ".join(output.split())
     assert f"ask {opened['ask']} cannot be answered: run {h.id}" in said
     assert "has ended (completed)" in said
+
+
+def test_brood_openenv_serve_without_the_extra_names_the_extra():
+    """Where openenv-core is not installed (here: an interpreter that cannot import it), the
+    command says which extra to install, and starts nothing."""
+    code = (
+        "import sys; sys.modules['openenv'] = None\n"
+        "sys.argv = ['brood', 'openenv', 'serve', '--model', 'echo']\n"
+        "from brood.cli.main import main\n"
+        "main()"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("BROOD_MODEL", "BROOD_TOKEN")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert out.returncode == 2, out.stderr
+    assert "needs the [openenv] extra" in out.stderr
+    assert "pip install 'rlm-brood[openenv]'" in out.stderr

@@ -54,7 +54,7 @@ class Session:
         mcp_servers: Iterable[str] | str | None = None,
         tracing: bool | Any | None = None,
     ) -> None:
-        self._engine = Engine(
+        engine = Engine(
             model,
             limits=limits,
             store=store,
@@ -65,6 +65,20 @@ class Session:
             mcp_servers=mcp_servers,
             tracing=tracing,
         )
+        self._attach(engine, owns_engine=True)
+
+    @classmethod
+    def on_engine(cls, engine: Engine) -> Session:
+        """A session whose episodes are trees of `engine`, an engine its caller owns and
+        closes: a server that drives many sessions at once from one supervisor (brood's
+        OpenEnv server) pays for one zygote, one journal and one loop, not one per session.
+        Each episode is still a tree of its own, with its own workers. `close()` ends this
+        session's episode (exit confirmed) and leaves the engine open."""
+        return _EngineSession(engine)
+
+    def _attach(self, engine: Engine, *, owns_engine: bool) -> None:
+        self._engine = engine
+        self._owns_engine = owns_engine
         self._root: Run | None = None
         self._episode = 0
         self._req = itertools.count(1)
@@ -176,22 +190,37 @@ class Session:
 
     def _end_episode(self, reason: str) -> None:
         root = self._root
-        if root is not None and not root.rec.state.terminal:
+        if root is None:
+            return
+        if not root.rec.state.terminal:
             self._engine.call(self._engine.core.finish(root, RunState.CANCELLED, reason))
+        self._engine.forget_tree(root)  # the journal keeps it; memory stays flat per episode
 
     def _check_open(self) -> None:
         if self._closed:
             raise BroodError("the session is closed; make a new Session")
+        self._engine.check_open()
 
     def close(self) -> None:
-        """End the episode and stop every worker, confirming exit."""
+        """End the episode and stop every worker, confirming exit (a session made with
+        `on_engine` ends its episode's workers, not the engine's)."""
         if self._closed:
             return
         self._closed = True
-        self._engine.close()
+        if self._owns_engine:
+            self._engine.close()
+        elif not self._engine.closed:  # a closing engine ends every episode itself
+            self._end_episode("session closed")
 
     def __enter__(self) -> Session:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _EngineSession(Session):
+    """A Session on an engine its caller owns and closes (`Session.on_engine`)."""
+
+    def __init__(self, engine: Engine) -> None:  # no engine of its own: Session's is not made
+        self._attach(engine, owns_engine=False)

@@ -324,6 +324,7 @@ class LocalBackend:
                 asyncio.get_running_loop().call_later(CONNECTION_GRACE_S, self._lost, conn)
             else:
                 conn.writer.close()
+                self._done_with(conn)
 
     def _lost(self, conn: WorkerConn) -> None:
         # A worker that died (a zombie not reaped yet: a slow core dump, a busy zygote) is
@@ -338,6 +339,14 @@ class LocalBackend:
             )
         if conn.writer is not None:
             conn.writer.close()
+        self._done_with(conn)
+
+    def _done_with(self, conn: WorkerConn) -> None:
+        """Forget a run's connection once closed: a supervisor that runs run after run
+        (a server) would otherwise hold every connection, and through its callbacks every
+        run, it ever had. A warm worker's stays, so close() can drop its scratch."""
+        if conn.handler is not None:
+            self._all.discard(conn)
 
     async def acquire(self) -> WorkerConn:
         if self._closed:

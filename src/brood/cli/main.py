@@ -1432,6 +1432,109 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+# ---- OpenEnv ---------------------------------------------------------------------------------
+openenv_app = typer.Typer(
+    help="brood as an OpenEnv environment (the [openenv] extra).",
+    no_args_is_help=True,
+    context_settings=CONTEXT,
+    rich_markup_mode=HELP_MARKUP,
+)
+app.add_typer(openenv_app, name="openenv")
+
+
+@openenv_app.command("serve")
+def openenv_serve(
+    model: Annotated[
+        str | None,
+        typer.Option(
+            help="model spec of the children and plain calls of episodes (or BROOD_MODEL)"
+        ),
+    ] = None,
+    host: Annotated[
+        str, typer.Option(help="address to listen on; one that is not loopback needs --token")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port to listen on (0: a free one)")] = 8000,
+    store: StoreOpt = None,
+    rubric: Annotated[
+        str | None,
+        typer.Option(
+            metavar="MODULE:FUNCTION",
+            help="the reward: a function reward(answer, trajectory) -> float, or an "
+            "openenv-core Rubric (importable from here)",
+        ),
+    ] = None,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            envvar="BROOD_TOKEN",
+            help="every request must send Authorization: Bearer TOKEN (or BROOD_TOKEN); "
+            "openenv-core's stock clients send none, BroodEnv(url, token=...) does",
+        ),
+    ] = None,
+    max_envs: Annotated[
+        int | None, typer.Option(help="sessions (WebSocket clients) at once (default 64)")
+    ] = None,
+    max_depth: Annotated[int | None, typer.Option(help="run levels including the root")] = None,
+    max_children: Annotated[
+        int | None, typer.Option(help="child runs in one episode's tree")
+    ] = None,
+    max_concurrency: Annotated[
+        int | None,
+        typer.Option(
+            help="workers computing at once, all episodes together (default: 8 for each of "
+            "--max-envs)"
+        ),
+    ] = None,
+    max_iterations: Annotated[int | None, typer.Option(help="model turns per child run")] = None,
+    child_timeout: Annotated[float | None, typer.Option(help="seconds per child run")] = None,
+    step_timeout: Annotated[
+        float | None, typer.Option(help="seconds of one step's own compute")
+    ] = None,
+    token_budget: Annotated[int | None, typer.Option(help="tokens for one episode's tree")] = None,
+    price: PriceOpt = None,
+) -> None:
+    """Serve brood as an OpenEnv environment with openenv-core's own HTTP and WebSocket
+    server: each session's `reset` starts an episode (a brood tree of its own, journaled),
+    each `step` runs an action's code in the episode's root REPL, and the rubric's reward
+    comes back when the episode is done. `reset`, `close` and the end of a session end
+    the episode's workers with confirmed exit.
+
+    Without --token the server listens on loopback only; openenv-core's clients send no
+    credentials. Same as `python -m brood.integrations.openenv`."""
+    try:
+        from brood.integrations.openenv import DEFAULT_MAX_ENVS, load_rubric, serve, served_limits
+    except ModuleNotFoundError as exc:
+        _fail(
+            f"brood openenv serve needs the [openenv] extra ({exc.name} is missing): "
+            "pip install 'rlm-brood[openenv]'"
+        )
+        return
+    given: dict[str, Any] = {
+        "max_depth": max_depth,
+        "max_children": max_children,
+        "max_concurrency": max_concurrency,
+        "max_iterations": max_iterations,
+        "child_timeout": child_timeout,
+        "step_timeout": step_timeout,
+        "token_budget": token_budget,
+    }
+    envs = DEFAULT_MAX_ENVS if max_envs is None else max_envs
+    try:
+        serve(
+            model,
+            host=host,
+            port=port,
+            token=token or None,
+            rubric=load_rubric(rubric) if rubric else None,
+            limits=served_limits(envs, **{k: v for k, v in given.items() if v is not None}),
+            store=store or default_store_url(),
+            max_concurrent_envs=envs,
+            prices=_prices(price, model),
+        )
+    except brood.BroodError as exc:
+        _refused(exc)
+
+
 # ---- doctor ---------------------------------------------------------------------------------
 @app.command()
 def doctor(store: StoreOpt = None, as_json: JsonOpt = False) -> None:

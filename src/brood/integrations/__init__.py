@@ -1,2 +1,3 @@
-"""brood inside other frameworks; each module imports its framework's SDK (an extra) itself,
-and `import brood` imports none of them."""
+"""brood in other frameworks, each an optional extra imported only by its own module:
+`brood.integrations.openenv` (the `[openenv]` extra) and `brood.integrations.verifiers`
+(the `[verifiers]` extra). Importing brood, or this package, imports none of them."""

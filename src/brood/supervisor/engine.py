@@ -269,6 +269,23 @@ class Engine:
         self.core.event(run, MODEL_SPEC, record)
         return run
 
+    def forget_tree(self, root: Run) -> None:
+        """Drop the ended tree of `root` from this supervisor's memory; the journal keeps
+        it. A server that runs episode after episode on one supervisor (Session.on_engine)
+        would otherwise hold every run it ever ran. A tree still going is kept."""
+
+        async def drop() -> None:
+            tree, todo = [], [root]
+            while todo:
+                run = todo.pop()
+                tree.append(run)
+                todo.extend(run.children)
+            if all(r.rec.state.terminal for r in tree):
+                for run in tree:
+                    self.core.runs.pop(run.id, None)
+
+        self.call(drop())
+
     def resume(self, run_id: str) -> Run:
         """Resume the crashed tree `run_id` belongs to (see `Supervisor.resume`); refused
         for an unknown id, a tree that has ended, and one a live supervisor still runs."""
