@@ -12,6 +12,7 @@ from brood.protocol import (
     Final,
     ModelReq,
     Msg,
+    Reply,
     StepBegan,
     StepDone,
     SyncChannel,
@@ -135,6 +136,9 @@ class GatewayLink(Link):
             self.chan.send(msg)
             return None
         return super().request(msg)
+
+    def request_reply(self, msg: Msg, **kw: Any) -> Reply:  # a model turn: the whole reply
+        return Reply(msg.req_id, value=self.request(msg, **kw))  # type: ignore[attr-defined]
 
 
 def make_agent(script: list[Any], **limits: Any) -> tuple[Agent, io.BytesIO]:
