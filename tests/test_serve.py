@@ -27,9 +27,9 @@ from typer.testing import CliRunner
 
 import brood
 from brood.cli.main import app as cli
+from brood.hosts import is_loopback
 from brood.serve import make_app
 from brood.serve.bodies import MAX_BODY_BYTES, MAX_JSON_DEPTH
-from brood.serve.guard import is_loopback
 from tests.trust_util import coder, outcome, task
 from tests.trust_util import limits as trust_limits
 from tests.util import fast

@@ -1354,9 +1354,9 @@ def serve(
     try:
         import uvicorn
 
+        from brood.hosts import is_loopback
         from brood.serve import make_app
         from brood.serve.caps import MAX_QUEUED, MAX_STREAMS
-        from brood.serve.guard import is_loopback
         from brood.serve.sessions import MAX_SESSIONS, SESSION_IDLE_S
     except ModuleNotFoundError as exc:
         _fail(f"brood serve needs {exc.name}: pip install 'rlm-brood[serve]'")

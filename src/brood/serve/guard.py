@@ -21,11 +21,11 @@ never sees a traceback.
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import logging
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from brood.hosts import host_of, is_loopback
 from brood.serve.bodies import MAX_BODY_BYTES, too_large
 from brood.serve.errors import ApiError, error_response
 
@@ -33,25 +33,6 @@ log = logging.getLogger("brood.serve")
 
 # The dashboard's pages (`/`, `/runs/...`) and `/static/` hold no data; its bodies (`/ui/`) do.
 PROTECTED = ("/v1/", "/openapi.json", "/ui/")  # "/v1" itself is matched too
-LOOPBACK_NAMES = frozenset({"localhost", "localhost."})
-
-
-def is_loopback(host: str) -> bool:
-    """Whether a host name or address is this machine's loopback (a bind or a Host)."""
-    host = host.strip().strip("[]").lower()
-    if host in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _host_of(authority: str) -> str:
-    """The host part of `host[:port]` or `[v6]:port`."""
-    if authority.startswith("["):
-        return authority[1 : authority.find("]")]
-    return authority.rsplit(":", 1)[0] if authority.count(":") == 1 else authority
 
 
 class Guard:
@@ -74,7 +55,7 @@ class Guard:
     def _check(self, scope: Scope) -> None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         host = headers.get("host", "")
-        if self.loopback_only and not is_loopback(_host_of(host)):
+        if self.loopback_only and not is_loopback(host_of(host)):
             raise ApiError(
                 403,
                 f"Host {host!r} is not a loopback name; a server started without --token "

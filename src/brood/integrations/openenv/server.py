@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import json
 import socket
 import sys
@@ -31,6 +30,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocketDisconnect
 
 from brood.errors import InvalidArgument
+from brood.hosts import host_of, is_loopback
 from brood.integrations.openenv.environment import (
     BroodAction,
     BroodEnvironmentFactory,
@@ -187,24 +187,6 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def is_loopback(host: str) -> bool:
-    """Whether a host name or address is this machine's loopback."""
-    host = host.strip().strip("[]").lower()
-    if host in ("localhost", "localhost."):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _host_of(authority: str) -> str:
-    """The host part of `host[:port]` or `[v6]:port`."""
-    if authority.startswith("["):
-        return authority[1 : authority.find("]")]
-    return authority.rsplit(":", 1)[0] if authority.count(":") == 1 else authority
-
-
 class Guard:
     """Refuses a request before openenv-core's routes see it (see the module's docstring):
     401 without the server's token, 403 for a non-loopback Host on a loopback-only server
@@ -251,7 +233,7 @@ class Guard:
     def _refusal(self, scope: Scope) -> tuple[int, str] | None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         host = headers.get("host", "")
-        if self.loopback_only and not is_loopback(_host_of(host)):
+        if self.loopback_only and not is_loopback(host_of(host)):
             return 403, (
                 f"Host {host!r} is not a loopback name; a server without a token answers only "
                 "127.0.0.1, ::1 and localhost (start it with a token to serve other names)"
