@@ -128,4 +128,4 @@ def test_brood_openenv_serve_without_the_extra_names_the_extra():
     )
     assert out.returncode == 2, out.stderr
     assert "needs the [openenv] extra" in out.stderr
-    assert "pip install 'rlm-brood[openenv]'" in out.stderr
+    assert "pip install -e '.[openenv]'" in out.stderr

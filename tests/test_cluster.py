@@ -228,7 +228,7 @@ def test_the_address_of_the_connected_cluster_is_accepted(ray_cluster, fresh_pg_
 
 def test_without_ray_the_error_says_what_to_install(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
-    with pytest.raises(RayMissing, match=r"pip install 'rlm-brood\[ray\]'"):
+    with pytest.raises(RayMissing, match=r"pip install -e '\.\[ray\]'"):
         brood.Cluster("scripted:demo", store=f"sqlite:///{tmp_path}/j.db")
     assert issubclass(RayMissing, ImportError) and issubclass(RayMissing, brood.BroodError)
 

@@ -430,7 +430,7 @@ def test_bad_tracing_settings_are_refused_naming_the_fix(monkeypatch):
     with pytest.raises(brood.InvalidArgument, match=r"OTEL_TRACES_EXPORTER='zipkin-nope'"):
         brood.Supervisor(model, tracing=True)
     monkeypatch.setitem(sys.modules, "opentelemetry.sdk.trace", None)  # as if not installed
-    with pytest.raises(brood.InvalidArgument, match=r"pip install 'rlm-brood\[otel\]'"):
+    with pytest.raises(brood.InvalidArgument, match=r"pip install -e '\.\[otel\]'"):
         brood.Supervisor(model, tracing=True)
 
 

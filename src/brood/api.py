@@ -105,7 +105,7 @@ class Supervisor:
     constructor, naming it.
 
     `tracing=True` (or BROOD_OTEL=1 when `tracing` is not given) emits OpenTelemetry spans
-    (the extra: pip install 'rlm-brood[otel]'): one per run, under its parent's; one per
+    (the `[otel]` extra): one per run, under its parent's; one per
     model call (GenAI conventions: provider, model, tokens, cost); one per REPL step, ask
     and wait for a pool. They go to the application's TracerProvider if it set one up, else
     to the exporters the OTEL_* environment variables name (OTEL_TRACES_EXPORTER, `otlp` by

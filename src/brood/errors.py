@@ -38,6 +38,12 @@ __all__ = [
 ]
 
 
+def install_hint(extra: str) -> str:
+    """How to install brood's optional extra `extra`: brood is installed from its clone
+    (or from git), not from a package index."""
+    return f"install brood's [{extra}] extra (in brood's clone: pip install -e '.[{extra}]')"
+
+
 class BroodError(Exception):
     """Base class of every error brood raises on purpose."""
 

@@ -32,6 +32,7 @@ from brood.cli.interrupt import EXIT_CODE as INTERRUPTED
 from brood.cli.interrupt import Interrupt, interruptible
 from brood.cli.terminal import Terminal, clean, echo, literal, plain, print_json
 from brood.cli.words import for_cli
+from brood.errors import install_hint
 from brood.exports import EXPORT_FORMATS, write_jsonl
 from brood.journal import Journal, default_store_url
 from brood.lifecycle import FLOW_ENDED, TERMINAL_VALUES, FlowStatus
@@ -1359,7 +1360,7 @@ def serve(
         from brood.serve.caps import MAX_QUEUED, MAX_STREAMS
         from brood.serve.sessions import MAX_SESSIONS, SESSION_IDLE_S
     except ModuleNotFoundError as exc:
-        _fail(f"brood serve needs {exc.name}: pip install 'rlm-brood[serve]'")
+        _fail(f"brood serve needs {exc.name}: {install_hint('serve')}")
         return
     token = token or None  # an empty BROOD_TOKEN is no token
     if token is None and not is_loopback(host):
@@ -1506,7 +1507,7 @@ def openenv_serve(
     except ModuleNotFoundError as exc:
         _fail(
             f"brood openenv serve needs the [openenv] extra ({exc.name} is missing): "
-            "pip install 'rlm-brood[openenv]'"
+            f"{install_hint('openenv')}"
         )
         return
     given: dict[str, Any] = {

@@ -10,7 +10,7 @@ from typing import Any
 
 import cloudpickle
 
-from brood.errors import BackendError, InvalidArgument, RayMissing
+from brood.errors import BackendError, InvalidArgument, RayMissing, install_hint
 from brood.store.base import open_store
 
 ADDRESS_CHECK_S = 3.0  # a TCP connect to the GCS; a bare ray.init retries for minutes
@@ -23,7 +23,7 @@ PING_S = 10.0  # a ping unanswered this long is not a death: Ray's detector deci
 WAIT_SLACK_S = 10.0  # an agent's bounded wait may return this much after its timeout
 AGENT_CONCURRENCY = 1000  # blocked waits each hold one of an agent's threads
 
-INSTALL_HINT = "pip install 'rlm-brood[ray]'"
+INSTALL_HINT = install_hint("ray")
 
 
 def import_ray() -> Any:

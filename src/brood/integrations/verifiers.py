@@ -44,7 +44,7 @@ from typing import Any, TypeVar
 from pydantic import Field, field_validator
 
 from brood.api import RunHandle, RunResult, Supervisor
-from brood.errors import InvalidArgument
+from brood.errors import InvalidArgument, install_hint
 from brood.journal import Journal
 from brood.limits import Limits
 from brood.models.base import BARE, is_spec, resolve_model
@@ -54,7 +54,7 @@ try:
     import verifiers.v1 as vf
 except ImportError as exc:  # the extra is not installed
     raise ImportError(
-        "brood.integrations.verifiers needs verifiers >= 0.4: pip install 'rlm-brood[verifiers]'"
+        f"brood.integrations.verifiers needs verifiers >= 0.4: {install_hint('verifiers')}"
     ) from exc
 
 __all__ = ["METADATA_KEY", "BroodHarness", "BroodHarnessConfig", "load_environment"]

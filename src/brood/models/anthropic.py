@@ -1,5 +1,5 @@
 """Claude models through the official `anthropic` SDK (the optional extra
-`rlm-brood[anthropic]`): `anthropic:MODEL[@URL]`."""
+the `[anthropic]` extra): `anthropic:MODEL[@URL]`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Gemini models through the official `google-genai` SDK (the optional extra
-`rlm-brood[gemini]`): `gemini:MODEL[@URL]`, the Gemini Developer API."""
+the `[gemini]` extra): `gemini:MODEL[@URL]`, the Gemini Developer API."""
 
 from __future__ import annotations
 

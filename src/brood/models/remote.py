@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any, ClassVar, NamedTuple
 
-from brood.errors import InvalidArgument, ModelError, RateLimited
+from brood.errors import InvalidArgument, ModelError, RateLimited, install_hint
 from brood.limits import is_duration
 from brood.models.base import Completion, Messages, Model, rate_gated
 
@@ -261,8 +261,7 @@ def import_sdk(module: str, extra: str, who: str) -> ModuleType:
         return importlib.import_module(module)
     except ImportError:
         raise InvalidArgument(
-            f"{who} needs the {module.partition('.')[0]!r} package: "
-            f"pip install 'rlm-brood[{extra}]'"
+            f"{who} needs the {module.partition('.')[0]!r} package: {install_hint(extra)}"
         ) from None
 
 

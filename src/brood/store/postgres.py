@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from brood.errors import StoreError
+from brood.errors import StoreError, install_hint
 from brood.store.base import redact
 from brood.store.sql import SQLStore
 
@@ -29,9 +29,7 @@ class PostgresStore(SQLStore):
 
     def __init__(self, url: str, *, readonly: bool = False) -> None:
         if psycopg is None:
-            raise StoreError(
-                f"store {redact(url)!r} needs psycopg: pip install 'rlm-brood[postgres]'"
-            )
+            raise StoreError(f"store {redact(url)!r} needs psycopg: {install_hint('postgres')}")
         self.errors = (psycopg.Error,)
         self.refusals = (psycopg.IntegrityError,)
         self.where = f"journal {redact(url)}"

@@ -210,7 +210,7 @@ class SQLStore:
             conn.close()
             raise StoreError(
                 f"{self.where} has schema version {version}, newer than this brood's "
-                f"{SCHEMA_VERSION}; upgrade brood (pip install -U rlm-brood)"
+                f"{SCHEMA_VERSION}; upgrade brood (git pull in its clone, then make venv)"
             )
         return conn
 

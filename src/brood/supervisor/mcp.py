@@ -22,7 +22,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-from brood.errors import BroodError, InvalidArgument, ToolError
+from brood.errors import BroodError, InvalidArgument, ToolError, install_hint
 from brood.protocol import ToolInfo
 from brood.tools import DEFAULT_TOOL_TIMEOUT
 
@@ -30,7 +30,7 @@ try:
     import mcp
     from mcp.shared.exceptions import MCPError
 except ImportError as exc:  # pragma: no cover - the extra is missing
-    raise BroodError("MCP servers need the official mcp SDK: pip install 'rlm-brood[mcp]'") from exc
+    raise BroodError(f"MCP servers need the official mcp SDK: {install_hint('mcp')}") from exc
 
 MCP_START_TIMEOUT = 30.0  # seconds for a server to start and list its tools
 MCP_STOP_TIMEOUT = 10.0  # seconds to close one (the SDK stops a stdio process within ~6 s)

@@ -22,14 +22,14 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
-from brood.errors import InvalidArgument
+from brood.errors import InvalidArgument, install_hint
 
 if TYPE_CHECKING:
     from brood.models.base import Model
     from brood.supervisor.runs import Run
 
 ENV = "BROOD_OTEL"  # BROOD_OTEL=1: tracing on for a supervisor given no tracing=
-INSTALL = "pip install 'rlm-brood[otel]'"
+INSTALL = install_hint("otel")
 _ON = frozenset({"1", "true", "yes", "on"})
 _OFF = frozenset({"", "0", "false", "no", "off"})
 _TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
