@@ -23,13 +23,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx2 as httpx
 import psutil
 import pytest
 import uvicorn
+from typer.testing import CliRunner
+
+# Collected everywhere, run where the [openenv] extra is (make test-train).
+pytest.importorskip("openenv.core", reason="needs the [openenv] extra (make test-train)")
+import httpx2 as httpx
 from openenv.core.generic_client import GenericEnvClient
 from openenv.core.rubrics import Rubric
-from typer.testing import CliRunner
 
 import brood
 from brood.backends.owners import REGISTRY_ENV, processes_of
