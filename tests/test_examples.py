@@ -16,6 +16,11 @@ EXPECTED = {
     "first_run.py": ["completed a list of 3 items, in 3 chunks", "0 completed Count the words"],
     "children.py": ["completed 10 words; longest part 29 chars", "1 cancelled Watch for late"],
     "session.py": ["2 children: 2", "True 5"],
+    "conversation.py": ["completed x is set", "completed x doubled is 42"],
+    "export.py": [
+        "completed reward recorded",
+        "0 completed ['system', 'user', 'assistant'] reward: 1.0",
+    ],
     "tools.py": ["completed Oslo: sun, sun"],
     "flow.py": ["finished", "{'draft': 2, 'review': 2}", "{'approved': True}"],
     "pools.py": ["completed deployed, deployed, deployed", "overlap: False"],
