@@ -22,6 +22,8 @@ EXPECTED = {
         "0 completed ['system', 'user', 'assistant'] reward: 1.0",
     ],
     "tools.py": ["completed Oslo: sun, sun"],
+    "tracing.py": ["runs: 3 children under the root's span: 2", "('brood.step', 5)"],
+    "confinement.py": ["confined: refused: PermissionError", "with fs_read: read: the launch"],
     "flow.py": ["finished", "{'draft': 2, 'review': 2}", "{'approved': True}"],
     "pools.py": ["completed deployed, deployed, deployed", "overlap: False"],
     "people.py": ["asked: Deploy to prod?", "completed yes (answered by alice)"],
