@@ -90,6 +90,10 @@ EXPECT: dict[str, Check] = {
         lambda out, j: "running" in out
     ),
     "brood tree RUN_ID            # its runs, live": lambda out, j: "running" in out,
+    # what the follower printed by the time the run ended: the message it was sent too
+    "brood logs RUN_ID --follow   # its trajectory as it is written, until the run ends": (
+        lambda out, j: "Also count the lines" in out and "ended: cancelled" in out
+    ),
     'brood send RUN_ID "Also count the lines"   # before the run\'s next model turn': (
         lambda out, j: out.startswith("sent to r-")
     ),
@@ -354,7 +358,8 @@ class Journey:
         for follower in self.followers:
             stdout, _ = follower.proc.communicate(timeout=TIMEOUT_S)
             assert follower.proc.returncode == 0, follower.line
-            assert "ended: " in stdout, stdout
+            check = next((EXPECT[k] for k in keys(follower.line) if k in EXPECT), None)
+            assert "ended: " in stdout and (check is None or check(stdout, self)), stdout
 
     def abandon(self) -> None:
         for job in [*self.jobs, *self.followers]:
