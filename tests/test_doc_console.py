@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from brood.journal import Journal
 from tests.test_readme_journeys import until
 from tests.test_resume import wait_gone
@@ -151,6 +153,13 @@ def keys(line: str) -> list[str]:
     return [line, text, served]
 
 
+def running(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 @dataclass
 class Job:
     line: str
@@ -230,10 +239,14 @@ class Journey:
             return
         if args[:2] == ["kill", "-9"]:
             job = self.live()[int(args[2].lstrip("%")) - 1]
+            workers = psutil.Process(job.proc.pid).children(recursive=True)
+            assert workers, f"{where}: {job.line} runs no worker to be ended"
             job.proc.send_signal(signal.SIGKILL)
             job.proc.communicate(timeout=TIMEOUT_S)
             job.killed = True
             wait_gone(job.proc.pid)
+            # brood's own watchdog ends its workers, before anything resumes the tree
+            until(lambda: not [w for w in workers if running(w)])
             until(lambda: any(r["stale"] for r in self.roots() if r["run_id"] == job.run_id))
             return
         assert args[0] == "brood", f"{where}: {line!r} is neither run nor in SKIPPED"
