@@ -58,6 +58,7 @@ __all__ = [
     "probe",
     "scratch_bound",
     "seccomp_program",
+    "set_child_subreaper",
 ]
 
 # ---- kernel constants (include/uapi/linux/landlock.h, prctl.h, capability.h, sched.h) -----
@@ -538,6 +539,14 @@ def _apply_rlimits(policy: Policy) -> None:
         _set_rlimit("RLIMIT_FSIZE (file_size)", resource.RLIMIT_FSIZE, policy.file_size)
     if policy.open_files is not None:
         _set_rlimit("RLIMIT_NOFILE (open_files)", resource.RLIMIT_NOFILE, policy.open_files)
+
+
+def set_child_subreaper() -> None:
+    """Make this process a child subreaper: what its descendants orphan is reparented to it,
+    not to init. Through the libc handle loaded once at import (in the zygote, before any
+    fork): a worker that loaded its own (ctypes.CDLL) would spend a third of a millisecond
+    and ~90 copy-on-write faults on it. A no-op where prctl refuses."""
+    _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
 def _prctl(what: str, option: int, arg2: int = 0, arg3: int = 0) -> int:

@@ -21,7 +21,6 @@ socket closes), the zygote kills everything it has and exits.
 from __future__ import annotations
 
 import _signal
-import ctypes
 import gc
 import os
 import selectors
@@ -36,18 +35,14 @@ from brood.errors import ConfinementError
 from brood.protocol import HEADER, Exited, Fork, Forked, GroupGone, Msg, Quit, decode, encode
 from brood.worker import confine
 
-PR_SET_CHILD_SUBREAPER = 36
 # Plain ints for `_signal.signal` in a fresh worker: `signal.signal` converts its result to
 # an enum, and that machinery costs a forked worker ~30 copy-on-write page faults.
 _SIGCHLD, _SIG_DFL = int(signal.SIGCHLD), int(signal.SIG_DFL)
 
 
 def _set_subreaper() -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # not Linux: orphans go to init, exit is still confirmed per process group
+    # Not Linux: prctl refuses, orphans go to init, exit is still confirmed per process group.
+    confine.set_child_subreaper()
 
 
 def _group_empty(pgid: int) -> bool:
