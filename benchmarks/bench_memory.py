@@ -249,7 +249,7 @@ def main() -> None:
             idle_later = [uss(pid) for pid in idle_worker_pids(sup)]
     finally:
         shutil.rmtree(marks, ignore_errors=True)
-    waiting = waiting_rows()
+    parents = waiting_rows()
     left = no_leftovers(BENCH)
 
     def mib(b: float) -> str:
@@ -294,7 +294,7 @@ def main() -> None:
             waiting_uss < TARGET_BYTES,
         ),
         Row(BENCH, "fresh interpreter + asyncio (reference)", fresh, "B", floor),
-        *waiting,
+        *parents,
     ]
     finish(BENCH, rows, left, args.json)
 
