@@ -29,8 +29,6 @@ from concurrent.futures import Future, InvalidStateError
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
-import msgspec
-
 from brood.errors import StoreError, UnknownRun
 from brood.lifecycle import TERMINAL_VALUES, RunRecord
 
@@ -112,11 +110,10 @@ class _Lazy(Future[Any]):
     """The future of a lazy write: nobody waits on it, so it may wait for company."""
 
 
-_encode = msgspec.json.Encoder(enc_hook=str).encode  # what json.dumps(default=str) did, in C
-
-
 def _json(value: Any) -> str:
-    return _encode(value).decode()
+    # json.dumps's own text (", " and ": "), not a compact encoder's: the journal is read
+    # by people and by their SQL (`data LIKE '{"kind": "spec"%'`), and that text is kept.
+    return json.dumps(value, default=str)
 
 
 # A batch's consecutive events go in one INSERT of up to this many rows (5 values each:
