@@ -110,10 +110,10 @@ class _Lazy(Future[Any]):
     """The future of a lazy write: nobody waits on it, so it may wait for company."""
 
 
-def _json(value: Any) -> str:
-    # json.dumps's own text (", " and ": "), not a compact encoder's: the journal is read
-    # by people and by their SQL (`data LIKE '{"kind": "spec"%'`), and that text is kept.
-    return json.dumps(value, default=str)
+# json.dumps(value, default=str)'s own text (", " and ": "), not a compact encoder's: the
+# journal is read by people and by their SQL (`data LIKE '{"kind": "spec"%'`). One encoder
+# made once: json.dumps with an argument builds a new one at every call.
+_json = json.JSONEncoder(default=str).encode
 
 
 # A batch's consecutive events go in one INSERT of up to this many rows (5 values each:
