@@ -10,6 +10,15 @@ Target: under 12 MiB each. Two references are measured in the same run: the floo
 child os.fork'ed from a Python that imported brood's worker code and froze its heap (what
 the zygote does) and then only blocks on a pipe; and a fresh interpreter with asyncio
 imported (the cost a worker started by exec would have).
+
+Waiting parents: what a supervisor holds for roots that wait. N roots each start one child
+that sleeps in its step and then block in rlm_wait on it; once every one of them is there,
+the memory of the whole (PSS, so that pages shared with the zygote are counted once: this
+process, the zygote and every live worker) is measured, at WAITING_SMALL and WAITING_LARGE
+roots, each on a supervisor of its own. The slope between the two is one waiting parent's
+cost (its worker and its child's); base + 10,000 x slope is held to 1 GiB (the issue's
+target for 10,000 waiting parents). A waiting run keeps its worker today; a variant whose
+runs give their worker up while they wait is one more entry in WAITING_VARIANTS.
 """
 
 from __future__ import annotations
@@ -39,6 +48,10 @@ from _common import (
 
 BENCH = "memory"
 TARGET_BYTES = 12 * MIB
+WAITING_SMALL, WAITING_LARGE = 10, 40  # waiting roots (each with one live child) measured
+WAITING_PROJECTED = 10_000
+WAITING_TARGET_BYTES = 1024 * MIB  # for WAITING_PROJECTED waiting parents, all included
+WAITING_TIMEOUT_S = 120.0  # every root and child reaching its blocking call
 SETTLE_S = 0.5  # let freshly forked workers finish connecting before they are measured
 
 FORKED_FLOOR = """
@@ -67,6 +80,21 @@ h = rlm_spawn('sleeping child')
 open({path!r}, 'w').close()
 rlm_wait(h)
 ```"""
+
+
+WAITING_CHILD = """```repl
+import os, time
+open(os.path.join({marks!r}, 'child-' + str(os.getpid())), 'w').close()
+time.sleep(10**6)
+```"""
+WAITING_ROOT = """```repl
+import os
+h = rlm_spawn('sleeping child')
+open(os.path.join({marks!r}, 'root-' + str(os.getpid())), 'w').close()
+rlm_wait(h)
+```"""
+# What a waiting parent runs with, by variant: today one, whose runs keep their workers.
+WAITING_VARIANTS: dict[str, dict[str, object]] = {"live workers": {}}
 
 
 def uss(pid: int) -> int:
@@ -103,6 +131,82 @@ def reference_uss(code: str) -> int:
         return uss(pid)
     finally:
         proc.communicate("", timeout=30)
+
+
+def pss_total(sup: brood.Supervisor) -> tuple[int, int]:
+    """PSS of this process, the zygote and every process below it; and how many workers."""
+    zygote = psutil.Process(zygote_pid(sup))
+    below = zygote.children(recursive=True)
+    total = 0
+    for proc in [psutil.Process(), zygote, *below]:
+        try:
+            total += int(proc.memory_full_info().pss)
+        except psutil.NoSuchProcess:
+            continue
+    return total, len(below)
+
+
+def waiting_parents(n: int, extra: dict[str, object]) -> tuple[int, int]:
+    """Total memory (PSS) with `n` roots each waiting on a sleeping child, on a supervisor
+    of their own (Limits updated with `extra`); and how many workers were live."""
+    marks = tempfile.mkdtemp(prefix="bench-memory-waiting-")
+    model = brood.ScriptedModel(
+        {
+            "waiting root": [WAITING_ROOT.format(marks=marks)],
+            "sleeping child": [WAITING_CHILD.format(marks=marks)],
+        }
+    )
+    limits = brood.Limits(
+        step_timeout=None,
+        shutdown_grace=0.2,
+        term_grace=0.2,
+        fs_write=(marks,),
+        max_concurrency=2 * n + 2,
+        **extra,  # type: ignore[arg-type]
+    )
+    try:
+        with brood.Supervisor(model=model, limits=limits) as sup:
+            roots = [sup.spawn("waiting root") for _ in range(n)]
+            wait_until(
+                lambda: len(os.listdir(marks)) >= 2 * n or not still_going(sup, *roots),
+                WAITING_TIMEOUT_S,
+                f"{n} waiting roots and their children reaching their blocking calls",
+            )
+            still_going(sup, *roots, fail=True)
+            time.sleep(SETTLE_S)
+            return pss_total(sup)
+    finally:
+        shutil.rmtree(marks, ignore_errors=True)
+
+
+def waiting_rows() -> list[Row]:
+    rows = []
+    for variant, extra in WAITING_VARIANTS.items():
+        small, small_workers = waiting_parents(WAITING_SMALL, extra)
+        large, large_workers = waiting_parents(WAITING_LARGE, extra)
+        slope = (large - small) / (WAITING_LARGE - WAITING_SMALL)
+        base = small - WAITING_SMALL * slope
+        projected = base + WAITING_PROJECTED * slope
+        print(
+            f"waiting parents ({variant}): {WAITING_SMALL} roots {small / MIB:.1f} MiB "
+            f"({small_workers} workers), {WAITING_LARGE} roots {large / MIB:.1f} MiB "
+            f"({large_workers} workers): base {base / MIB:.1f} MiB + {slope / MIB:.2f} MiB "
+            f"per waiting parent; {WAITING_PROJECTED:,} of them: {projected / MIB:,.0f} MiB"
+        )
+        rows += [
+            Row(BENCH, f"memory per waiting parent ({variant})", slope, "B"),
+            Row(BENCH, f"  base: supervisor + zygote ({variant})", base, "B"),
+            Row(
+                BENCH,
+                f"  {WAITING_PROJECTED:,} waiting parents, projected ({variant})",
+                projected,
+                "B",
+                None,
+                f"< {WAITING_TARGET_BYTES // MIB} MiB",
+                projected < WAITING_TARGET_BYTES,
+            ),
+        ]
+    return rows
 
 
 def main() -> None:
@@ -145,6 +249,7 @@ def main() -> None:
             idle_later = [uss(pid) for pid in idle_worker_pids(sup)]
     finally:
         shutil.rmtree(marks, ignore_errors=True)
+    parents = waiting_rows()
     left = no_leftovers(BENCH)
 
     def mib(b: float) -> str:
@@ -189,6 +294,7 @@ def main() -> None:
             waiting_uss < TARGET_BYTES,
         ),
         Row(BENCH, "fresh interpreter + asyncio (reference)", fresh, "B", floor),
+        *parents,
     ]
     finish(BENCH, rows, left, args.json)
 

@@ -678,6 +678,35 @@ def test_fork_bomb_in_model_code_ends_and_leaves_nothing() -> None:
     assert not left
 
 
+def test_worker_cgroups_are_made_once_per_slot_and_reused() -> None:
+    """Each worker joins a slot's cgroup, made once by the zygote: runs one after another
+    reuse the same few, and each finds its slot as the first found it (the children the
+    one before left in it killed and reaped first), so every run forks as far as its own
+    limit lets it."""
+    require_cgroup()
+    runs = 6
+
+    def chat_fn(messages: list[dict[str, Any]]) -> str:
+        return f"```repl\n{FORK_BOMB_CODE}\n```"
+
+    limits = brood.Limits(worker_processes=12, shutdown_grace=0.3, term_grace=0.3)
+    with brood.Supervisor(chat_fn, limits=limits) as sup:
+        zygote = sup._engine.backend._zygote.pid  # type: ignore[attr-defined]
+        results = [sup.run(f"fork bomb {i}") for i in range(runs)]
+        mine = os.path.join(SUPPORT.cgroup_dir, f"brood-{zygote}")
+        slots = sorted(e.name for e in os.scandir(mine) if e.is_dir())
+    forks = set()
+    for result in results:
+        assert result.state == "completed", result
+        assert result.answer.endswith(f"errno={errno.EAGAIN}"), result.answer
+        forks.add(int(result.answer.split()[0].removeprefix("forks=")))
+    assert len(forks) == 1 and forks.pop() <= 12 + CGROUP_HEADROOM, results
+    assert slots and all(name.startswith("slot-") for name in slots), slots
+    # The warm pool's workers, the busy one and one being refilled: not one per run.
+    assert len(slots) < runs, slots
+    assert not os.path.exists(mine)
+
+
 HOLD_ALL_CODE = """import os, signal
 n, err = 0, None
 try:

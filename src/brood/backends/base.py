@@ -22,7 +22,7 @@ class WorkerConn:
     `gone` is set once no process of its process group is left (exit confirmed).
     """
 
-    def __init__(self, pid: int, writer: asyncio.StreamWriter | None, scratch: str = "") -> None:
+    def __init__(self, pid: int, writer: asyncio.WriteTransport | None, scratch: str = "") -> None:
         self.pid = pid
         self.writer = writer
         self.scratch = scratch  # the worker's HOME, TMPDIR and cwd

@@ -36,6 +36,7 @@ from brood.backends.scratch import SCRATCH_WATCH_S, over_limit, scratch_sizes
 from brood.errors import BackendError
 from brood.protocol import (
     HEADER,
+    MAX_WORKER_FRAME,
     Exited,
     Failed,
     Fork,
@@ -45,8 +46,8 @@ from brood.protocol import (
     ProtocolError,
     Quit,
     decode,
+    decode_worker,
     encode,
-    read_frame,
 )
 from brood.worker import confine
 
@@ -305,26 +306,24 @@ class LocalBackend:
         self._track(self._serve(conn, socket.socket(fileno=fd)))
 
     async def _serve(self, conn: WorkerConn, sock: socket.socket) -> None:
-        """Read one worker's frames. A frame that is not one a worker may send, or is too
-        big, ends that worker's run with the reason; the supervisor goes on."""
-        reader, conn.writer = await asyncio.open_unix_connection(sock=sock)
+        """Read one worker's frames (`WorkerFrames`), then offer it to runs."""
+        loop = asyncio.get_running_loop()
+        await loop.create_connection(lambda: WorkerFrames(self, conn), sock=sock)
         await self._idle.put(conn)
-        try:
-            while (msg := await read_frame(reader, worker=True)) is not None:
-                conn.deliver(msg)
-        except ProtocolError as exc:
-            conn.deliver(_violation(exc))
-        finally:
-            conn.closed.set()
-            if conn.handler is not None and not conn.exited.done():
-                # A worker that exits closes its end first: its exit is reported, with how
-                # it died. One still alive without its connection (it closed it, or shut it
-                # for writing) can do nothing more: its run ends at once. Our end stays open
-                # until then, so that the worker does not exit of it and hide what it did.
-                asyncio.get_running_loop().call_later(CONNECTION_GRACE_S, self._lost, conn)
-            else:
+
+    def closed(self, conn: WorkerConn) -> None:
+        """Worker `conn`'s connection ended (or broke the protocol): no frame comes any more."""
+        conn.closed.set()
+        if conn.handler is not None and not conn.exited.done():
+            # A worker that exits closes its end first: its exit is reported, with how it
+            # died. One still alive without its connection (it closed it, or shut it for
+            # writing) can do nothing more: its run ends at once. Our end stays open until
+            # then, so that the worker does not exit of it and hide what it did.
+            asyncio.get_running_loop().call_later(CONNECTION_GRACE_S, self._lost, conn)
+        else:
+            if conn.writer is not None:
                 conn.writer.close()
-                self._done_with(conn)
+            self._done_with(conn)
 
     def _lost(self, conn: WorkerConn) -> None:
         # A worker that died (a zombie not reaped yet: a slow core dump, a busy zygote) is
@@ -423,6 +422,70 @@ class LocalBackend:
                     shutil.rmtree(conn.scratch, ignore_errors=True)
         else:
             shutil.rmtree(self.scratch_root, ignore_errors=True)
+
+
+class WorkerFrames(asyncio.Protocol):
+    """The supervisor's end of one worker's connection: frames are cut from what arrives and
+    handed to the worker's run as they come, in the loop's own callback (no reading task
+    woken per frame). A frame that is not one a worker may send, or is too big, ends that
+    worker's run with the reason; the supervisor goes on. A frame's size is checked as soon
+    as its header is in, so a too-big body is never buffered."""
+
+    def __init__(self, backend: LocalBackend, conn: WorkerConn) -> None:
+        self.backend, self.conn = backend, conn
+        self.buf = bytearray()
+        self.ended = False
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.conn.writer = transport
+
+    def data_received(self, data: bytes) -> None:
+        if self.ended:
+            return
+        buf = self.buf
+        buf += data
+        while len(buf) >= HEADER.size:
+            (size,) = HEADER.unpack_from(buf)
+            if size > MAX_WORKER_FRAME:
+                self._refuse(
+                    ProtocolError(
+                        f"frame of {size} bytes exceeds the {MAX_WORKER_FRAME}-byte bound"
+                    )
+                )
+                return
+            end = HEADER.size + size
+            if len(buf) < end:
+                return
+            body = bytes(buf[HEADER.size : end])
+            del buf[:end]
+            try:
+                msg = decode_worker(body)
+            except ProtocolError as exc:
+                self._refuse(exc)
+                return
+            self.conn.deliver(msg)
+
+    def _refuse(self, exc: ProtocolError) -> None:
+        self.ended = True
+        self.buf.clear()
+        assert self.transport is not None
+        self.transport.pause_reading()
+        self.conn.deliver(_violation(exc))
+        self.backend.closed(self.conn)
+
+    def eof_received(self) -> bool:
+        if not self.ended:
+            self.ended = True
+            self.backend.closed(self.conn)
+        return True  # our end stays open for writing: `closed` decides when it closes
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.ended:
+            self.ended = True
+            self.backend.closed(self.conn)
 
 
 def _violation(exc: ProtocolError) -> Msg:

@@ -110,6 +110,31 @@ class _Lazy(Future[Any]):
     """The future of a lazy write: nobody waits on it, so it may wait for company."""
 
 
+# json.dumps(value, default=str)'s own text (", " and ": "), not a compact encoder's: the
+# journal is read by people and by their SQL (`data LIKE '{"kind": "spec"%'`). One encoder
+# made once: json.dumps with an argument builds a new one at every call.
+_json = json.JSONEncoder(default=str).encode
+
+
+# A batch's consecutive events go in one INSERT of up to this many rows (5 values each:
+# under SQLite's oldest limit of 999 bound values per statement).
+EVENT_ROWS = 150
+_INSERT_EVENTS = "INSERT INTO events (run_id, root_id, kind, data, at) VALUES "
+_UPDATE_USAGE = "UPDATE runs SET usage=?, last_line=COALESCE(?, last_line) WHERE id=?"
+
+
+class _Usage:
+    """A run's usage (and last line of output) as an event left it to be written. Only the
+    latest one of a run is written: an event's UPDATE of the run is skipped when a later
+    write of the same run (an event, a transition) is queued behind it and writes newer
+    values. A child's model call and step then cost one statement each, not two."""
+
+    __slots__ = ("line", "usage")
+
+    def __init__(self, usage: str, line: str | None) -> None:
+        self.usage, self.line = usage, line
+
+
 def _settle(fut: Future[Any], result: Any = None, error: BaseException | None = None) -> None:
     """Give a write's future its outcome, unless its caller stopped waiting (cancelled it:
     an interrupted caller, a cancelled task); the write itself was committed or failed."""
@@ -118,6 +143,20 @@ def _settle(fut: Future[Any], result: Any = None, error: BaseException | None = 
             fut.set_exception(error)
         else:
             fut.set_result(result)
+
+
+class _EventWrite:
+    """An event to journal (its `row`), and the run's usage it leaves to write: kept as data
+    so that the writer can insert a batch's consecutive events in one statement."""
+
+    __slots__ = ("row", "store", "usage")
+
+    def __init__(self, store: SQLStore, row: tuple[Any, ...], usage: _Usage | None) -> None:
+        self.store, self.row, self.usage = store, row, usage
+
+    def __call__(self, cur: Any) -> int:
+        self.store.write_events(cur, [self])
+        return 1
 
 
 class SQLStore:
@@ -156,13 +195,18 @@ class SQLStore:
         self.url = url
         self.readonly = readonly
         self._local = threading.local()
-        self._queue: queue.Queue[tuple[Write, Future[Any]] | None] = queue.Queue()
+        # A SimpleQueue (C, no Condition): a put costs the caller (the loop) a few times less.
+        self._queue: queue.SimpleQueue[tuple[Write, Future[Any]] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         # busy_s: the writer's wall time in transactions (GIL waits included); cpu_s: its
         # CPU time in them; statements: SQL statements executed (benchmarks read these).
         self._stats = {"writes": 0, "batches": 0, "statements": 0, "busy_s": 0.0, "cpu_s": 0.0}
         self._readers: list[Conn] = []
         self._readers_lock = threading.Lock()
+        # Each run's latest usage an event is to write (_Usage); set on the caller's thread
+        # (the supervisor's loop), looked at by the writer: under this lock.
+        self._usage: dict[str, _Usage] = {}
+        self._usage_lock = threading.Lock()
         self._closed = False
         # The first failed write, for good; `on_failure` hears of it once (writer thread).
         self.failure: StoreError | None = None
@@ -339,8 +383,21 @@ class SQLStore:
         (`_retrying`), the writer's connection reopened between tries."""
 
         def attempt() -> list[Any]:
+            results: list[Any] = []
+            events: list[_EventWrite] = []  # consecutive event writes, inserted together
             with self._transaction(self._writer) as cur:
-                return [write(cur) for write, _ in batch]
+                for write, _ in batch:
+                    if isinstance(write, _EventWrite):
+                        events.append(write)
+                        results.append(1)
+                        continue
+                    if events:
+                        self.write_events(cur, events)
+                        events = []
+                    results.append(write(cur))
+                if events:
+                    self.write_events(cur, events)
+            return results
 
         def revive() -> None:
             with contextlib.suppress(*self.errors, StoreError):
@@ -392,12 +449,12 @@ class SQLStore:
     def _submit_many(
         self, statements: list[tuple[str, tuple[Any, ...]]], *, lazy: bool = False
     ) -> Future[Any]:
-        if self.readonly:
-            raise StoreError(f"{self.where} was opened read-only")
-        if self._closed:
-            raise StoreError(f"the journal {self.where} is closed; it takes no more writes")
-        fut: Future[Any] = _Lazy() if lazy else Future()
-        stmts = [(self.q(sql), args) for sql, args in statements]
+        return self._submit_prepared([(self.q(sql), args) for sql, args in statements], lazy=lazy)
+
+    def _submit_prepared(
+        self, stmts: list[tuple[str, tuple[Any, ...]]], *, lazy: bool = False
+    ) -> Future[Any]:
+        """Queue statements whose placeholders are this database's already."""
 
         def write(cur: Any) -> int:
             count = 0
@@ -407,6 +464,14 @@ class SQLStore:
             self._stats["statements"] += len(stmts)  # writer thread only
             return count  # rows the last statement touched
 
+        return self._enqueue(write, lazy=lazy)
+
+    def _enqueue(self, write: Write, *, lazy: bool = False) -> Future[Any]:
+        if self.readonly:
+            raise StoreError(f"{self.where} was opened read-only")
+        if self._closed:
+            raise StoreError(f"the journal {self.where} is closed; it takes no more writes")
+        fut: Future[Any] = _Lazy() if lazy else Future()
         self._queue.put((write, fut))
         return fut
 
@@ -467,7 +532,7 @@ class SQLStore:
                 rec.context_ref,
                 rec.state.value,
                 rec.reason,
-                json.dumps(rec.usage),
+                _json(rec.usage),
                 rec.created_at,
                 supervisor,
                 context,
@@ -498,21 +563,27 @@ class SQLStore:
         return self._submit("UPDATE runs SET reason=? WHERE id=?", (reason, run_id))
 
     def transition(self, rec: RunRecord, frm: str, to: str) -> Future[Any]:
+        # This write carries the run's usage: an event's UPDATE queued before it is not
+        # needed any more (its last line of output rides here).
+        with self._usage_lock:
+            pending = self._usage.pop(rec.id, None)
         return self._submit_many(
             [
                 (
                     "UPDATE runs SET state=?, reason=?, answer=?, error=?, usage=?, started_at=?,"
-                    " ended_at=?, pid=?, products=? WHERE id=?",
+                    " ended_at=?, pid=?, products=?, last_line=COALESCE(?, last_line)"
+                    " WHERE id=?",
                     (
                         to,
                         rec.reason,
                         rec.answer,
                         rec.error,
-                        json.dumps(rec.usage),
+                        _json(rec.usage),
                         rec.started_at,
                         rec.ended_at,
                         rec.pid,
-                        None if rec.products is None else json.dumps(rec.products),
+                        None if rec.products is None else _json(rec.products),
+                        None if pending is None else pending.line,
                         rec.id,
                     ),
                 ),
@@ -536,22 +607,33 @@ class SQLStore:
         when `progress` is given), so readers in other processes see a live tree. A `lazy`
         event is one nobody waits on: it is committed with the next write someone waits
         on, or within LAZY_LINGER_S (its future still resolves, or fails, as any write's)."""
-        stmts: list[tuple[str, tuple[Any, ...]]] = [
-            (
-                "INSERT INTO events (run_id, root_id, kind, data, at) VALUES (?,?,?,?,?)",
-                (rec.id, rec.root_id, kind, json.dumps(data, default=str), time.time()),
-            ),
-        ]
-        if progress is not None:
-            stmts.append(
-                (
-                    "UPDATE runs SET usage=?, last_line=? WHERE id=?",
-                    (json.dumps(rec.usage), progress, rec.id),
-                )
+        row = (rec.id, rec.root_id, kind, _json(data), time.time())
+        mine: _Usage | None = None
+        if progress is not None or kind == "model_call":
+            with self._usage_lock:
+                before = self._usage.get(rec.id)
+                line = progress if progress is not None or before is None else before.line
+                mine = self._usage[rec.id] = _Usage(_json(rec.usage), line)
+        return self._enqueue(_EventWrite(self, row, mine), lazy=lazy)
+
+    def write_events(self, cur: Any, writes: list[_EventWrite]) -> None:
+        """Insert the rows of consecutive event writes, EVENT_ROWS to a statement (their
+        order, and so their seq, kept), then the run updates that are still the latest."""
+        for start in range(0, len(writes), EVENT_ROWS):
+            chunk = writes[start : start + EVENT_ROWS]
+            cur.execute(
+                self.q(_INSERT_EVENTS + ",".join(["(?,?,?,?,?)"] * len(chunk))),
+                [v for w in chunk for v in w.row],
             )
-        elif kind == "model_call":
-            stmts.append(("UPDATE runs SET usage=? WHERE id=?", (json.dumps(rec.usage), rec.id)))
-        return self._submit_many(stmts, lazy=lazy)
+            self._stats["statements"] += 1
+        for w in writes:
+            if w.usage is None:
+                continue
+            with self._usage_lock:
+                latest = self._usage.get(w.row[0]) is w.usage
+            if latest:  # else a write queued behind this one writes newer values
+                cur.execute(self.q(_UPDATE_USAGE), (w.usage.usage, w.usage.line, w.row[0]))
+                self._stats["statements"] += 1
 
     def flush(self) -> None:
         """Block until everything queued so far is committed (at once once closed: closing

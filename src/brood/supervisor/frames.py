@@ -328,7 +328,12 @@ def weight(value: Any) -> int:
     if isinstance(value, str | bytes):
         return len(value)
     if isinstance(value, dict):
-        return sum(weight(k) + weight(v) for k, v in value.items())
+        total = 0
+        for k, v in value.items():
+            # Strings inline: a model call's messages are dicts of strings, weighed per call.
+            total += len(k) if type(k) is str else weight(k)
+            total += len(v) if type(v) is str else weight(v)
+        return total
     if isinstance(value, list | tuple):
-        return sum(weight(v) for v in value) + 2
+        return sum([weight(v) for v in value]) + 2
     return 8

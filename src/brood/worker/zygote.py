@@ -6,23 +6,27 @@ the heap (so forked workers share it copy-on-write) and then only forks, reaps a
 
 Each worker gets its own socketpair; the supervisor's end travels back with `Forked` over
 the control socket (SCM_RIGHTS), so no path exists that another process could connect to.
-A worker confines itself (`confine.apply`) before it starts any thread, in its own scratch
-directory `SCRATCH_ROOT/PID` (where the machine allows, a tmpfs of `Limits.worker_disk`
+A worker confines itself (`confine.apply`) as soon as it is forked, in the warm pool, before
+it starts any thread and long before a run is handed to it, in its own scratch directory
+`SCRATCH_ROOT/PID` (where the machine allows, a tmpfs of `Limits.worker_disk`
 that `apply` mounts there in the worker's own mount namespace: `brood.worker.disk`).
 
 The zygote is a child subreaper, and so is every worker: what model code starts stays in
 the worker's tree, even after setsid and a double fork; when the worker dies, those
 processes are reparented here, and any child of the zygote that is not a worker is killed
-at once (its worker is gone). A worker's exit is confirmed (GroupGone) once no process of
-its group and no such stray is left. If the supervisor goes away (its end of the control
-socket closes), the zygote kills everything it has and exits.
+at once (its worker is gone). Where cgroups are used, each worker joins the cgroup of a
+slot: made once, with its limits, and handed to worker after worker once the one before
+it is confirmed gone and the cgroup is empty (a cgroup made and removed per worker cost
+the kernel more than joining one). A worker's exit is confirmed (GroupGone) once no
+process of its group and no such stray is left. If the supervisor goes away (its end of
+the control socket closes), the zygote kills everything it has and exits.
 """
 
 from __future__ import annotations
 
 import _signal
-import ctypes
 import gc
+import itertools
 import os
 import selectors
 import signal
@@ -36,18 +40,14 @@ from brood.errors import ConfinementError
 from brood.protocol import HEADER, Exited, Fork, Forked, GroupGone, Msg, Quit, decode, encode
 from brood.worker import confine
 
-PR_SET_CHILD_SUBREAPER = 36
 # Plain ints for `_signal.signal` in a fresh worker: `signal.signal` converts its result to
 # an enum, and that machinery costs a forked worker ~30 copy-on-write page faults.
 _SIGCHLD, _SIG_DFL = int(signal.SIGCHLD), int(signal.SIG_DFL)
 
 
 def _set_subreaper() -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # not Linux: orphans go to init, exit is still confirmed per process group
+    # Not Linux: prctl refuses, orphans go to init, exit is still confirmed per process group.
+    confine.set_child_subreaper()
 
 
 def _group_empty(pgid: int) -> bool:
@@ -114,11 +114,15 @@ class Zygote:
         self.strays: set[int] = set()  # killed, not yet reaped: no exit is confirmed meanwhile
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
-        # brood-<our pid>: each worker makes and enters its own cgroup below it.
+        # brood-<our pid>: the workers' cgroups are below it, one per slot.
         self.cgroup: str | None = None
         self.cgroup_error = ""  # the parent could not be made: every worker reports it
-        self.cgroups: set[int] = set()  # workers whose cgroup may exist
-        self.cgroups_done: set[int] = set()  # gone workers whose cgroup is to be removed
+        self.slots = itertools.count()  # names of slots: slot-0, slot-1, ...
+        self.slot_of: dict[int, str] = {}  # worker pid -> its slot, until it is gone
+        self.free_slots: list[str] = []  # made, empty, to be handed to the next worker
+        self.released: set[str] = set()  # of gone workers, until their cgroup is empty
+        # OOM kills counted in a slot's cgroup before its current worker joined it.
+        self.oom_before: dict[str, int] = {}
         if policy.confine:
             try:
                 self.cgroup = confine.cgroup_parent(self.support)
@@ -135,7 +139,24 @@ class Zygote:
         data = self.ctrl.recv(65536)
         return decode(data[HEADER.size :]) if data else None
 
+    def take_slot(self) -> tuple[str | None, str]:
+        """A free slot's cgroup for the next worker (made now if none is free), or None;
+        and the error that worker is to report when its slot could not be made."""
+        if self.cgroup is None:
+            return None, self.cgroup_error
+        if self.free_slots:
+            return self.free_slots.pop(), ""
+        slot = f"slot-{next(self.slots)}"
+        try:
+            confine.cgroup_make(self.cgroup, slot, self.policy, self.support)
+        except ConfinementError as exc:
+            confine.cgroup_remove(self.cgroup, slot, self.support)
+            return None, str(exc)
+        self.oom_before[slot] = 0
+        return slot, ""
+
     def fork_worker(self) -> int:
+        slot, slot_error = self.take_slot()
         mine, theirs = socket.socketpair()
         pid = os.fork()
         if pid == 0:
@@ -147,31 +168,32 @@ class Zygote:
                 mine.close()
                 os.close(self.wake_r)
                 os.close(self.wake_w)
-                self.become_worker(theirs)
+                self.become_worker(theirs, slot, slot_error)
             except BaseException:
                 traceback.print_exc()
             finally:
                 os._exit(1)
         theirs.close()
         self.groups.add(pid)
-        if self.cgroup is not None:
-            self.cgroups.add(pid)
+        if slot is not None:
+            self.slot_of[pid] = slot
         try:
             self.send(Forked(pid), mine.fileno())
         finally:
             mine.close()
         return pid
 
-    def become_worker(self, sock: socket.socket) -> None:
+    def become_worker(self, sock: socket.socket, slot: str | None, slot_error: str) -> None:
         from brood.worker.main import report_unusable, serve
 
         scratch = os.path.join(self.scratch_root, str(os.getpid()))
         _set_subreaper()  # what model code starts stays below the worker, even orphaned
         try:
-            if self.cgroup_error:
-                raise ConfinementError(self.cgroup_error)
-            if self.cgroup is not None:  # before apply: Landlock then closes /sys/fs/cgroup
-                confine.cgroup_enter(self.cgroup, os.getpid(), self.policy, self.support)
+            if slot_error:
+                raise ConfinementError(slot_error)
+            if self.cgroup is not None and slot is not None:
+                # Before apply: Landlock then closes /sys/fs/cgroup.
+                confine.cgroup_join(self.cgroup, slot, os.getpid(), self.policy, self.support)
             os.mkdir(scratch, 0o700)
             os.environ["HOME"] = os.environ["TMPDIR"] = scratch
             _only_own_fds(sock.fileno())
@@ -202,9 +224,11 @@ class Zygote:
                 else:
                     self.reaped.add(pid)
                 cpu = usage.ru_utime + usage.ru_stime
+                slot = self.slot_of.get(pid)
                 oom = (
-                    confine.cgroup_oom_kills(self.cgroup, pid, self.support)
-                    if (self.cgroup is not None and pid in self.cgroups)
+                    confine.cgroup_oom_kills(self.cgroup, slot, self.support)
+                    - self.oom_before.get(slot, 0)
+                    if (self.cgroup is not None and slot is not None)
                     else 0
                 )
                 self.send(Exited(pid, os.waitstatus_to_exitcode(status), empty, cpu, oom))
@@ -220,27 +244,30 @@ class Zygote:
         self.remove_cgroups()
 
     def release_cgroup(self, pid: int) -> None:
-        """Worker `pid` is confirmed gone: kill anything still in its cgroup (a process that
-        left its session and process group) and remove the cgroup at this or a later reap."""
-        if pid in self.cgroups and self.cgroup is not None:
+        """Worker `pid` is confirmed gone: its slot is free again once its cgroup is empty,
+        now or at a later reap; anything still in it (a process that left its session and
+        process group) is killed first."""
+        slot = self.slot_of.pop(pid, None)
+        if slot is None or self.cgroup is None:
+            return
+        if not confine.cgroup_empty(self.cgroup, slot):
             try:
-                confine.cgroup_kill(self.cgroup, pid, self.support)
+                confine.cgroup_kill(self.cgroup, slot, self.support)
             except OSError:
                 pass
-            self.cgroups_done.add(pid)
+        self.released.add(slot)
 
     def remove_cgroups(self) -> None:
-        """Remove the cgroups of gone workers; one still busy (EBUSY) waits for the next reap."""
+        """Free the slots of gone workers whose cgroup is empty; one that still holds a
+        process (killed, not yet reaped) waits for the next reap."""
         if self.cgroup is None:
             return
-        for pid in list(self.cgroups_done):
-            try:
-                removed = confine.cgroup_remove(self.cgroup, pid, self.support)
-            except OSError:
-                removed = False
-            if removed:
-                self.cgroups_done.discard(pid)
-                self.cgroups.discard(pid)
+        for slot in list(self.released):
+            if confine.cgroup_empty(self.cgroup, slot):
+                self.released.discard(slot)
+                # Counted from here for its next worker (a kill meanwhile was its strays').
+                self.oom_before[slot] = confine.cgroup_oom_kills(self.cgroup, slot, self.support)
+                self.free_slots.append(slot)
 
     def kill_strays(self, everything: bool = False) -> None:
         """Kill every child that is not a live worker and left its worker's process group
@@ -263,7 +290,7 @@ class Zygote:
                     pass
 
     def shutdown(self) -> None:
-        for pid in self.cgroups:  # everything in a worker's cgroup, whatever its group
+        for pid in list(self.slot_of):  # everything in a worker's cgroup, whatever its group
             self.release_cgroup(pid)
         for pgid in list(self.groups):
             # The pid too: a worker forked a moment ago may not have called setsid() yet,
@@ -282,9 +309,8 @@ class Zygote:
                 break
             except InterruptedError:
                 continue
-        self.remove_cgroups()
         if self.cgroup is not None:
-            try:
+            try:  # every slot's cgroup with it: each is empty now (all was reaped above)
                 confine.cgroup_remove_parent(self.cgroup, self.support)
             except OSError:
                 pass
