@@ -189,10 +189,14 @@ class Blocked(Msg):
     """The run waits on children (`blocked=True`) or wants to compute again (False).
 
     A block releases the run's concurrency slot; an unblock is answered once a slot is free.
+    `hazard` (with a block) says why a rebuild of the run by replay could diverge from what
+    its worker holds now (threads or open files of its code, spawned work in flight, a wait
+    with a timeout); empty when the worker knows of none. It can only keep a run live.
     """
 
     req_id: ReqId
     blocked: bool
+    hazard: str = ""
 
 
 class ModelReq(Msg):

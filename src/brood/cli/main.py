@@ -234,7 +234,11 @@ def _state_text(run: dict[str, Any]) -> str:
     asks = run.get("waiting_for")
     waiting = literal(", ".join(asks or ()))
     person = f" [magenta](waiting for a person: {waiting})[/magenta]" if asks else ""
-    return f"[{style}]{run['state']}[/{style}]{stale}{person}"
+    # A run asleep for a long wait, or a tree with some (`brood ps`).
+    n = run.get("hibernating_runs", 0)
+    sleeping = " [blue](hibernating)[/blue]" if run.get("hibernating") else ""
+    sleeping += f" [blue]({n} hibernating)[/blue]" if n and not run.get("hibernating") else ""
+    return f"[{style}]{run['state']}[/{style}]{stale}{person}{sleeping}"
 
 
 def _short(text: str | None, n: int = 60) -> str:
@@ -758,7 +762,15 @@ def ps(
     with _journal(store) as journal:
         roots = journal.roots(limit)
     if as_json:
-        keys = ("runs", "open", "asks_open", "workers", "memory_bytes", "quarantined")
+        keys = (
+            "runs",
+            "open",
+            "asks_open",
+            "hibernating_runs",
+            "workers",
+            "memory_bytes",
+            "quarantined",
+        )
         print_json([_flat(r) | {k: r[k] for k in keys} for r in roots])
         return
     table = Table(
@@ -814,6 +826,7 @@ def _flat(run: dict[str, Any]) -> dict[str, Any]:
         "answer",
         "products",
         "waiting_for",
+        "hibernating",
         "error",
         "model",
         "pool",

@@ -9,6 +9,7 @@ The helpers themselves are in `brood.worker.verbs`, the handles they return in
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -86,6 +87,15 @@ class Runtime:
         self._blocked = 0
         self._block_lock = threading.Lock()
         self._task_ids = itertools.count(1)
+        # What the worker held before model code ran: threads and open descriptors that
+        # are brood's own (`hazard` names the others).
+        self._threads: set[int | None] = set()
+        self._fds: set[str] = set()
+
+    def baseline(self) -> None:
+        """Note the threads and descriptors the worker holds before model code runs."""
+        self._threads = {t.ident for t in threading.enumerate()}
+        self._fds = _open_fds()
 
     def next_task_id(self) -> str:
         return f"t-{next(self._task_ids)}"
@@ -183,14 +193,33 @@ class Runtime:
         self.pool().start_all()
 
     # ---- waiting on children -----------------------------------------------------------
+    def hazard(self, timeout: float | None) -> str:
+        """Why a rebuild of this run by replay could diverge from what this worker holds
+        now ("" if nothing the worker can see): the supervisor then keeps it live."""
+        if timeout is not None:
+            return f"its wait has a timeout ({timeout:g} s), which a rebuild would start over"
+        pool = self._pool
+        if pool is not None:
+            waiting = threading.get_ident() in pool.idents  # a spawned job, itself waiting
+            if pool.load > int(waiting):
+                return "work it started with spawn() is in flight"
+        ours = self._threads | (pool.idents if pool is not None else set())
+        threads = [t for t in threading.enumerate() if t.ident not in ours and t.is_alive()]
+        if threads:
+            return f"its code started threads that are still running ({len(threads)})"
+        fds = _open_fds() - self._fds
+        if len(fds) > 1:  # the listing's own descriptor may be a new number
+            return f"its code holds open files or sockets ({len(fds) - 1} more than at start)"
+        return ""
+
     @contextmanager
-    def blocked(self) -> Iterator[None]:
+    def blocked(self, timeout: float | None = None) -> Iterator[None]:
         """While code waits on children: stop the step clock and give up the compute slot."""
         with self.clock.paused():
             with self._block_lock:
                 self._blocked += 1
                 if self._blocked == 1:
-                    self.link.send(Blocked(req_id=0, blocked=True))
+                    self.link.send(Blocked(req_id=0, blocked=True, hazard=self.hazard(timeout)))
             try:
                 yield
             finally:
@@ -223,7 +252,7 @@ class Runtime:
         stall = self.stall_alarm if what else None
         began = time.monotonic()
         deadline = None if timeout is None else began + timeout
-        with self.blocked(), self.link.cond:
+        with self.blocked(timeout), self.link.cond:
             while True:
                 now = time.monotonic()
                 bounds = [] if deadline is None else [deadline - now]
@@ -264,3 +293,11 @@ class Runtime:
                 f"note: this run is at depth {self.depth} of max_depth={self.max_depth}, so "
                 "rlm_query answers with a plain model call (llm_query) instead of a child run"
             )
+
+
+def _open_fds() -> set[str]:
+    """The descriptors this process holds open (empty where /proc cannot say)."""
+    try:
+        return set(os.listdir("/proc/self/fd"))
+    except OSError:
+        return set()
