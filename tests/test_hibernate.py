@@ -7,8 +7,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import pytest
-
 import brood
 from brood.journal import Journal
 from tests.util import Gate, fast, pid_alive
@@ -68,3 +66,121 @@ def test_a_parent_waiting_on_its_child_hibernates_and_wakes_with_its_variables(t
         assert sup.statistics()["hibernating"] == 0
     events = kinds(url, h.id)
     assert "hibernated" in events and "woken" in events
+
+
+def test_a_run_waiting_on_a_slow_model_call_hibernates_and_wakes_with_its_reply(tmp_path):
+    url = f"sqlite:///{tmp_path}/j.db"
+    gate = Gate(tmp_path, "model")
+    model = brood.ScriptedModel(
+        {
+            "root": [
+                repl("x = 21"),
+                repl("y = llm_query('plain: slow question')\nFINAL(f'{x * 2} {y}')"),
+            ],
+            "plain:": [gate.blocking_reply("slow answer")],
+        }
+    )
+    with brood.Supervisor(model, store=url, limits=fast(hibernate_after=0)) as sup:
+        h = sup.spawn("root task")
+        until(lambda: hibernated(sup, url, h.id))
+        assert not pid_alive(row(url, h.id)["pid"])
+        gate.open()
+        assert h.wait(timeout=60) == "42 slow answer"
+    assert "woken" in kinds(url, h.id)
+
+
+def test_a_run_waiting_on_a_person_hibernates_and_wakes_with_the_answer(tmp_path):
+    url = f"sqlite:///{tmp_path}/j.db"
+    model = brood.ScriptedModel(
+        {
+            "root": [
+                repl("x = 21"),
+                repl("a = ask_person('Deploy?', options=['yes', 'no'])\nFINAL(f'{x * 2} {a}')"),
+            ]
+        }
+    )
+    with brood.Supervisor(model, store=url, limits=fast(hibernate_after=0)) as sup:
+        h = sup.spawn("root task")
+        until(lambda: hibernated(sup, url, h.id))
+        assert not pid_alive(row(url, h.id)["pid"])
+        (ask,) = sup.asks()
+        sup.answer(ask["id"], "yes", by="alice")
+        answer = h.wait(timeout=60)
+    assert answer.startswith("42 ") and "yes" in answer
+
+
+def test_a_run_waiting_on_its_flow_hibernates_and_wakes_when_the_flow_ends(tmp_path):
+    url = f"sqlite:///{tmp_path}/j.db"
+    gate = Gate(tmp_path, "state")
+    spec = {"states": [{"id": "one", "entry": True, "prompt": "State one", "outputs": ["text"]}]}
+    code = f"fid = flow_run({spec!r})\nFINAL(f'{{x * 2}} ' + flow_wait(fid))"
+    model = brood.ScriptedModel(
+        {
+            "root": [repl("x = 21"), repl(code)],
+            "State one": [repl(f"{gate.wait_code}\nFINAL('done')")],
+        }
+    )
+    with brood.Supervisor(model, store=url, limits=fast(hibernate_after=0)) as sup:
+        h = sup.spawn("root task")
+        until(lambda: hibernated(sup, url, h.id))
+        assert not pid_alive(row(url, h.id)["pid"])
+        gate.open()
+        assert h.wait(timeout=60) == "42 finished"
+
+
+def test_a_parent_waiting_on_a_child_queued_for_its_pool_hibernates_and_wakes(tmp_path):
+    url = f"sqlite:///{tmp_path}/j.db"
+    gate = Gate(tmp_path, "holder")
+    model = brood.ScriptedModel(
+        {
+            "holder": [repl(f"{gate.wait_code}\nFINAL('held')")],
+            "root": [
+                repl("x = 21"),
+                repl("r = rlm_query('child: pooled', pool='gpu')\nFINAL(f'{x * 2} {r}')"),
+            ],
+            "child": [repl("FINAL('pooled done')")],
+        }
+    )
+    limits = fast(hibernate_after=0, pools={"gpu": 1})
+    with brood.Supervisor(model, store=url, limits=limits) as sup:
+        holder = sup.spawn("holder", pool="gpu")
+        until(lambda: sup.statistics()["pools"]["gpu"]["holders"] == [holder.id])
+        h = sup.spawn("root task")
+        until(lambda: sup.statistics()["pools"]["gpu"]["waiting"] and hibernated(sup, url, h.id))
+        assert not pid_alive(row(url, h.id)["pid"])
+        gate.open()
+        assert holder.wait(timeout=60) == "held"
+        assert h.wait(timeout=60) == "42 pooled done"
+
+
+def test_a_run_whose_replay_could_diverge_stays_live_and_says_why_once(tmp_path):
+    url = f"sqlite:///{tmp_path}/j.db"
+    gate = Gate(tmp_path, "child")
+    model = brood.ScriptedModel(
+        {
+            "root": [
+                repl(
+                    "import threading\nstop = threading.Event()\n"
+                    "t = threading.Thread(target=stop.wait)\nt.start()"
+                ),
+                repl(
+                    "h = rlm_spawn('slow child')\nr = rlm_wait(h)\n"
+                    "r2 = rlm_query('quick child')\nstop.set()\nFINAL(r + ' ' + r2)"
+                ),
+            ],
+            "slow child": [repl(f"{gate.wait_code}\nFINAL('one')")],
+            "quick child": [repl("FINAL('two')")],
+        }
+    )
+    with brood.Supervisor(model, store=url, limits=fast(hibernate_after=0)) as sup:
+        h = sup.spawn("root task")
+        until(lambda: "stays_live" in kinds(url, h.id))
+        pid = row(url, h.id)["pid"]
+        assert pid_alive(pid) and sup.statistics()["hibernating"] == 0
+        assert not row(url, h.id)["hibernating"]
+        gate.open()
+        assert h.wait(timeout=60) == "one two"
+        with Journal(url) as journal:
+            said = journal.store.events(h.id, "stays_live")
+    assert len(said) == 1 and "threads" in said[0]["data"]["reason"]
+    assert "hibernated" not in kinds(url, h.id)

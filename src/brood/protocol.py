@@ -334,6 +334,8 @@ class WorkerLimits(msgspec.Struct, frozen=True, kw_only=True):
     max_prompt_chars: int
     max_chunks: int
     compact_at: int | None
+    # A model call unanswered this long is a wait the run may hibernate in (Blocked).
+    hibernate_after: float | None
     read_only: bool
     blocked_builtins: tuple[str, ...]
     # Named in a note when a step fails in a way the limit explains (agent.LIMIT_ERRORS).

@@ -120,8 +120,8 @@ class Requests:
         finally:
             run.requests -= 1
             self.kernel.unhold(run)
-            if run.hibernating:  # its wake may have waited for this answer
-                self.hibernation.changed(run, wake=False)
+            if run.hibernating:  # its worker waited for this answer (a flow's end, say)
+                self.hibernation.changed(run)
         # Only to the worker that asked: a run rebuilt meanwhile (hibernation) asks again.
         if conn is not None and run.conn is conn:
             conn.send(reply)

@@ -13,7 +13,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 from typing import Any, Protocol
 
@@ -28,6 +28,10 @@ from brood.worker.threads import CallThreads
 # True inside work started by `spawn` (and what that work starts in turn): nobody waits on
 # it as it goes, so the stall alarm is not its to raise; its waiter's rlm_await raises it.
 SPAWNED: ContextVar[bool] = ContextVar("brood_spawned", default=False)
+# A model call is a wait worth hibernating in only once it is slow: unanswered after
+# Limits.hibernate_after and at least this long, so hibernate_after=0 stops no worker for
+# each quick call.
+SLOW_CALL_S = 0.25
 
 
 def as_spawned(fn: Callable[..., Any], /, *args: Any, **kw: Any) -> Any:
@@ -134,6 +138,7 @@ class Runtime:
                     ),
                     stall=None if turn else self.stall_alarm,  # steps' calls only
                     what=what,
+                    slow=self._slow_call(),
                 )
             if kind == "turn":
                 self.prompt_tokens = reply.prompt_tokens
@@ -143,6 +148,14 @@ class Runtime:
             if prompt:
                 with self._block_lock:
                     self.in_flight[prompt] -= 1
+
+    def _slow_call(self) -> tuple[float, Callable[[], AbstractContextManager[None]]] | None:
+        """A model call unanswered after Limits.hibernate_after is a wait like a child's (the
+        run may hibernate in it); None: never (or from spawned work, whose waiter decides)."""
+        after = self.limits.hibernate_after
+        if after is None or SPAWNED.get():
+            return None
+        return max(after, SLOW_CALL_S), self.blocked
 
     # ---- resuming from the journal -----------------------------------------------------
     @property
