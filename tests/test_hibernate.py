@@ -3,12 +3,16 @@ replay when its wait is satisfied; Limits.max_workers caps live workers."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import brood
 from brood.journal import Journal
+from tests.test_resume import wait_gone
 from tests.util import Gate, fast, pid_alive
 
 FENCE = "```"
@@ -184,3 +188,87 @@ def test_a_run_whose_replay_could_diverge_stays_live_and_says_why_once(tmp_path)
             said = journal.store.events(h.id, "stays_live")
     assert len(said) == 1 and "threads" in said[0]["data"]["reason"]
     assert "hibernated" not in kinds(url, h.id)
+
+
+def test_three_times_max_workers_parents_each_waiting_on_a_child_all_complete(tmp_path):
+    url = f"sqlite:///{tmp_path}/j.db"
+    max_workers = 2
+    model = brood.ScriptedModel(
+        {
+            "parent": [
+                repl("n = context"),
+                repl("r = rlm_query('child of ' + n, context=n)\nFINAL(n + ':' + r)"),
+            ],
+            "child of": [repl("FINAL('c' + context)")],
+        }
+    )
+    peak = [0]
+    done = threading.Event()
+    # Default hibernate_after (30 s): the parents hibernate to make room, not by the clock.
+    with brood.Supervisor(model, store=url, limits=fast(max_workers=max_workers)) as sup:
+
+        def sample() -> None:  # the live workers, read as often as the test runs
+            while not done.wait(0.005):
+                peak[0] = max(peak[0], sup.statistics()["workers"]["runs"])
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            handles = [sup.spawn(f"parent {i}", context=str(i)) for i in range(3 * max_workers)]
+            answers = [h.wait(timeout=120) for h in handles]
+        finally:
+            done.set()
+            sampler.join()
+        stats = sup.statistics()
+    assert answers == [f"{i}:c{i}" for i in range(3 * max_workers)]
+    assert 1 <= peak[0] <= max_workers
+    assert stats["workers"]["max"] == max_workers and stats["hibernating"] == 0
+    with Journal(url) as journal:
+        slept = journal.store.events(kind="hibernated")
+    assert slept and all("max_workers=2" in e["data"]["reason"] for e in slept)
+
+
+def test_a_supervisor_killed_while_a_run_hibernates_resumes_it_losing_nothing(tmp_path):
+    url = f"sqlite:///{tmp_path}/j.db"
+    gate = Gate(tmp_path, "child")
+    root = [
+        repl("x = 21"),
+        repl("h = rlm_spawn('child: slow')\nr = rlm_wait(h)\nFINAL(f'{x * 2} {r}')"),
+    ]
+    child = [repl(f"{gate.wait_code}\nFINAL('child done')")]
+    script = textwrap.dedent(f"""
+        import brood, signal
+        model = brood.ScriptedModel({{"root": {root!r}, "child": {child!r}}})
+        sup = brood.Supervisor(model, store={url!r}, limits=brood.Limits(
+            shutdown_grace=0.3, term_grace=0.3, fs_write=[{str(tmp_path)!r}],
+            hibernate_after=0))
+        print(sup.spawn("root task").id, flush=True)
+        signal.pause()
+    """)
+    root_id: list[str] = []
+
+    def asleep() -> None:
+        until(lambda: root_id and row(url, root_id[0])["hibernating"])
+
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        root_id.append(proc.stdout.readline().strip())
+        asleep()
+        slept_pid = row(url, root_id[0])["pid"]
+    finally:
+        proc.kill()
+        proc.wait(60)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    wait_gone(proc.pid)
+    assert not pid_alive(slept_pid)
+    # The resumed root is answered from the journal: a new reply would change its answer.
+    again = brood.ScriptedModel({"root": [repl("FINAL('asked again')")], "child": child})
+    with brood.Supervisor(again, store=url, limits=fast(hibernate_after=0)) as sup:
+        h = sup.resume(root_id[0])
+        gate.open()
+        assert h.wait(timeout=60) == "42 child done"
+    with Journal(url) as journal:
+        rows = journal.store.runs(root_id[0])
+    assert [r["state"] for r in rows] == ["completed", "completed"]  # no second child

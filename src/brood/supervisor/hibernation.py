@@ -198,8 +198,6 @@ class Hibernation:
         self.asks.restart(run)
         run.blocked, run.holds = False, 0
         run.hibernating = False
-        run.rec.reason = None
-        k.store.note_reason(run.id, None)
         k.event(run, WOKEN, {})
         self.admission.queue(run)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from brood.errors import BroodError
 from brood.lease import lease_holder_gone
-from brood.lifecycle import RunRecord, RunState
+from brood.lifecycle import RunRecord, RunState, is_hibernating
 from brood.protocol import Replay
 from brood.supervisor.admission import Admission
 from brood.supervisor.asks import Asks
@@ -277,6 +277,9 @@ class Resume:
         store = self.kernel.store
         if steps is None:
             steps = store.events(run.id, "step")
+        if is_hibernating(run.rec.state.value, run.rec.reason):  # it sleeps no more
+            run.rec.reason = None
+            store.note_reason(run.id, None)
         run.replay = self._replay_of(run, steps)
         run.tool_replay = tool_replay(store.events(run.id, TOOL_EVENT))
 
