@@ -3,6 +3,7 @@ replay when its wait is satisfied; Limits.max_workers caps live workers."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -10,7 +11,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from typer.testing import CliRunner
+
 import brood
+from brood.cli.main import app
 from brood.journal import Journal
 from tests.test_resume import wait_gone
 from tests.util import Gate, fast, pid_alive
@@ -65,6 +69,12 @@ def test_a_parent_waiting_on_its_child_hibernates_and_wakes_with_its_variables(t
         assert not pid_alive(pid)
         assert h.status() == "running"
         assert row(url, h.id)["state"] == "running"
+        (ps,) = json.loads(CliRunner().invoke(app, ["ps", "--store", url, "--json"]).output)
+        tree = json.loads(CliRunner().invoke(app, ["tree", h.id, "--store", url, "--json"]).output)
+        assert ps["hibernating_runs"] == 1 and ps["workers"] == 1  # its child's
+        assert tree["hibernating"] and not tree["children"][0]["hibernating"]
+        wide = CliRunner().invoke(app, ["tree", h.id, "--store", url], env={"COLUMNS": "200"})
+        assert "(hibernating)" in wide.output
         gate.open()
         assert h.wait(timeout=60) == "42 child done"
         assert sup.statistics()["hibernating"] == 0

@@ -35,7 +35,7 @@ from brood.cli.words import for_cli
 from brood.exports import EXPORT_FORMATS, write_jsonl
 from brood.journal import Journal, default_store_url
 from brood.lifecycle import FLOW_ENDED, TERMINAL_VALUES, FlowStatus
-from brood.limits import check_timeout
+from brood.limits import MOST_WORKERS, WORKER_SHARE, check_timeout
 from brood.models import resolve_model
 from brood.models.demo import ROOT_TASK
 from brood.models.prices import Price, cost_text, dollars, parse_price
@@ -1461,10 +1461,11 @@ def doctor(store: StoreOpt = None, as_json: JsonOpt = False) -> None:
     lines = unenforced(settings)
     bound = scratch_bound(settings.policy, support)
     quarantined = _quarantined(store)
+    max_workers = brood.Limits().effective_max_workers()  # Limits.max_workers=None, here
     if as_json:
         print_json(
             {"support": msgspec.to_builtins(support), "scratch_disk": bound, "gaps": lines}
-            | {"quarantined": quarantined}
+            | {"quarantined": quarantined, "max_workers": max_workers}
         )
         return
     abi = support.landlock_abi
@@ -1514,6 +1515,10 @@ def doctor(store: StoreOpt = None, as_json: JsonOpt = False) -> None:
     console = Terminal()
     console.print(f"[bold]worker confinement on this machine[/bold] (uid {support.uid})")
     console.print(table)
+    console.print(
+        f"live workers per supervisor: at most {max_workers:,} by default (Limits.max_workers:"
+        f" available memory / {WORKER_SHARE // 2**20} MiB, at most {MOST_WORKERS:,})"
+    )
     if lines:
         console.print("[bold]gaps for the default policy:[/bold]")
         for line in lines:
