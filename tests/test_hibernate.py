@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from typer.testing import CliRunner
 
 import brood
@@ -282,3 +283,34 @@ def test_a_supervisor_killed_while_a_run_hibernates_resumes_it_losing_nothing(tm
     with Journal(url) as journal:
         rows = journal.store.runs(root_id[0])
     assert [r["state"] for r in rows] == ["completed", "completed"]  # no second child
+
+
+def test_a_follow_up_sent_to_a_hibernating_run_reaches_its_next_turn(tmp_path):
+    url = f"sqlite:///{tmp_path}/j.db"
+    gate = Gate(tmp_path, "model")
+
+    def child_turn(messages: list[dict[str, Any]]) -> str:
+        said = "hello there" in " ".join(str(m["content"]) for m in messages)
+        return repl(f"FINAL('heard' if {said} else 'not heard')")
+
+    model = brood.ScriptedModel(
+        {
+            "child": [repl("y = llm_query('plain: slow')\nprint(y)"), child_turn],
+            "plain:": [gate.blocking_reply("slow answer")],
+        }
+    )
+    with brood.Supervisor(model, store=url, limits=fast(hibernate_after=0)) as sup:
+        h = sup.spawn("child task")
+        until(lambda: hibernated(sup, url, h.id))
+        h.send("hello there")
+        gate.open()
+        assert h.wait(timeout=60) == "heard"
+
+
+def test_hibernate_after_and_max_workers_are_checked_naming_the_field():
+    with pytest.raises(brood.InvalidArgument, match=r"Limits\.hibernate_after"):
+        brood.Limits(hibernate_after=-1)
+    with pytest.raises(brood.InvalidArgument, match=r"Limits\.max_workers"):
+        brood.Limits(max_workers=0)
+    assert brood.Limits(hibernate_after=0, max_workers=3).effective_max_workers() == 3
+    assert 1 <= brood.Limits().effective_max_workers() <= 4_096
