@@ -314,3 +314,24 @@ def test_hibernate_after_and_max_workers_are_checked_naming_the_field():
         brood.Limits(max_workers=0)
     assert brood.Limits(hibernate_after=0, max_workers=3).effective_max_workers() == 3
     assert 1 <= brood.Limits().effective_max_workers() <= 4_096
+
+
+def test_a_session_root_waiting_on_its_child_stays_live_and_says_why(tmp_path):
+    url = f"sqlite:///{tmp_path}/j.db"
+    gate = Gate(tmp_path, "child")
+    model = brood.ScriptedModel({"child": [repl(f"{gate.wait_code}\nFINAL('child done')")]})
+    env = brood.Session(model, limits=fast(hibernate_after=0), store=url)
+    opener = threading.Thread(target=gate.open)  # once the child waits, during the step
+    try:
+        env.reset("task")
+        opener.start()
+        obs = env.step("print(rlm_query('child task'))")
+        opener.join()
+        assert obs.stdout.strip() == "child done"
+        run_id = env.run_id
+        assert run_id is not None
+    finally:
+        env.close()
+    with Journal(url) as journal:
+        said = journal.store.events(run_id, "stays_live")
+    assert len(said) == 1 and "Session" in said[0]["data"]["reason"]
