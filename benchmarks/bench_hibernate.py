@@ -15,7 +15,6 @@ answers at once (target: at most 3x).
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import threading
 import time
@@ -24,7 +23,16 @@ from typing import Any
 import psutil
 
 import brood
-from _common import MIB, Row, finish, no_leftovers, parse_args, wait_until, zygote_pid
+from _common import (
+    MIB,
+    Row,
+    finish,
+    idle_worker_pids,
+    no_leftovers,
+    parse_args,
+    wait_until,
+    zygote_pid,
+)
 from brood.journal import Journal
 
 BENCH = "hibernate"
@@ -52,7 +60,7 @@ def uss(pids: list[int]) -> int:
 def footprint(sup: brood.Supervisor, zygote: int) -> tuple[int, int]:
     """(supervisor (this process) + zygote, the live workers serving runs), in USS."""
     workers = [c.pid for c in psutil.Process(zygote).children()]
-    warm = set(sup._engine.backend.idle_pids())
+    warm = set(idle_worker_pids(sup))
     return uss([os.getpid(), zygote]), uss([p for p in workers if p not in warm])
 
 
@@ -70,7 +78,7 @@ def memory(tmp: str) -> list[Row]:
         max_depth=2,
         shutdown_grace=0.2,
         term_grace=0.2,
-        fs_write=[tmp],
+        fs_write=(tmp,),
     )
     with brood.Supervisor(model, limits=limits, store=f"sqlite:///{tmp}/m.db") as sup:
         zygote = zygote_pid(sup)
@@ -130,7 +138,7 @@ def rebuild(tmp: str) -> list[Row]:
         max_iterations=STEPS + 5,
         shutdown_grace=0.2,
         term_grace=0.2,
-        fs_write=[tmp],
+        fs_write=(tmp,),
     )
     fresh, woken = [], []
     with brood.Supervisor(model, limits=limits, store=url) as sup:
@@ -139,7 +147,7 @@ def rebuild(tmp: str) -> list[Row]:
             assert sup.run("root task", context="quick").answer == "done1"
             fresh.append(time.perf_counter() - t0)
             h = sup.spawn("root task", context="gated")
-            wait_until(lambda h=h: sup.statistics()["hibernating"] >= 1, 60.0, "a hibernation")
+            wait_until(lambda: sup.statistics()["hibernating"] >= 1, 60.0, "a hibernation")
             opener = threading.Thread(target=lambda: open(gate, "w").close())
             opener.start()
             assert h.wait(timeout=120) == "done1"
@@ -167,4 +175,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
