@@ -112,19 +112,21 @@ class Link:
             if whole:
                 self._whole.add(msg.req_id)  # type: ignore[attr-defined]
         self.chan.send(msg)
+        began = time.monotonic()
         if slow is not None:
             patience, waiting = slow
             try:
-                return fut.result(timeout=patience)
+                return fut.result(timeout=patience if stall is None else min(patience, stall))
             except FutureTimeout:
                 with waiting():
-                    return self._await(fut, msg, stall, what)
-        return self._await(fut, msg, stall, what)
+                    return self._await(fut, msg, stall, what, began)
+        return self._await(fut, msg, stall, what, began)
 
-    def _await(self, fut: Future[Any], msg: Msg, stall: float | None, what: str) -> Any:
+    def _await(
+        self, fut: Future[Any], msg: Msg, stall: float | None, what: str, began: float
+    ) -> Any:
         if stall is None:
             return fut.result()
-        began = time.monotonic()
         while True:
             quiet = time.monotonic() - max(self.heard, began)
             try:

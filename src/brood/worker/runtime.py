@@ -209,6 +209,8 @@ class Runtime:
     def hazard(self, timeout: float | None) -> str:
         """Why a rebuild of this run by replay could diverge from what this worker holds
         now ("" if nothing the worker can see): the supervisor then keeps it live."""
+        if self.limits.hibernate_after is None:
+            return ""  # it never hibernates: nothing to look for
         if timeout is not None:
             return f"its wait has a timeout ({timeout:g} s), which a rebuild would start over"
         pool = self._pool
