@@ -335,3 +335,30 @@ def test_a_session_root_waiting_on_its_child_stays_live_and_says_why(tmp_path):
     with Journal(url) as journal:
         said = journal.store.events(run_id, "stays_live")
     assert len(said) == 1 and "Session" in said[0]["data"]["reason"]
+
+
+def test_a_run_with_spawned_work_in_flight_stays_live(tmp_path):
+    url = f"sqlite:///{tmp_path}/j.db"
+    child_gate, model_gate = Gate(tmp_path, "child"), Gate(tmp_path, "model")
+    model = brood.ScriptedModel(
+        {
+            "root": [
+                repl(
+                    "t = spawn(llm_query, 'plain: slow')\nr = rlm_query('slow child')\n"
+                    "FINAL(r + ' ' + rlm_await(t))"
+                )
+            ],
+            "slow child": [repl(f"{child_gate.wait_code}\nFINAL('one')")],
+            "plain:": [model_gate.blocking_reply("two")],
+        }
+    )
+    with brood.Supervisor(model, store=url, limits=fast(hibernate_after=0)) as sup:
+        h = sup.spawn("root task")
+        until(lambda: "stays_live" in kinds(url, h.id))
+        assert pid_alive(row(url, h.id)["pid"]) and not row(url, h.id)["hibernating"]
+        child_gate.open()
+        model_gate.open()
+        assert h.wait(timeout=60) == "one two"
+        with Journal(url) as journal:
+            said = journal.store.events(h.id, "stays_live")
+    assert len(said) == 1 and "spawn()" in said[0]["data"]["reason"]
