@@ -34,8 +34,10 @@ OPTIONAL = {
     "token_budget",
     "cost_budget",
     "compact_at",
+    "hibernate_after",
+    "max_workers",
 } | WORKER
-AT_LEAST_ONE = {"max_depth", "max_concurrency", "max_iterations"}
+AT_LEAST_ONE = {"max_depth", "max_concurrency", "max_iterations", "max_workers"}
 # 0 s: "already expired"; compact_at 0: every turn would compact
 POSITIVE = {"child_timeout", "step_timeout", "stall_timeout", "compact_at"}
 FLOOR = (
@@ -60,6 +62,7 @@ INT_FIELDS = {
     "journal_bytes_per_run",
     "max_asks_per_run",
     "compact_at",
+    "max_workers",
 } | WORKER
 
 

@@ -295,10 +295,12 @@ class Supervisor:
 
     def statistics(self) -> dict[str, Any]:
         """A snapshot: runs by state, free slots, queued starts, each pool's capacity,
-        holders and waiting runs (oldest first), and the live workers:
+        holders and waiting runs (oldest first), `hibernating` (running runs whose worker
+        was stopped for a long wait: Limits.hibernate_after), and the live workers:
         `workers` = {"runs": workers serving a run (a parent waiting on its children
-        included), "warm": ready in the pool, "memory_bytes": their own memory (USS, what
-        is not shared with the template they were forked from)}."""
+        included, unless it hibernates), "warm": ready in the pool, "memory_bytes": their
+        own memory (USS, what is not shared with the template they were forked from),
+        "max": Limits.max_workers as this supervisor applies it}."""
         return self._engine.statistics()
 
     # ---- closing -----------------------------------------------------------------------

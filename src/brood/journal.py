@@ -17,7 +17,14 @@ from brood.backends.owners import proc_stat
 from brood.errors import BroodError, InvalidArgument
 from brood.exports import export_records
 from brood.lease import lease_holder_gone
-from brood.lifecycle import ASK_OPENED, TERMINAL_VALUES, USAGE_KEYS, FlowStatus, add_usage
+from brood.lifecycle import (
+    ASK_OPENED,
+    TERMINAL_VALUES,
+    USAGE_KEYS,
+    FlowStatus,
+    add_usage,
+    is_hibernating,
+)
 from brood.models.base import MODEL_SPEC
 from brood.protocol import CtlAnswer, CtlCancel, CtlFlow, CtlSend
 from brood.store.base import Store, open_store
@@ -63,6 +70,8 @@ class Journal:
         run["stale"] = run["state"] not in TERMINAL_VALUES and not self.supervisor_alive(
             run["supervisor"]
         )
+        # Its worker stopped for a long wait, to be rebuilt by replay (it holds none).
+        run["hibernating"] = is_hibernating(run["state"], run["reason"])
         start, end = run["started_at"], run["ended_at"]
         if start is None:
             run["duration"] = None
@@ -130,11 +139,13 @@ class Journal:
             row["runs"] = len(index)
             row["open"] = sum(1 for r in index.values() if r["state"] not in TERMINAL_VALUES)
             row["asks_open"] = sum(len(r["waiting_for"]) for r in index.values())
+            row["hibernating_runs"] = sum(r["hibernating"] for r in index.values())
             live = [
                 r
                 for r in index.values()
                 if r["state"] in LIVE_STATES
                 and r["pid"]
+                and not r["hibernating"]
                 and not r["stale"]
                 and r["model"] != "flow"
             ]

@@ -25,6 +25,7 @@ __all__ = [
     "ASK_OPENED",
     "COUNT_KEYS",
     "FLOW_ENDED",
+    "HIBERNATING",
     "TERMINAL",
     "TERMINAL_VALUES",
     "TRANSITIONS",
@@ -37,6 +38,7 @@ __all__ = [
     "RunState",
     "add_cost",
     "add_usage",
+    "is_hibernating",
     "move",
 ]
 
@@ -62,6 +64,14 @@ TERMINAL = frozenset({RunState.COMPLETED, RunState.FAILED, RunState.CANCELLED, R
 # The same states as the journal, the wire and the dashboard spell them. The one definition:
 # the worker side, the journal's readers and the cluster import it from here.
 TERMINAL_VALUES: frozenset[str] = frozenset(s.value for s in TERMINAL)
+# How the reason of a `running` run's journal row begins while it is hibernating (its
+# worker stopped for a long wait, to be rebuilt by replay): readers show it as such.
+HIBERNATING = "hibernating"
+
+
+def is_hibernating(state: str, reason: str | None) -> bool:
+    """Whether a journal row (its state and reason) is that of a hibernating run."""
+    return state == RunState.RUNNING.value and (reason or "").startswith(HIBERNATING)
 
 
 class FlowStatus(enum.StrEnum):

@@ -30,6 +30,8 @@ OPTIONAL = frozenset(
         "worker_disk",
         "models",
         "compact_at",
+        "hibernate_after",
+        "max_workers",
     }
 )
 INTEGER = frozenset(
@@ -53,6 +55,7 @@ INTEGER = frozenset(
         "journal_bytes_per_run",
         "max_asks_per_run",
         "compact_at",
+        "max_workers",
     }
 )
 # 0 s would mean "already expired"
@@ -72,7 +75,25 @@ FLOORS = {
     "worker_open_files": 16,  # the worker's own sockets, pipes and the standard streams
     "worker_disk": 2**20,  # a scratch directory smaller than this holds no real file
     "journal_bytes_per_run": 2**20,  # a run's first turns and steps need room
+    "max_workers": 1,
 }
+WORKER_SHARE = 32 * 2**20  # bytes of available memory per live worker, max_workers' default
+MOST_WORKERS = 4_096  # the default max_workers is never more than this
+
+
+def default_max_workers() -> int:
+    """Live workers one supervisor allows by default (Limits.max_workers=None): the host's
+    available memory / WORKER_SHARE, at most MOST_WORKERS, at least 1; MOST_WORKERS where
+    the available memory cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            info = dict(line.split(":", 1) for line in f if ":" in line)
+        available = int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError, IndexError):
+        return MOST_WORKERS
+    return max(1, min(MOST_WORKERS, available // WORKER_SHARE))
+
+
 FLAGS = frozenset({"confine", "network", "read_only"})
 PATHS = frozenset({"fs_read", "fs_write"})
 POOL_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
@@ -173,6 +194,18 @@ class Limits:
         task, that summary and its newest output. REPL variables persist, and the model
         is told so. Set it well above the system prompt and the task (brood's system
         prompt is about 10,000 characters), or most turns compact.
+
+    Density (DESIGN.md section 17):
+    hibernate_after: seconds a run may wait (on children, an ask, a flow, a pool, a slow
+        model call) before it gives up its worker; it is rebuilt by replaying its journal
+        when the wait is satisfied, its state `running` throughout. 0: at once; None:
+        never (not even to make room under max_workers). A run whose replay could diverge
+        (threads or files of its code, spawned work in flight, a wait with a timeout, a
+        Session's or a conversation's root) stays live, and its journal says why.
+    max_workers: live workers in this supervisor (warm-pool workers do not count); past it
+        starts queue in order and the longest-waiting runs hibernate first to make room.
+        None: the host's available memory / 32 MiB at the supervisor's start, at most
+        4,096 (`effective_max_workers`; `brood doctor` shows it).
     """
 
     max_depth: int = 3
@@ -209,6 +242,8 @@ class Limits:
     journal_bytes_per_run: int = 64 * 2**20
     max_asks_per_run: int = 100
     compact_at: int | None = None
+    hibernate_after: float | None = 30.0
+    max_workers: int | None = None
 
     def __post_init__(self) -> None:
         self._check_others()
@@ -293,6 +328,10 @@ class Limits:
             f"{where}={pool!r} is not a pool (pools: {known}); name one of them, or declare "
             f"it with Limits(pools={{{pool!r}: CAPACITY}})"
         )
+
+    def effective_max_workers(self) -> int:
+        """max_workers, or its default on this host (`default_max_workers`) when None."""
+        return self.max_workers if self.max_workers is not None else default_max_workers()
 
     def can_start_child(self, depth: int) -> bool:
         """Whether a run at `depth` may start child runs (else rlm_query is a plain call)."""

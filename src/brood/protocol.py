@@ -189,10 +189,14 @@ class Blocked(Msg):
     """The run waits on children (`blocked=True`) or wants to compute again (False).
 
     A block releases the run's concurrency slot; an unblock is answered once a slot is free.
+    `hazard` (with a block) says why a rebuild of the run by replay could diverge from what
+    its worker holds now (threads or open files of its code, spawned work in flight, a wait
+    with a timeout); empty when the worker knows of none. It can only keep a run live.
     """
 
     req_id: ReqId
     blocked: bool
+    hazard: str = ""
 
 
 class ModelReq(Msg):
@@ -330,6 +334,8 @@ class WorkerLimits(msgspec.Struct, frozen=True, kw_only=True):
     max_prompt_chars: int
     max_chunks: int
     compact_at: int | None
+    # A model call unanswered this long is a wait the run may hibernate in (Blocked).
+    hibernate_after: float | None
     read_only: bool
     blocked_builtins: tuple[str, ...]
     # Named in a note when a step fails in a way the limit explains (agent.LIMIT_ERRORS).

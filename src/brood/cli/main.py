@@ -36,7 +36,7 @@ from brood.errors import install_hint
 from brood.exports import EXPORT_FORMATS, write_jsonl
 from brood.journal import Journal, default_store_url
 from brood.lifecycle import FLOW_ENDED, TERMINAL_VALUES, FlowStatus
-from brood.limits import check_timeout
+from brood.limits import MOST_WORKERS, WORKER_SHARE, check_timeout
 from brood.models import resolve_model
 from brood.models.demo import ROOT_TASK
 from brood.models.prices import Price, cost_text, dollars, parse_price
@@ -235,7 +235,11 @@ def _state_text(run: dict[str, Any]) -> str:
     asks = run.get("waiting_for")
     waiting = literal(", ".join(asks or ()))
     person = f" [magenta](waiting for a person: {waiting})[/magenta]" if asks else ""
-    return f"[{style}]{run['state']}[/{style}]{stale}{person}"
+    # A run asleep for a long wait, or a tree with some (`brood ps`).
+    n = run.get("hibernating_runs", 0)
+    sleeping = " [blue](hibernating)[/blue]" if run.get("hibernating") else ""
+    sleeping += f" [blue]({n} hibernating)[/blue]" if n and not run.get("hibernating") else ""
+    return f"[{style}]{run['state']}[/{style}]{stale}{person}{sleeping}"
 
 
 def _short(text: str | None, n: int = 60) -> str:
@@ -759,7 +763,15 @@ def ps(
     with _journal(store) as journal:
         roots = journal.roots(limit)
     if as_json:
-        keys = ("runs", "open", "asks_open", "workers", "memory_bytes", "quarantined")
+        keys = (
+            "runs",
+            "open",
+            "asks_open",
+            "hibernating_runs",
+            "workers",
+            "memory_bytes",
+            "quarantined",
+        )
         print_json([_flat(r) | {k: r[k] for k in keys} for r in roots])
         return
     table = Table(
@@ -815,6 +827,7 @@ def _flat(run: dict[str, Any]) -> dict[str, Any]:
         "answer",
         "products",
         "waiting_for",
+        "hibernating",
         "error",
         "model",
         "pool",
@@ -1552,10 +1565,11 @@ def doctor(store: StoreOpt = None, as_json: JsonOpt = False) -> None:
     lines = unenforced(settings)
     bound = scratch_bound(settings.policy, support)
     quarantined = _quarantined(store)
+    max_workers = brood.Limits().effective_max_workers()  # Limits.max_workers=None, here
     if as_json:
         print_json(
             {"support": msgspec.to_builtins(support), "scratch_disk": bound, "gaps": lines}
-            | {"quarantined": quarantined}
+            | {"quarantined": quarantined, "max_workers": max_workers}
         )
         return
     abi = support.landlock_abi
@@ -1605,6 +1619,10 @@ def doctor(store: StoreOpt = None, as_json: JsonOpt = False) -> None:
     console = Terminal()
     console.print(f"[bold]worker confinement on this machine[/bold] (uid {support.uid})")
     console.print(table)
+    console.print(
+        f"live workers per supervisor: at most {max_workers:,} by default (Limits.max_workers:"
+        f" available memory / {WORKER_SHARE // 2**20} MiB, at most {MOST_WORKERS:,})"
+    )
     if lines:
         console.print("[bold]gaps for the default policy:[/bold]")
         for line in lines:

@@ -394,6 +394,7 @@ def _compact(run: dict[str, Any]) -> dict[str, Any]:
         "subtree_cost": cost_text(subtree),
         "last_line": _first_line(run["last_line"]),
         "waiting_for": run["waiting_for"],
+        "hibernating": run["hibernating"],
     }
 
 

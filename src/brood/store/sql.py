@@ -558,7 +558,7 @@ class SQLStore:
             r["id"]: {"context": _bytes(r["context"]), "model_name": r["model_name"]} for r in rows
         }
 
-    def note_reason(self, run_id: str, reason: str) -> Future[Any]:
+    def note_reason(self, run_id: str, reason: str | None) -> Future[Any]:
         """Journal why a run waits, without a move (a queued run waiting for a pool)."""
         return self._submit("UPDATE runs SET reason=? WHERE id=?", (reason, run_id))
 

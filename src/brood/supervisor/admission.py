@@ -31,11 +31,20 @@ class Admission:
         self.pools = {name: Pool(name, cap) for name, cap in kernel.limits.pools.items()}
         self.start_queue: deque[Run] = deque()
         self.resume_queue: deque[tuple[Run, asyncio.Future[None]]] = deque()
+        # Live workers of runs (warm-pool workers are not counted), from the grant of a start
+        # to its worker's exit, under Limits.max_workers; past it starts wait in the queue
+        # while `make_room` (hibernation.py, bound there) stops waiting runs' workers.
+        self.workers = 0
+        self.max_workers = kernel.limits.effective_max_workers()
+        self.make_room: Callable[[], None] = _nothing
+        self.changed: Callable[[Run], None] = _ignore
 
     def admit(self, run: Run) -> None:
         """A new root, or a guest from another node: started in turn."""
         if run.driven:
-            # A Session's root is driven by the trainer between steps; it holds no slot.
+            # A Session's root is driven by the trainer between steps; it holds no slot,
+            # and does not queue for max_workers (its trainer waits on its reset).
+            self.workers += 1
             self.kernel.task(self.launch(run))
         else:
             self.start_queue.append(run)
@@ -62,11 +71,16 @@ class Admission:
                 self.free_slots -= 1
                 fut.set_result(None)
             elif self.start_queue:
+                if self.workers >= self.max_workers:
+                    self.make_room()  # the queue waits for a worker to exit
+                    break
                 run = self.start_queue.popleft()
-                if not run.launchable or not self.pool_admits(run):
+                # Queued twice (a woken parent's replay adopts a child queued already): once.
+                if run.holds_slot or not run.launchable or not self.pool_admits(run):
                     continue  # a run its pool refused waits there, holding no slot
                 run.holds_slot = True
                 self.free_slots -= 1
+                self.workers += 1
                 self.kernel.task(self.launch(run))
             else:
                 break
@@ -131,6 +145,11 @@ class Admission:
             self.start_queue.appendleft(first)
         self.grant()
 
+    def worker_gone(self) -> None:
+        """A run's worker exited (or was never started): one more may start."""
+        self.workers -= 1
+        self.grant()
+
     def release(self, run: Run) -> None:
         """`run` gives its slot back (it ended, or waits on the supervisor)."""
         if run.holds_slot:
@@ -164,7 +183,11 @@ class Admission:
     def waits_changed(self, run: Run) -> None:
         """Something `run` could wait on ended. If nothing is left, a run that said it was
         blocked is not any more: its step clock goes on, and it takes a slot again (its
-        worker, if it truly waited, is about to ask for one)."""
+        worker, if it truly waited, is about to ask for one). A hibernating run is woken
+        instead (hibernation.py)."""
+        if run.hibernating:
+            self.changed(run)
+            return
         if not run.blocked or self.waits_on_something(run):
             return
         run.blocked = False
@@ -180,6 +203,14 @@ class Admission:
         self.resume_queue.append((run, fut))
         self.grant()
         await fut
+
+
+def _nothing() -> None:
+    pass
+
+
+def _ignore(_run: Run) -> None:
+    pass
 
 
 __all__ = ["Admission"]

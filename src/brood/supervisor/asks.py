@@ -234,6 +234,11 @@ class Asks:
             pass
         return aid
 
+    def restart(self, run: Run) -> None:
+        """`run` is rebuilt in a new worker (a hibernating run wakes): its replay opens its
+        asks again from the first of each step, finding them by key."""
+        self.seq = {key: n for key, n in self.seq.items() if key[0] != run.id}
+
     def adopt(self, run: Run, events: list[dict[str, Any]]) -> None:
         """After a crash: the run's asks as its journal holds them. Open ones are open again
         (their deadlines from when they were first opened); the others replay."""

@@ -40,6 +40,7 @@ from brood.supervisor.conversations import Conversations
 from brood.supervisor.ending import Ending, exit_reason
 from brood.supervisor.frames import Conversation, Steps
 from brood.supervisor.gateway import ModelGateway
+from brood.supervisor.hibernation import Hibernation
 from brood.supervisor.kernel import Flows, Kernel, Spreader
 from brood.supervisor.observers import Observers
 from brood.supervisor.requests import Requests
@@ -94,6 +95,7 @@ class Core:
         self.starts = Starts(k, self.admission, self.budget, self.ending, self.spread)
         self.tools = ToolBox(k, tools)
         self.conversations = Conversations(k, self.admission, self.asks, self.ending)
+        self.hibernation = Hibernation(k, self.admission, self.ending, self.asks, self.resume)
         self.requests = Requests(
             k,
             self.admission,
@@ -104,12 +106,15 @@ class Core:
             flows,
             self.tools,
             self.conversations,
+            self.hibernation,
         )
         # The calls that go up from a room to one built on it, bound once here.
         k.finish = self.ending.finish
         k.waits_changed = self.admission.waits_changed
         self.ending.spread = self.spread.spread
         self.ending.adopt_lost = self.spread.adopt_lost
+        self.ending.forget = self.hibernation.computing
+        self.admission.changed = self.hibernation.changed
         self.spread.resume_subtree = self.resume.resume_subtree
         backend.on_lost = self.ending.zygote_lost
 
@@ -121,16 +126,20 @@ class Core:
         try:
             conn = await k.backend.acquire()
         except Exception as exc:
+            self.admission.worker_gone()
             await k.finish(run, RunState.FAILED, f"backend error: {exc}")
             return
         if not run.launchable:
             k.backend.release_unused(conn)
+            self.admission.worker_gone()
             return
+        # Counted under Limits.max_workers until it exits (a callback, not a task).
+        conn.exited.add_done_callback(lambda _: self.admission.worker_gone())
         resumed = run.rec.state is RUN
         run.conn = conn
         on_msg = self.requests.on_msg
         conn.attach(lambda msg: on_msg(run, msg))
-        conn.on_exit = lambda status: k.task(self.ending.on_exit(run, status))
+        conn.on_exit = lambda status: k.task(self.ending.on_exit(run, status, conn))
         run.rec.pid = conn.pid
         if k.keep_scratch:  # the user keeps it: say where it is
             k.event(run, "scratch", {"path": conn.scratch, "pid": conn.pid})
@@ -179,7 +188,7 @@ class Core:
         k.observers.emit("on_start", run.info())
         if run.rec.state is not RUN or run.ending is not None:
             return  # that cancel stops the worker
-        if run.timeout is not None:
+        if run.timeout is not None and run.timer is None:  # a woken run keeps its clock
             run.timer = asyncio.get_running_loop().call_later(
                 run.timeout,
                 lambda: k.task(

@@ -55,6 +55,8 @@ class Ending:
         # rebuild here the subtree of a child whose node was lost.
         self.spread: Callable[[Run], Awaitable[None]] = unbound
         self.adopt_lost: Callable[[Run, Exception], Awaitable[bool]] = unbound
+        # Bound by the composition root to hibernation.py: a run that ends waits no more.
+        self.forget: Callable[[Run], None] = unbound
 
     async def finish(
         self,
@@ -94,6 +96,7 @@ class Ending:
         run.retrying = self.retries(run, state)
         if run.timer is not None:
             run.timer.cancel()
+        self.forget(run)
         k.stop_watch(run)
         for call in list(run.calls):  # abandoned: nobody will read their replies
             call.cancel()
@@ -143,15 +146,9 @@ class Ending:
 
     async def _suspend(self, run: Run, reason: str) -> RunState:
         k = self.kernel
-        k.stop_watch(run)
         open_children = [c for c in run.children if not c.rec.state.terminal]
         await asyncio.gather(*(self.finish(c, RunState.CANCELLED, reason) for c in open_children))
-        confirmed = await self.stop_worker(run)
-        if confirmed and run.conn is not None:
-            k.backend.discard_scratch(run.conn)
-        self.admission.release(run)
-        if not confirmed and run.conn is not None:
-            self.quarantine(run, run.conn)
+        await self.release_worker(run)
         k.event(run, "suspended", {"reason": reason})
         k.tracing.run_ended(run)
         run.done.set()
@@ -159,6 +156,21 @@ class Ending:
         # (a conversation closed while suspended), through `finish` as any run is.
         run.ending = None
         return run.rec.state
+
+    async def release_worker(self, run: Run) -> bool:
+        """Stop `run`'s worker (the one escalation) and give back its slot, leaving the run
+        as it is: a conversation suspended between turns, a run hibernating. Its scratch
+        goes once the exit is confirmed; a group that outlives the escalation is
+        quarantined. True if the exit was confirmed."""
+        k = self.kernel
+        k.stop_watch(run)
+        confirmed = await self.stop_worker(run)
+        if confirmed and run.conn is not None:
+            k.backend.discard_scratch(run.conn)
+        self.admission.release(run)
+        if not confirmed and run.conn is not None:
+            self.quarantine(run, run.conn)
+        return confirmed
 
     async def _ended_on_its_node(self, run: Run, state: RunState, reason: str) -> bool:
         """A child placed on another node (placement="spread") is ended there, which
@@ -257,9 +269,12 @@ class Ending:
         if not k.closing:
             k.backend.discard_scratch(conn)
 
-    async def on_exit(self, run: Run, status: int) -> None:
-        """The worker died. Unless its run is already ending, that is a crash."""
+    async def on_exit(self, run: Run, status: int, conn: WorkerConn | None = None) -> None:
+        """The worker (`conn`) died. Unless its run is already ending, or the worker was
+        stopped for the run to hibernate (or is not the run's any more), that is a crash."""
         if run.ending is not None or run.rec.state.terminal:
+            return
+        if run.hibernating or (conn is not None and run.conn is not conn):
             return
         if run.conn is not None:
             await _wait_event(run.conn.closed, DRAIN_ON_EXIT_S)  # a Final may still be queued

@@ -433,6 +433,7 @@ class Engine:
                     for name, p in core.pools.items()
                 },
                 "waiting_for_person": core.asks.waiting(),
+                "hibernating": core.hibernation.statistics()["hibernating"],
             }
             return counts, serving, self.backend.idle_pids()
 
@@ -440,7 +441,12 @@ class Engine:
         # Read here, not on the supervisor's loop: /proc of a busy worker can be slow.
         memory = sum(map(own_memory, serving + warm))
         return counts | {
-            "workers": {"runs": len(serving), "warm": len(warm), "memory_bytes": memory}
+            "workers": {
+                "runs": len(serving),
+                "warm": len(warm),
+                "memory_bytes": memory,
+                "max": self.core.admission.max_workers,
+            }
         }
 
     # ---- closing -----------------------------------------------------------------------

@@ -270,10 +270,12 @@ class Kernel:
     def tell_parent(self, run: Run) -> None:
         """Its parent's worker hears of `run`'s state (unless the parent has ended)."""
         parent = run.parent
-        if parent is not None and parent.conn is not None and not parent.rec.state.terminal:
+        if parent is None or parent.rec.state.terminal:
+            return
+        if parent.conn is not None:
             parent.conn.send(child_update(run))
-            if run.rec.state.terminal:
-                self.waits_changed(parent)
+        if run.rec.state.terminal and (parent.conn is not None or parent.hibernating):
+            self.waits_changed(parent)  # a hibernating parent may wake
 
     def progress(self, run: Run) -> None:
         """`run` made progress: every ancestor's worker hears a heartbeat (at most one per

@@ -16,6 +16,7 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from brood.backends.base import WorkerConn
 from brood.errors import BroodError, InvalidArgument, LimitExceeded
 from brood.lifecycle import FailureKind, RunState
 from brood.protocol import (
@@ -48,6 +49,7 @@ from brood.supervisor.asks import Asks
 from brood.supervisor.budget import Budget
 from brood.supervisor.conversations import Conversations
 from brood.supervisor.frames import Violation
+from brood.supervisor.hibernation import Hibernation
 from brood.supervisor.kernel import Flows, Kernel
 from brood.supervisor.resume import Resume
 from brood.supervisor.runs import STORE_FAILED, Run, StepWatch, last_line
@@ -67,8 +69,10 @@ class Requests:
         flows: Flows,
         tools: ToolBox,
         conversations: Conversations,
+        hibernation: Hibernation,
     ) -> None:
         self.kernel = kernel
+        self.hibernation = hibernation
         self.admission = admission
         self.budget = budget
         self.asks = asks
@@ -80,10 +84,10 @@ class Requests:
 
     def on_msg(self, run: Run, msg: Msg) -> None:
         """A frame from `run`'s worker, handled by the one handler of its type."""
-        if run.ending is not None or run.rec.state.terminal:
+        if run.ending is not None or run.rec.state.terminal or run.hibernating:
             if isinstance(msg, Reply | StepResult):
                 self._settle_pending(run, msg)
-            return  # an ending run's worker is heard no more
+            return  # an ending (or hibernating) run's worker is heard no more
         handler = HANDLERS.get(type(msg))
         if handler is None:
             return  # not a worker's frame: the connection's decoder lets none through
@@ -102,9 +106,11 @@ class Requests:
             raise Violation(f"more than {frames.MAX_REQUESTS_IN_FLIGHT} requests at once (a flood)")
         run.requests += 1
         self.kernel.hold(run)
-        self.kernel.task(self._answer(run, req_id, work))
+        self.kernel.task(self._answer(run, req_id, work, run.conn))
 
-    async def _answer(self, run: Run, req_id: int, work: Awaitable[Any]) -> None:
+    async def _answer(
+        self, run: Run, req_id: int, work: Awaitable[Any], conn: WorkerConn | None
+    ) -> None:
         try:
             value = await work
             # A reply built by the work itself carries more than a value (a model turn's).
@@ -114,8 +120,11 @@ class Requests:
         finally:
             run.requests -= 1
             self.kernel.unhold(run)
-        if run.conn is not None:
-            run.conn.send(reply)
+            if run.hibernating:  # its worker waited for this answer (a flow's end, say)
+                self.hibernation.changed(run)
+        # Only to the worker that asked: a run rebuilt meanwhile (hibernation) asks again.
+        if conn is not None and run.conn is conn:
+            conn.send(reply)
 
     def _settle_pending(self, run: Run, msg: Reply | StepResult) -> None:
         """A worker confirms a delivery (Reply), or ends a driven step (StepResult): only a
@@ -167,7 +176,10 @@ class Requests:
     def _blocked(self, run: Run, msg: Blocked) -> None:
         if msg.blocked:
             self.admission.block(run)
+            if run.blocked:
+                self.hibernation.waiting(run, clip(msg.hazard, FAILURE_TEXT_CAP))
             return
+        self.hibernation.computing(run)
         self._ask(run, msg.req_id, self.admission.unblock(run))
         self.admission.unblocked(run)
 

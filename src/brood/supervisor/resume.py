@@ -16,7 +16,7 @@ from typing import Any
 
 from brood.errors import BroodError
 from brood.lease import lease_holder_gone
-from brood.lifecycle import RunRecord, RunState
+from brood.lifecycle import RunRecord, RunState, is_hibernating
 from brood.protocol import Replay
 from brood.supervisor.admission import Admission
 from brood.supervisor.asks import Asks
@@ -35,6 +35,8 @@ from brood.supervisor.runs import (
 from brood.supervisor.spread import Spread
 from brood.supervisor.tools import TOOL_EVENT, tool_replay
 from brood.supervisor.tracing import SpanIds
+
+HIBERNATED = "hibernated"  # the event of a run whose worker was stopped for a long wait
 
 
 class Resume:
@@ -210,8 +212,7 @@ class Resume:
                 )
                 k.task(k.finish(run, RunState.FAILED, why))
             elif run.rec.state is RUN:
-                run.replay = self._replay_of(run, steps[run])
-                run.tool_replay = tool_replay(k.store.events(run.id, TOOL_EVENT))
+                self.prepare_replay(run, steps[run])
             else:  # queued: follow-ups held for its start were in memory only
                 run.messages = [e["data"]["message"] for e in k.store.events(run.id, "message")]
         return ending
@@ -262,7 +263,25 @@ class Resume:
         for e in self.kernel.store.events(run.id, "step_begun"):
             step = int(e["data"]["step"])
             begun[step] = begun.get(step, 0) + 1
+        # A step whose worker was stopped to hibernate begins again when the run wakes:
+        # that stop is no host death.
+        for e in self.kernel.store.events(run.id, HIBERNATED):
+            step = int(e["data"].get("step", 0))
+            begun[step] = begun.get(step, 0) - 1
         return next((n for n, c in sorted(begun.items()) if c >= 2 and n not in done), None)
+
+    def prepare_replay(self, run: Run, steps: list[dict[str, Any]] | None = None) -> None:
+        """Make `run` (running, its worker gone) ready to be rebuilt in a new worker by
+        replaying its journal: after a crash, and when a hibernating run wakes. `steps`:
+        its journaled steps, if they have been read already."""
+        store = self.kernel.store
+        if steps is None:
+            steps = store.events(run.id, "step")
+        if is_hibernating(run.rec.state.value, run.rec.reason):  # it sleeps no more
+            run.rec.reason = None
+            store.note_reason(run.id, None)
+        run.replay = self._replay_of(run, steps)
+        run.tool_replay = tool_replay(store.events(run.id, TOOL_EVENT))
 
     def _replay_of(self, run: Run, steps: list[dict[str, Any]]) -> Replay:
         """What the journal holds of a run: its turns' replies (and prompt tokens), its
@@ -354,4 +373,4 @@ def _below(rows: list[dict[str, Any]], tops: set[str]) -> set[str]:
     return found
 
 
-__all__ = ["Resume"]
+__all__ = ["HIBERNATED", "Resume"]

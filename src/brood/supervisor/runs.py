@@ -187,6 +187,14 @@ class Run:
     failure_kind: FailureKind | None = None
     rate_limited: bool = False
     unpriced: set[str | None] = field(default_factory=set)  # models whose cost_unknown it said
+    # Hibernation (hibernation.py): when it said it waits (loop time), the timer that
+    # hibernates it, whether its worker is stopped (or being stopped) for its wait, whether
+    # something it may wait on changed since, and why it stays live (journaled once).
+    blocked_at: float = 0.0
+    hibernate_timer: asyncio.TimerHandle | None = None
+    hibernating: bool = False
+    wake_due: bool = False
+    stays_live: str | None = None
     tree: Tree = field(init=False)  # its top's record: its parent's, or a new one
 
     def __post_init__(self) -> None:

@@ -13,8 +13,10 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import AbstractContextManager
 from typing import Any
 
 from brood.errors import StallTimeout
@@ -80,12 +82,29 @@ class Link:
         StallTimeout (the request stays under way; its reply, if it comes, is dropped)."""
         return self._request(msg, stall, what, whole=False)
 
-    def request_reply(self, msg: Msg, *, stall: float | None = None, what: str = "") -> Reply:
-        """`request`, giving the whole Reply (a model turn's carries its prompt tokens)."""
-        reply: Reply = self._request(msg, stall, what, whole=True)
+    def request_reply(
+        self,
+        msg: Msg,
+        *,
+        stall: float | None = None,
+        what: str = "",
+        slow: tuple[float, Callable[[], AbstractContextManager[None]]] | None = None,
+    ) -> Reply:
+        """`request`, giving the whole Reply (a model turn's carries its prompt tokens).
+        With `slow` = (seconds, wait), a reply that has not come after that long is waited
+        for inside `wait()` (the run says it waits: it may hibernate)."""
+        reply: Reply = self._request(msg, stall, what, whole=True, slow=slow)
         return reply
 
-    def _request(self, msg: Msg, stall: float | None, what: str, *, whole: bool) -> Any:
+    def _request(
+        self,
+        msg: Msg,
+        stall: float | None,
+        what: str,
+        *,
+        whole: bool,
+        slow: tuple[float, Callable[[], AbstractContextManager[None]]] | None = None,
+    ) -> Any:
         check(msg)
         fut: Future[Any] = Future()
         with self._pending_lock:
@@ -93,9 +112,21 @@ class Link:
             if whole:
                 self._whole.add(msg.req_id)  # type: ignore[attr-defined]
         self.chan.send(msg)
+        began = time.monotonic()
+        if slow is not None:
+            patience, waiting = slow
+            try:
+                return fut.result(timeout=patience if stall is None else min(patience, stall))
+            except FutureTimeout:
+                with waiting():
+                    return self._await(fut, msg, stall, what, began)
+        return self._await(fut, msg, stall, what, began)
+
+    def _await(
+        self, fut: Future[Any], msg: Msg, stall: float | None, what: str, began: float
+    ) -> Any:
         if stall is None:
             return fut.result()
-        began = time.monotonic()
         while True:
             quiet = time.monotonic() - max(self.heard, began)
             try:

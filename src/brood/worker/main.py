@@ -102,6 +102,7 @@ def run(start: Start, link: Link) -> None:
         read_only=limits.read_only,
     )
     rt.namespace = repl.namespace
+    rt.baseline()
     agent = Agent(rt, repl)
     if start.driven:
         agent.driven()

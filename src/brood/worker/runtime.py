@@ -9,10 +9,11 @@ The helpers themselves are in `brood.worker.verbs`, the handles they return in
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 from typing import Any, Protocol
 
@@ -27,6 +28,10 @@ from brood.worker.threads import CallThreads
 # True inside work started by `spawn` (and what that work starts in turn): nobody waits on
 # it as it goes, so the stall alarm is not its to raise; its waiter's rlm_await raises it.
 SPAWNED: ContextVar[bool] = ContextVar("brood_spawned", default=False)
+# A model call is a wait worth hibernating in only once it is slow: unanswered after
+# Limits.hibernate_after and at least this long, so hibernate_after=0 stops no worker for
+# each quick call.
+SLOW_CALL_S = 0.25
 
 
 def as_spawned(fn: Callable[..., Any], /, *args: Any, **kw: Any) -> Any:
@@ -86,6 +91,15 @@ class Runtime:
         self._blocked = 0
         self._block_lock = threading.Lock()
         self._task_ids = itertools.count(1)
+        # What the worker held before model code ran: threads and open descriptors that
+        # are brood's own (`hazard` names the others).
+        self._threads: set[int | None] = set()
+        self._fds: set[str] = set()
+
+    def baseline(self) -> None:
+        """Note the threads and descriptors the worker holds before model code runs."""
+        self._threads = {t.ident for t in threading.enumerate()}
+        self._fds = _open_fds()
 
     def next_task_id(self) -> str:
         return f"t-{next(self._task_ids)}"
@@ -124,6 +138,7 @@ class Runtime:
                     ),
                     stall=None if turn else self.stall_alarm,  # steps' calls only
                     what=what,
+                    slow=self._slow_call(),
                 )
             if kind == "turn":
                 self.prompt_tokens = reply.prompt_tokens
@@ -133,6 +148,14 @@ class Runtime:
             if prompt:
                 with self._block_lock:
                     self.in_flight[prompt] -= 1
+
+    def _slow_call(self) -> tuple[float, Callable[[], AbstractContextManager[None]]] | None:
+        """A model call unanswered after Limits.hibernate_after is a wait like a child's (the
+        run may hibernate in it); None: never (or from spawned work, whose waiter decides)."""
+        after = self.limits.hibernate_after
+        if after is None or SPAWNED.get():
+            return None
+        return max(after, SLOW_CALL_S), self.blocked
 
     # ---- resuming from the journal -----------------------------------------------------
     @property
@@ -183,14 +206,35 @@ class Runtime:
         self.pool().start_all()
 
     # ---- waiting on children -----------------------------------------------------------
+    def hazard(self, timeout: float | None) -> str:
+        """Why a rebuild of this run by replay could diverge from what this worker holds
+        now ("" if nothing the worker can see): the supervisor then keeps it live."""
+        if self.limits.hibernate_after is None:
+            return ""  # it never hibernates: nothing to look for
+        if timeout is not None:
+            return f"its wait has a timeout ({timeout:g} s), which a rebuild would start over"
+        pool = self._pool
+        if pool is not None:
+            waiting = threading.get_ident() in pool.idents  # a spawned job, itself waiting
+            if pool.load > int(waiting):
+                return "work it started with spawn() is in flight"
+        ours = self._threads | (pool.idents if pool is not None else set())
+        threads = [t for t in threading.enumerate() if t.ident not in ours and t.is_alive()]
+        if threads:
+            return f"its code started threads that are still running ({len(threads)})"
+        fds = _open_fds() - self._fds
+        if len(fds) > 1:  # the listing's own descriptor may be a new number
+            return f"its code holds open files or sockets ({len(fds) - 1} more than at start)"
+        return ""
+
     @contextmanager
-    def blocked(self) -> Iterator[None]:
+    def blocked(self, timeout: float | None = None) -> Iterator[None]:
         """While code waits on children: stop the step clock and give up the compute slot."""
         with self.clock.paused():
             with self._block_lock:
                 self._blocked += 1
                 if self._blocked == 1:
-                    self.link.send(Blocked(req_id=0, blocked=True))
+                    self.link.send(Blocked(req_id=0, blocked=True, hazard=self.hazard(timeout)))
             try:
                 yield
             finally:
@@ -223,7 +267,7 @@ class Runtime:
         stall = self.stall_alarm if what else None
         began = time.monotonic()
         deadline = None if timeout is None else began + timeout
-        with self.blocked(), self.link.cond:
+        with self.blocked(timeout), self.link.cond:
             while True:
                 now = time.monotonic()
                 bounds = [] if deadline is None else [deadline - now]
@@ -264,3 +308,11 @@ class Runtime:
                 f"note: this run is at depth {self.depth} of max_depth={self.max_depth}, so "
                 "rlm_query answers with a plain model call (llm_query) instead of a child run"
             )
+
+
+def _open_fds() -> set[str]:
+    """The descriptors this process holds open (empty where /proc cannot say)."""
+    try:
+        return set(os.listdir("/proc/self/fd"))
+    except OSError:
+        return set()

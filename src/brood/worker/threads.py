@@ -32,6 +32,7 @@ class CallThreads(Executor):
         self._size = size
         self._started = 0
         self._load = 0  # jobs submitted and not yet done
+        self._idents: set[int] = set()
 
     def start_all(self) -> None:
         """Start every thread now. Should a start fail (an address-space limit too small for
@@ -54,11 +55,25 @@ class CallThreads(Executor):
         self._jobs.put((fut, context.run, (fn, *args), kw))
         return fut
 
+    @property
+    def load(self) -> int:
+        """Jobs submitted and not yet done."""
+        return self._load
+
+    @property
+    def idents(self) -> set[int]:
+        """The idents of the threads serving jobs (bare threads: `threading` lists them
+        only once they have asked for their own Thread object)."""
+        with self._lock:
+            return set(self._idents)
+
     def _start(self) -> None:
         _thread.start_new_thread(self._serve, ())  # RuntimeError when none can start
         self._started += 1
 
     def _serve(self) -> None:
+        with self._lock:
+            self._idents.add(_thread.get_ident())
         while True:
             fut, fn, args, kw = self._jobs.get()
             try:

@@ -438,6 +438,7 @@ class LiveTree {
     row.append(toggle, link, span("state s-" + r.state, r.stale ? "stale" : r.state));
     if (r.attempt) row.append(span("tag", "attempt " + (r.attempt + 1)));
     if (r.waiting_for.length) row.append(span("pill waiting", "waiting for a person"));
+    if (r.hibernating) row.append(span("pill hibernating", "hibernating"));
     row.append(span("depth", "d" + r.depth), span("dur", seconds(this.duration(r))),
       span("tok", r.tokens.toLocaleString() + " tok"));
     if (kids.length && !open) {

@@ -21,7 +21,8 @@ from brood.worker.verbs.base import verb
 
 def _flow(rt: Runtime, op: str, **fields: Any) -> Any:
     rt.check_open()
-    with rt.blocked() if op in ("stop", "wait") else contextlib.nullcontext():
+    waits = op in ("stop", "wait")
+    with rt.blocked(fields.get("timeout")) if waits else contextlib.nullcontext():
         return rt.link.request(
             FlowReq(
                 req_id=rt.link.next_id(),
