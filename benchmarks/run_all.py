@@ -25,6 +25,7 @@ BENCHMARKS = (
     "bench_tracing",
     "bench_close",
     "bench_memory",
+    "bench_hibernate",
     "bench_journal",
     "bench_resume",
     "bench_flow",
