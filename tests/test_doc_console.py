@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import select
 import shlex
 import signal
 import subprocess
@@ -34,6 +33,7 @@ import psutil
 from brood.journal import Journal
 from tests.test_readme_journeys import until
 from tests.test_resume import wait_gone
+from tests.util import read_until, stop
 
 ROOT = Path(__file__).resolve().parent.parent
 TUTORIAL = ROOT / "docs" / "tutorial"
@@ -45,6 +45,7 @@ COMMENT = re.compile(r"\s+#\s.*$")
 SERVER_SPEC = re.compile(r"^(?:openai|anthropic|gemini|local):")
 BROOD = [sys.executable, "-m", "brood.cli.main"]
 TIMEOUT_S = 120
+LOGIN = re.compile(r"log in at (http://[^/]+)/\?token=(\S+)")
 
 NEEDS_SERVER = "needs a model server"
 # Every console line that is not run, and why. The key is the command as printed, without
@@ -334,14 +335,8 @@ class Journey:
             env=self.env,
             cwd=self.cwd,
         )
-        assert proc.stderr is not None
         try:
-            said = ""
-            while not (found := re.search(r"log in at (http://[^/]+)/\?token=(\S+)", said)):
-                ready, _, _ = select.select([proc.stderr], [], [], TIMEOUT_S)
-                chunk = os.read(proc.stderr.fileno(), 65536) if ready else b""
-                assert chunk, f"{where}: brood serve did not start: {said!r}"
-                said += chunk.decode(errors="replace")
+            found = read_until(proc, LOGIN, TIMEOUT_S)
             base, token = found[1], found[2]
             request = urllib.request.Request(
                 base + "/v1/models", headers={"Authorization": f"Bearer {token}"}
@@ -350,15 +345,8 @@ class Journey:
                 models = json.loads(response.read())
             assert [m["id"] for m in models["data"]] == ["echo"], models
         finally:
-            proc.terminate()
-            try:
-                proc.wait(TIMEOUT_S)
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-                proc.stderr.close()
-        assert proc.returncode in (0, -signal.SIGTERM), proc.returncode
+            status = stop(proc, TIMEOUT_S)
+        assert status in (0, -signal.SIGTERM), status
 
     # ---- the end -------------------------------------------------------------------------
     def finish(self) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import select
 import signal
 import subprocess
 import sys
@@ -47,7 +46,7 @@ from brood.integrations.openenv import (
     served_limits,
 )
 from brood.journal import Journal
-from tests.util import FAST
+from tests.util import FAST, read_until, stop
 
 pytestmark = pytest.mark.train
 
@@ -129,14 +128,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         stderr=subprocess.PIPE,
         env=env,
     )
-    assert proc.stderr is not None
     try:
-        said = ""
-        while not (found := SERVING.search(said)):
-            ready, _, _ = select.select([proc.stderr], [], [], START_S)
-            chunk = os.read(proc.stderr.fileno(), 65536) if ready else b""
-            assert chunk, f"the server said no address: {said!r} (exit {proc.poll()})"
-            said += chunk.decode(errors="replace")
+        found = read_until(proc, SERVING, START_S)
         served = Server(proc, found[1], store, os.environ[REGISTRY_ENV])
         yield served
         # A session still open when the server stops, its episode's child computing.
@@ -146,16 +139,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         started = served.workers()
         assert started, "the server's zygote is not found: the leftover check would see nothing"
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(START_S)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            proc.stderr.close()
+        status = stop(proc, START_S)
     # uvicorn shuts down (the supervisor closes, exit confirmed), then re-raises SIGTERM.
-    assert proc.returncode in (0, -signal.SIGTERM), proc.returncode
+    assert status in (0, -signal.SIGTERM), status
     assert not [p for p in started if alive(p)], "the server left processes behind"
     assert {r["state"] for r in runs_of(store, left_open)} == {"cancelled"}
     loop.run_until_complete(client.disconnect())

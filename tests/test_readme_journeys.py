@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import select
 import signal
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import psutil
 
 from brood.models.echo import CHUNK_TASK, plain_reply
 from tests.test_resume import wait_gone
+from tests.util import read_until, stop
 
 BROOD = [sys.executable, "-m", "brood.cli.main"]
 TIMEOUT_S = 120
@@ -250,28 +250,14 @@ def brood_serve(store: str) -> Iterator[str]:
         stderr=subprocess.PIPE,
         env=env(),
     )
-    assert proc.stderr is not None
     children: list[psutil.Process] = []
     try:
-        said = ""
-        while not (found := STARTED.search(said)):
-            ready, _, _ = select.select([proc.stderr], [], [], TIMEOUT_S)
-            chunk = os.read(proc.stderr.fileno(), 65536) if ready else b""
-            assert chunk, f"brood serve did not start: {said!r} (exit {proc.poll()})"
-            said += chunk.decode(errors="replace")
-        yield found[1]
+        yield read_until(proc, STARTED, TIMEOUT_S)[1]
         children = psutil.Process(proc.pid).children(recursive=True)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(TIMEOUT_S)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            proc.stderr.close()
+        status = stop(proc, TIMEOUT_S)
     # uvicorn shuts down, then raises the signal it caught again: SIGTERM is how it ends.
-    assert proc.returncode in (0, -signal.SIGTERM), proc.returncode
+    assert status in (0, -signal.SIGTERM), status
     assert not [c for c in children if c.is_running()], "brood serve left processes"
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import select
 import signal
 import socket
 import subprocess
@@ -32,7 +31,7 @@ from brood.serve import make_app
 from brood.serve.bodies import MAX_BODY_BYTES, MAX_JSON_DEPTH
 from tests.trust_util import coder, outcome, task
 from tests.trust_util import limits as trust_limits
-from tests.util import fast
+from tests.util import fast, read_until, stop
 
 TOKEN = "s3cret-token"
 FENCE = "```"
@@ -803,29 +802,14 @@ def brood_serve(store: str) -> Iterator[tuple[subprocess.Popen[bytes], str, str]
         stderr=subprocess.PIPE,
         env=env,
     )
-    assert proc.stderr is not None
     try:
-        # Read from the descriptor itself: a buffered reader could hold the line that
-        # select() no longer sees.
-        said = ""
-        while not (found := LOGIN.search(said)):
-            ready, _, _ = select.select([proc.stderr], [], [], START_S)
-            chunk = os.read(proc.stderr.fileno(), 65536) if ready else b""
-            assert chunk, f"brood serve printed no login URL: {said!r} (exit {proc.poll()})"
-            said += chunk.decode(errors="replace")
+        found = read_until(proc, LOGIN, START_S)
         children = psutil.Process(proc.pid).children(recursive=True)
         yield proc, found[1], found[2]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(START_S)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            proc.stderr.close()
+        status = stop(proc, START_S)
     # uvicorn shuts down, then raises the signal it caught again: SIGTERM is how it ends.
-    assert proc.returncode in (0, -signal.SIGTERM), proc.returncode
+    assert status in (0, -signal.SIGTERM), status
     assert not [c for c in children if c.is_running()], "brood serve left processes"
 
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import getpass
 import os
+import re
+import select
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -92,3 +95,33 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError):
         return False
+
+
+def read_until(
+    proc: subprocess.Popen[bytes], pattern: re.Pattern[str], timeout: float
+) -> re.Match[str]:
+    """Read `proc`'s stderr until `pattern` matches what it said (a server's address, say);
+    fails naming what it said if it ends or stays silent `timeout` seconds first. Reads the
+    descriptor itself: a buffered reader could hold a line that select() no longer sees."""
+    assert proc.stderr is not None
+    said = ""
+    while not (found := pattern.search(said)):
+        ready, _, _ = select.select([proc.stderr], [], [], timeout)
+        chunk = os.read(proc.stderr.fileno(), 65536) if ready else b""
+        assert chunk, f"it said no {pattern.pattern!r}: {said!r} (exit {proc.poll()})"
+        said += chunk.decode(errors="replace")
+    return found
+
+
+def stop(proc: subprocess.Popen[bytes], timeout: float) -> int:
+    """SIGTERM `proc` and reap it (SIGKILL past `timeout`); its exit status."""
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()
+    return proc.returncode
