@@ -12,8 +12,8 @@ import pytest
 
 import brood
 from brood.journal import Journal
-from brood.protocol import ModelReq
 from brood.supervisor.frames import Conversation, Violation
+from tests.test_hostile_frames import convo_messages, turn
 from tests.test_resume import CRASH_TIMEOUT_S, wait_gone
 from tests.util import FAST, Gate, Signal, fast
 
@@ -48,7 +48,7 @@ def scripted_chat() -> tuple[list[list[dict]], object]:
     return space["SEEN"], space["chat"]
 
 
-def test_three_turns_keep_the_namespace_and_the_history():
+def test_three_turns_keep_the_namespace_and_the_convo_messages():
     seen, chat = scripted_chat()
     with brood.Supervisor(chat, limits=FAST) as sup:
         conv = sup.conversation(context="the context")
@@ -249,40 +249,28 @@ def test_a_supervisor_closed_between_turns_leaves_the_conversation_resumable(tmp
 
 
 # ---- the supervisor's check of a conversation's model turns ------------------------------
-def turn(messages, new_from):
-    return ModelReq(req_id=1, kind="turn", messages=messages, new_from=new_from)
-
-
-def history(replies, users):
-    out = [{"role": "system", "content": "sys"}]
-    for i, u in enumerate(users):
-        out.append({"role": "user", "content": u})
-        if i < len(replies):
-            out.append({"role": "assistant", "content": replies[i]})
-    return out
-
-
 def test_a_user_turn_has_its_prompts_cap_and_its_own_max_iterations():
     kw = dict(max_iterations=1, first_cap=100, cap=5)
     plain = Conversation()  # a run that is not a conversation: unchanged
-    plain.check(turn(history([], ["task"]), 0), **kw)
+    plain.check(turn(convo_messages([], ["task"]), 0), **kw)
     plain.answered("r1")
     with pytest.raises(Violation, match="a message of 40 characters"):
-        plain.check(turn(history(["r1"], ["task", "p" * 40]), 2), **kw)
+        plain.check(turn(convo_messages(["r1"], ["task", "p" * 40]), 2), **kw)
 
     convo = Conversation()
-    convo.check(turn(history([], ["task"]), 0), **kw)
+    convo.check(turn(convo_messages([], ["task"]), 0), **kw)
     convo.answered("r1")  # the first user turn ends with its FINAL
     convo.user_turn(1, 40)  # the supervisor hands a prompt of 40 characters' cap
     with pytest.raises(Violation, match="a message of 41 characters"):
-        convo.check(turn(history(["r1"], ["task", "p" * 41]), 2), **kw)
-    convo.check(turn(history(["r1"], ["task", "p" * 40]), 2), **kw)
+        convo.check(turn(convo_messages(["r1"], ["task", "p" * 41]), 2), **kw)
+    convo.check(turn(convo_messages(["r1"], ["task", "p" * 40]), 2), **kw)
     convo.answered("r2")
     users = ["task", "p" * 40, "out"]
-    convo.check(turn(history(["r1", "r2"], users), 4), **kw)  # the turn asking for the answer
+    # The turn asking for the answer.
+    convo.check(turn(convo_messages(["r1", "r2"], users), 4), **kw)
     convo.answered("r3")
     with pytest.raises(Violation, match=r"model turn 4 is past Limits\.max_iterations=1"):
-        convo.check(turn(history(["r1", "r2", "r3"], [*users, "more"]), 6), **kw)
+        convo.check(turn(convo_messages(["r1", "r2", "r3"], [*users, "more"]), 6), **kw)
 
 
 def test_a_turn_the_crash_interrupted_goes_on_first_after_the_resume(tmp_path):
