@@ -637,6 +637,31 @@ def test_flush_waits_for_everything_queued(target: Target, store: Store):
         assert ro.get_run(rec.id)["last_line"] == "49"
 
 
+def test_events_nobody_waits_on_ride_with_the_next_waited_write_in_order(
+    target: Target, store: Store
+):
+    rec = record("r-note", prompt="p")
+    store.insert_run(rec, "sup").result()
+    assert isinstance(store, SQLStore)
+    stats = store.statistics()
+    for i in range(200):  # a model call's and a step's events: no future, no commit alone
+        rec.usage = {"model_calls": i + 1}
+        assert store.note(rec, "model_call" if i % 2 else "step", {"i": i}) is None
+    waited = store.event(rec, "message", {"i": 200})
+    waited.result()  # committed after every note queued before it
+    with reader(target) as ro:
+        assert [e["data"]["i"] for e in ro.events(rec.id)] == list(range(201))
+        assert ro.get_run(rec.id)["usage"] == {"model_calls": 200}
+    # 201 writes in a few transactions, not one each: the notes waited for company.
+    assert store.statistics()["batches"] - stats["batches"] <= 3
+    # A note with no waited write after it is committed all the same (within the linger).
+    store.note(rec, "step", {"i": 201}, progress="last")
+    store.flush()
+    with reader(target) as ro:
+        assert len(ro.events(rec.id)) == 202
+        assert ro.get_run(rec.id)["last_line"] == "last"
+
+
 def test_two_thousand_writes_queued_while_the_journal_is_busy_land_in_order(
     target: Target, store: Store
 ):

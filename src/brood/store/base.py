@@ -53,14 +53,12 @@ class Store(Protocol):
     def transition(self, rec: RunRecord, frm: str, to: str) -> Future[Any]: ...
 
     def event(
-        self,
-        rec: RunRecord,
-        kind: str,
-        data: dict[str, Any],
-        progress: str | None = None,
-        *,
-        lazy: bool = False,
+        self, rec: RunRecord, kind: str, data: dict[str, Any], progress: str | None = None
     ) -> Future[Any]: ...
+
+    def note(
+        self, rec: RunRecord, kind: str, data: dict[str, Any], progress: str | None = None
+    ) -> None: ...
 
     def flush(self) -> None: ...
 

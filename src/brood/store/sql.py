@@ -3,10 +3,11 @@
 Writes go through one writer thread that commits everything queued so far in one
 transaction (a batch), and return futures that resolve once that commit is done: the
 supervisor waits on a transition's future before it tells anyone of the transition.
-A write nobody waits on (`event(..., lazy=True)`: a model call, a step's output) does not
-start a transaction of its own: the writer holds it for up to LAZY_LINGER_S, until a write
-that someone waits on comes to commit with it. Batches keep the order of the writes, so
-anything waited on is committed after every write queued before it.
+A write nobody waits on (`note`: a model call, a step's output) does not start a
+transaction of its own, has no future, and does not wake the writer while it lingers: the
+writer holds it for up to LAZY_LINGER_S, until a write that someone waits on comes to
+commit with it. Batches keep the order of the writes, so anything waited on is committed
+after every write queued before it.
 
 A write that fails (a damaged file, a full disk, a journal file deleted or replaced) fails
 the journal: that write's future and every later one raise the same StoreError, and
@@ -106,8 +107,21 @@ Conn = Any  # a DB-API connection of the database at hand
 Write = Callable[[Any], Any]  # given a cursor; returns the write's result
 
 
-class _Lazy(Future[Any]):
-    """The future of a lazy write: nobody waits on it, so it may wait for company."""
+class _Unwaited:
+    """What stands for the future of a write nobody waits on (`note`): it may wait for
+    company, and its outcome goes nowhere (a failed write fails the journal loudly)."""
+
+    __slots__ = ()
+
+    def set_result(self, result: Any) -> None:
+        pass
+
+    def set_exception(self, error: BaseException) -> None:
+        pass
+
+
+_UNWAITED = _Unwaited()
+Waiter = Future[Any] | _Unwaited
 
 
 # json.dumps(value, default=str)'s own text (", " and ": "), not a compact encoder's: the
@@ -127,15 +141,16 @@ class _Usage:
     """A run's usage (and last line of output) as an event left it to be written. Only the
     latest one of a run is written: an event's UPDATE of the run is skipped when a later
     write of the same run (an event, a transition) is queued behind it and writes newer
-    values. A child's model call and step then cost one statement each, not two."""
+    values. A child's model call and step then cost one statement each, not two, and the
+    usage (a copy) is encoded by the writer, once, for the write that is kept."""
 
     __slots__ = ("line", "usage")
 
-    def __init__(self, usage: str, line: str | None) -> None:
+    def __init__(self, usage: dict[str, Any], line: str | None) -> None:
         self.usage, self.line = usage, line
 
 
-def _settle(fut: Future[Any], result: Any = None, error: BaseException | None = None) -> None:
+def _settle(fut: Waiter, result: Any = None, error: BaseException | None = None) -> None:
     """Give a write's future its outcome, unless its caller stopped waiting (cancelled it:
     an interrupted caller, a cancelled task); the write itself was committed or failed."""
     with contextlib.suppress(InvalidStateError):
@@ -196,7 +211,10 @@ class SQLStore:
         self.readonly = readonly
         self._local = threading.local()
         # A SimpleQueue (C, no Condition): a put costs the caller (the loop) a few times less.
-        self._queue: queue.SimpleQueue[tuple[Write, Future[Any]] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Write, Waiter] | None] = queue.SimpleQueue()
+        # Set by a write someone waits on (and by close): it ends the writer's lingering
+        # over a batch of unwaited ones. Unwaited writes never set it.
+        self._urgent = threading.Event()
         self._thread: threading.Thread | None = None
         # busy_s: the writer's wall time in transactions (GIL waits included); cpu_s: its
         # CPU time in them; statements: SQL statements executed (benchmarks read these).
@@ -328,28 +346,28 @@ class SQLStore:
             self._writer.close()
 
     def _gather(
-        self, first: tuple[Write, Future[Any]] | None
-    ) -> tuple[list[tuple[Write, Future[Any]]], bool]:
-        """The next batch: `first` and what is queued behind it; while it holds only lazy
-        writes, what comes within LAZY_LINGER_S too. True with it when the writer stops."""
+        self, first: tuple[Write, Waiter] | None
+    ) -> tuple[list[tuple[Write, Waiter]], bool]:
+        """The next batch: `first` and what is queued behind it; when `first` is a write
+        nobody waits on, what comes within LAZY_LINGER_S too (the writer sleeps meanwhile,
+        woken early only by a write someone waits on). True with it when the writer stops."""
         if first is None:
             return [], True
+        if first[1] is _UNWAITED:
+            self._urgent.wait(LAZY_LINGER_S)
+        self._urgent.clear()  # a write queued before this is taken below
         batch = [first]
-        waited_on = not isinstance(first[1], _Lazy)
-        deadline = time.monotonic() + LAZY_LINGER_S
         while len(batch) < BATCH_MAX:
-            left = 0.0 if waited_on else deadline - time.monotonic()
             try:
-                nxt = self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait()
+                nxt = self._queue.get_nowait()
             except queue.Empty:
                 break
             if nxt is None:
                 return batch, True
             batch.append(nxt)
-            waited_on = waited_on or not isinstance(nxt[1], _Lazy)
         return batch, False
 
-    def _commit(self, batch: list[tuple[Write, Future[Any]]]) -> None:
+    def _commit(self, batch: list[tuple[Write, Waiter]]) -> None:
         if self.failure is None and (lost := self._lost()) is not None:
             self._fail(lost)
         if self.failure is not None:
@@ -378,7 +396,7 @@ class SQLStore:
         for (_, fut), result in zip(batch, results, strict=True):
             _settle(fut, result)
 
-    def _write_batch(self, batch: list[tuple[Write, Future[Any]]]) -> list[Any]:
+    def _write_batch(self, batch: list[tuple[Write, Waiter]]) -> list[Any]:
         """One transaction of the batch's writes, tried again on a passing failure
         (`_retrying`), the writer's connection reopened between tries."""
 
@@ -446,14 +464,10 @@ class SQLStore:
     def _submit(self, sql: str, args: tuple[Any, ...]) -> Future[Any]:
         return self._submit_many([(sql, args)])
 
-    def _submit_many(
-        self, statements: list[tuple[str, tuple[Any, ...]]], *, lazy: bool = False
-    ) -> Future[Any]:
-        return self._submit_prepared([(self.q(sql), args) for sql, args in statements], lazy=lazy)
+    def _submit_many(self, statements: list[tuple[str, tuple[Any, ...]]]) -> Future[Any]:
+        return self._submit_prepared([(self.q(sql), args) for sql, args in statements])
 
-    def _submit_prepared(
-        self, stmts: list[tuple[str, tuple[Any, ...]]], *, lazy: bool = False
-    ) -> Future[Any]:
+    def _submit_prepared(self, stmts: list[tuple[str, tuple[Any, ...]]]) -> Future[Any]:
         """Queue statements whose placeholders are this database's already."""
 
         def write(cur: Any) -> int:
@@ -464,16 +478,20 @@ class SQLStore:
             self._stats["statements"] += len(stmts)  # writer thread only
             return count  # rows the last statement touched
 
-        return self._enqueue(write, lazy=lazy)
+        return self._enqueue(write)
 
-    def _enqueue(self, write: Write, *, lazy: bool = False) -> Future[Any]:
+    def _enqueue(self, write: Write) -> Future[Any]:
+        fut: Future[Any] = Future()
+        self._put(write, fut)
+        self._urgent.set()  # someone waits on it: a lingering writer commits now
+        return fut
+
+    def _put(self, write: Write, waiter: Waiter) -> None:
         if self.readonly:
             raise StoreError(f"{self.where} was opened read-only")
         if self._closed:
             raise StoreError(f"the journal {self.where} is closed; it takes no more writes")
-        fut: Future[Any] = _Lazy() if lazy else Future()
-        self._queue.put((write, fut))
-        return fut
+        self._queue.put((write, waiter))
 
     def insert_supervisor(
         self, token: str, pid: int, host: str, control: str | None, lease_until: float | None = None
@@ -595,26 +613,35 @@ class SQLStore:
         )
 
     def event(
-        self,
-        rec: RunRecord,
-        kind: str,
-        data: dict[str, Any],
-        progress: str | None = None,
-        *,
-        lazy: bool = False,
+        self, rec: RunRecord, kind: str, data: dict[str, Any], progress: str | None = None
     ) -> Future[Any]:
         """Journal an event; with it the run's usage so far (and its last line of output,
-        when `progress` is given), so readers in other processes see a live tree. A `lazy`
-        event is one nobody waits on: it is committed with the next write someone waits
-        on, or within LAZY_LINGER_S (its future still resolves, or fails, as any write's)."""
+        when `progress` is given), so readers in other processes see a live tree. The
+        future resolves once it is committed."""
+        fut: Future[Any] = Future()
+        self._put(self._event_write(rec, kind, data, progress), fut)
+        self._urgent.set()
+        return fut
+
+    def note(
+        self, rec: RunRecord, kind: str, data: dict[str, Any], progress: str | None = None
+    ) -> None:
+        """`event`, for one nobody waits on (a model call, a step's output): it is
+        committed with the next write someone waits on, or within LAZY_LINGER_S; if that
+        fails, the journal fails (`on_failure`), as for any write."""
+        self._put(self._event_write(rec, kind, data, progress), _UNWAITED)
+
+    def _event_write(
+        self, rec: RunRecord, kind: str, data: dict[str, Any], progress: str | None
+    ) -> _EventWrite:
         row = (rec.id, rec.root_id, kind, _json(data), time.time())
         mine: _Usage | None = None
         if progress is not None or kind == "model_call":
             with self._usage_lock:
                 before = self._usage.get(rec.id)
                 line = progress if progress is not None or before is None else before.line
-                mine = self._usage[rec.id] = _Usage(_json(rec.usage), line)
-        return self._enqueue(_EventWrite(self, row, mine), lazy=lazy)
+                mine = self._usage[rec.id] = _Usage(dict(rec.usage), line)
+        return _EventWrite(self, row, mine)
 
     def write_events(self, cur: Any, writes: list[_EventWrite]) -> None:
         """Insert the rows of consecutive event writes, EVENT_ROWS to a statement (their
@@ -632,7 +659,7 @@ class SQLStore:
             with self._usage_lock:
                 latest = self._usage.get(w.row[0]) is w.usage
             if latest:  # else a write queued behind this one writes newer values
-                cur.execute(self.q(_UPDATE_USAGE), (w.usage.usage, w.usage.line, w.row[0]))
+                cur.execute(self.q(_UPDATE_USAGE), (_json(w.usage.usage), w.usage.line, w.row[0]))
                 self._stats["statements"] += 1
 
     def flush(self) -> None:
@@ -767,6 +794,7 @@ class SQLStore:
         self._closed = True
         if self._thread is not None and self._thread.is_alive():
             self._queue.put(None)
+            self._urgent.set()
             self._thread.join()
         while True:  # a write queued as it closed is refused, never left waiting
             try:

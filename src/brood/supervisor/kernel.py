@@ -197,7 +197,10 @@ class Kernel:
         # waits on them, so they ride with the next write that is waited on (the step's
         # start, the run's end) instead of a commit of their own. Others (a message, an
         # ask) commit as soon as the writer gets to them. A cost_unknown goes with its call.
-        self.store.event(run.rec, kind, data, progress, lazy=kind in LAZY_EVENTS)
+        if kind in LAZY_EVENTS:
+            self.store.note(run.rec, kind, data, progress)
+        else:
+            self.store.event(run.rec, kind, data, progress)
 
     def start_trace(self, run: Run, links: Sequence[SpanIds] = ()) -> None:
         """`run`'s span begins (tracing on), under its parent's and linked to `links` (its
