@@ -1,32 +1,47 @@
 """The model gateway's hop: what one `llm_query` costs now that the supervisor makes it.
 
 A worker holds no model (DESIGN.md section 14): its `llm_query` sends a ModelReq frame to
-the supervisor, whose loop validates it, runs the chat_fn in the gateway's thread pool,
-journals the call and sends the Reply back. Model code in a root run makes 2,000
-sequential `llm_query("q")` calls against a scripted, instant chat_fn, timed inside the
+the supervisor, whose loop validates it, makes the call, journals it and sends the Reply
+back. A model is called one of two ways, and both are measured:
+
+  awaited   the model's `acomplete` (or an `async def` chat_fn) is awaited on the
+            supervisor's loop: the path of every provider (openai:, anthropic:, gemini:,
+            and so vLLM, Ollama, llama.cpp's server). Here an instant `async def` chat_fn.
+  threaded  a plain `def` chat_fn runs in the gateway's threads (it may block), so each
+            call hops to a thread and back. Here the same instant chat_fn as a `def`.
+
+Model code in a root run makes 2,000 sequential `llm_query("q")` calls, timed inside the
 REPL block with time.perf_counter; then `llm_query_batched(["q"] * 64)` 30 times, timed
 the same way (per call amortized). Each series runs in runs of its own, three times; the
-median run is reported.
+median run is reported. Supervisor CPU is this process's (every thread: loop, gateway
+threads, journal writer) over the run, per call.
 
-Two references are measured in this process, before and after the runs:
+References measured in this process, before and after the runs:
 
-  floor       the same chat_fn called directly 2,000 times, building the same message list
+  floor       the chat_fn called directly 2,000 times, building the same message list
               each call: what the worker did before the gateway (an in-process call)
   socketpair  a bare request/reply round trip between two processes: a ModelReq frame
               (brood.protocol SyncChannel, msgspec) sent over a socketpair and a Reply
               frame sent back by a forked echo process
+  loop        the supervisor's side with nothing of brood's: an asyncio loop answering
+              ModelReq frames from a forked process (decoded and encoded as brood does),
+              directly, and with one thread hop (a queue to a thread, call_soon_threadsafe
+              back): the CPU this process spends per call. What a loop and a thread cost
+              on this machine, which brood's supervisor CPU is compared with
 
-Reported: per-call time through the gateway, its ratio to the in-process call, the hop's
-added cost (the difference) and that as a multiple of the socketpair round trip, and the
-supervisor's CPU per call. Targets: supervisor CPU per llm_query <= TARGET_CPU_US, and
-the hop <= TARGET_HOP_RATIO x the socketpair round trip.
+Targets, for the awaited path (the path a served model's calls take): supervisor CPU per
+llm_query <= TARGET_CPU_US, and the hop <= TARGET_HOP_RATIO x the socketpair round trip.
+The threaded path is reported against its own floor (the loop with a thread hop).
 """
 
 from __future__ import annotations
 
 import ast
+import asyncio
 import os
+import queue
 import socket
+import threading
 import time
 from typing import Any
 
@@ -34,7 +49,7 @@ import psutil
 
 import brood
 from _common import Row, finish, median, no_leftovers, parse_args, run_completed
-from brood.protocol import ModelReq, Reply, SyncChannel
+from brood.protocol import HEADER, ModelReq, Reply, SyncChannel, decode_worker, encode
 
 BENCH = "gateway"
 CALLS = 2000  # sequential llm_query calls per run
@@ -77,6 +92,11 @@ def chat_fn(messages: list[dict[str, Any]], model: str | None = None) -> str:
     if content == "q":
         return "a"
     return BATCHED if content.startswith("batched") else SINGLE
+
+
+async def async_chat_fn(messages: list[dict[str, Any]], model: str | None = None) -> str:
+    """chat_fn, awaited on the supervisor's loop (the path of a provider's client)."""
+    return chat_fn(messages, model)
 
 
 def in_process_seconds() -> float:
@@ -123,11 +143,90 @@ def socketpair_seconds() -> float:
         os.waitpid(pid, 0)
 
 
-def references() -> tuple[list[float], list[float]]:
-    return (
-        [in_process_seconds() for _ in range(FLOOR_SAMPLES)],
-        [socketpair_seconds() for _ in range(FLOOR_SAMPLES)],
-    )
+class _Answering(asyncio.Protocol):
+    """The loop floor's server: cuts frames, decodes each as the supervisor does and sends
+    a Reply, at once or after a hop to `hop`'s thread and back."""
+
+    def __init__(self, done: asyncio.Future[None], hop: queue.SimpleQueue[Any] | None) -> None:
+        self.done, self.hop = done, hop
+        self.buf = bytearray()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        while len(self.buf) >= HEADER.size:
+            end = HEADER.size + HEADER.unpack_from(self.buf)[0]
+            if len(self.buf) < end:
+                return
+            msg = decode_worker(bytes(self.buf[HEADER.size : end]))
+            del self.buf[:end]
+            assert isinstance(msg, ModelReq)
+            if self.hop is None:
+                self.transport.write(encode(Reply(msg.req_id, value="a")))
+            else:
+                self.hop.put((asyncio.get_running_loop(), self._answer, msg.req_id))
+
+    def _answer(self, req_id: int, value: str) -> None:
+        self.transport.write(encode(Reply(req_id, value=value)))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.done.set_result(None)
+
+
+def _hop_thread(jobs: queue.SimpleQueue[Any]) -> None:
+    while (job := jobs.get()) is not None:
+        loop, answer, req_id = job
+        loop.call_soon_threadsafe(answer, req_id, "a")
+
+
+def loop_cpu_seconds(hop: bool) -> float:
+    """This process's CPU seconds per call of an asyncio loop answering CALLS ModelReq
+    frames from a forked process, directly or through a thread."""
+    ours, theirs = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:
+        ours.close()
+        chan = SyncChannel.over_socket(theirs)
+        for i in range(WARM_UP + CALLS):
+            chan.send(
+                ModelReq(
+                    req_id=i + 1, kind="llm_query", messages=[{"role": "user", "content": "q"}]
+                )
+            )
+            assert isinstance(chan.recv(), Reply)
+        os._exit(0)
+    theirs.close()
+    jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    thread = threading.Thread(target=_hop_thread, args=(jobs,), daemon=True)
+    thread.start()
+
+    async def serve() -> None:
+        done = asyncio.get_running_loop().create_future()
+        await asyncio.get_running_loop().connect_accepted_socket(
+            lambda: _Answering(done, jobs if hop else None), ours
+        )
+        await done
+
+    try:
+        t = time.process_time()
+        asyncio.run(serve())
+        return (time.process_time() - t) / (WARM_UP + CALLS)
+    finally:
+        jobs.put(None)
+        thread.join()
+        os.waitpid(pid, 0)
+
+
+def references() -> dict[str, list[float]]:
+    return {
+        "floor": [in_process_seconds() for _ in range(FLOOR_SAMPLES)],
+        "pair": [socketpair_seconds() for _ in range(FLOOR_SAMPLES)],
+        "loop": [loop_cpu_seconds(hop=False) for _ in range(FLOOR_SAMPLES)],
+        "loop_hop": [loop_cpu_seconds(hop=True) for _ in range(FLOOR_SAMPLES)],
+    }
 
 
 def series(sup: brood.Supervisor, key: str) -> tuple[list[float], list[float]]:
@@ -148,69 +247,97 @@ def series(sup: brood.Supervisor, key: str) -> tuple[list[float], list[float]]:
     return per_call, cpu
 
 
-def main() -> None:
-    args = parse_args(__doc__ or "")
-    floor, pair = references()
+def path(model: Any) -> dict[str, list[float]]:
+    """The four series of one way of calling the model: seconds per call (in the model
+    code) and supervisor CPU seconds per call, single and batched."""
     limits = brood.Limits(step_timeout=None, shutdown_grace=0.5, term_grace=0.5)
-    with brood.Supervisor(model=chat_fn, limits=limits) as sup:
+    with brood.Supervisor(model=model, limits=limits) as sup:
         run_completed(sup, "single warm-up: first-use costs on both sides")
         single, single_cpu = series(sup, "single")
         batched, batched_cpu = series(sup, "batched")
-    more_floor, more_pair = references()
-    floor += more_floor
-    pair += more_pair
+    return {
+        "single": single,
+        "single_cpu": single_cpu,
+        "batched": batched,
+        "batched_cpu": batched_cpu,
+    }
+
+
+def main() -> None:
+    args = parse_args(__doc__ or "")
+    refs = references()
+    paths = {"awaited": path(async_chat_fn), "threaded": path(chat_fn)}
+    for key, more in references().items():
+        refs[key] += more
     left = no_leftovers(BENCH)
 
-    f, p = median(floor), median(pair)
-    g, b = median(single), median(batched)
-    hop = g - f
+    f, p = median(refs["floor"]), median(refs["pair"])
+    loop, loop_hop = median(refs["loop"]), median(refs["loop_hop"])
     print(f"floor       chat_fn called in-process      {f * US:8.3f} us/call")
     print(f"reference   socketpair ModelReq -> Reply   {p * US:8.3f} us/round trip")
-    print(
-        f"llm_query through the gateway              {g * US:8.3f} us/call "
-        f"(runs: {', '.join(f'{x * US:.1f}' for x in single)}) = {g / f:,.0f}x the floor"
-    )
-    print(
-        f"  hop's added cost                         {hop * US:8.3f} us/call "
-        f"= {hop / p:.2f}x the socketpair round trip"
-    )
-    print(f"  supervisor CPU                           {median(single_cpu) * US:8.3f} us/call")
-    print(
-        f"llm_query_batched([q] * {BATCH}), amortized     {b * US:8.3f} us/call "
-        f"(runs: {', '.join(f'{x * US:.1f}' for x in batched)})"
-    )
-    print(f"  supervisor CPU                           {median(batched_cpu) * US:8.3f} us/call")
+    print(f"loop floor  asyncio loop answering frames  {loop * US:8.3f} us CPU/call")
+    print(f"            ... with one thread hop        {loop_hop * US:8.3f} us CPU/call")
 
     def us(x: float) -> float:
         return round(x * US, 3)
 
-    rows = [
-        Row(BENCH, "llm_query via gateway, per call", us(g), "us", us(f)),
-        Row(
-            BENCH,
-            "  hop's added cost per call (vs socketpair)",
-            us(hop),
-            "us",
-            us(p),
-            f"<= {TARGET_HOP_RATIO:g}x",
-            hop <= TARGET_HOP_RATIO * p,
-        ),
-        Row(
-            BENCH,
-            "  supervisor CPU per call",
-            us(median(single_cpu)),
-            "us",
-            None,
-            f"<= {TARGET_CPU_US:g} us",
-            median(single_cpu) * US <= TARGET_CPU_US,
-        ),
-        Row(BENCH, f"llm_query_batched x{BATCH}, per call", us(b), "us", us(f)),
-        Row(BENCH, "  supervisor CPU per call (batched)", us(median(batched_cpu)), "us"),
-        Row(BENCH, "socketpair ModelReq/Reply round trip", us(p), "us"),
-    ]
+    rows: list[Row] = []
+    for name, r in paths.items():
+        g, b = median(r["single"]), median(r["batched"])
+        cpu, hop = median(r["single_cpu"]), g - f
+        cpu_floor = loop if name == "awaited" else loop_hop
+        print(
+            f"{name:9s} llm_query through the gateway    {g * US:8.3f} us/call "
+            f"(runs: {', '.join(f'{x * US:.1f}' for x in r['single'])})"
+        )
+        print(
+            f"            hop's added cost               {hop * US:8.3f} us/call "
+            f"= {hop / p:.2f}x the socketpair round trip"
+        )
+        print(
+            f"            supervisor CPU                 {cpu * US:8.3f} us/call "
+            f"= {cpu / cpu_floor:.2f}x its loop floor"
+        )
+        print(
+            f"            llm_query_batched x{BATCH}, amortized {b * US:8.3f} us/call, "
+            f"supervisor CPU {median(r['batched_cpu']) * US:.3f} us/call"
+        )
+        held = name == "awaited"  # the targets: the path a served model's calls take
+        rows += [
+            Row(BENCH, f"llm_query via gateway, per call ({name})", us(g), "us", us(f)),
+            Row(
+                BENCH,
+                f"  hop's added cost per call, vs socketpair ({name})",
+                us(hop),
+                "us",
+                us(p),
+                f"<= {TARGET_HOP_RATIO:g}x" if held else "",
+                hop <= TARGET_HOP_RATIO * p if held else None,
+            ),
+            Row(
+                BENCH,
+                f"  supervisor CPU per call, vs its loop floor ({name})",
+                us(cpu),
+                "us",
+                us(cpu_floor),
+                f"<= {TARGET_CPU_US:g} us" if held else "",
+                cpu * US <= TARGET_CPU_US if held else None,
+            ),
+            Row(BENCH, f"llm_query_batched x{BATCH}, per call ({name})", us(b), "us", us(f)),
+            Row(
+                BENCH,
+                f"  supervisor CPU per call, batched ({name})",
+                us(median(r["batched_cpu"])),
+                "us",
+            ),
+        ]
+    rows.append(Row(BENCH, "socketpair ModelReq/Reply round trip", us(p), "us"))
+    a = paths["awaited"]
+    g, cpu = median(a["single"]), median(a["single_cpu"])
     print(
-        f"\nheadline: {g * US:.1f} us per llm_query, {hop * US:.1f} us of it the hop "
-        f"({hop / p:.1f}x a bare socketpair round trip of {p * US:.1f} us)"
+        f"\nheadline: {g * US:.1f} us per awaited llm_query, {(g - f) * US:.1f} us of it the hop "
+        f"({(g - f) / p:.1f}x a bare socketpair round trip of {p * US:.1f} us); supervisor "
+        f"CPU {cpu * US:.1f} us per call"
     )
     finish(BENCH, rows, left, args.json)
 

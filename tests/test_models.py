@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
 import pickle
@@ -14,8 +15,10 @@ from typing import Any
 import cloudpickle
 import pytest
 
+import brood
 from brood.errors import InvalidArgument, ModelError
 from brood.models import CallableModel, Completion, Model, OpenAIModel, ScriptedModel, resolve_model
+from brood.models.base import AsyncCallableModel
 from brood.models.scripted import read_log
 
 Messages = list[dict[str, Any]]
@@ -190,6 +193,43 @@ def test_a_chat_fn_that_returns_non_text_gives_a_model_error(value: object) -> N
         f"chat_fn 'chat' returned {type(value).__name__}, not text; a chat_fn must return "
         "the reply as a str"
     )
+
+
+def test_an_async_chat_fn_is_awaited_on_the_supervisors_loop_for_turns_and_llm_query() -> None:
+    """No thread hop: the gateway awaits an `async def` chat_fn where it awaits a
+    provider's client, for the run's own turns and for its llm_query calls alike."""
+    seen: list[tuple[str, str]] = []
+
+    async def chat(messages: Messages, model: str | None = None) -> str:
+        await asyncio.sleep(0)  # it may await, as a client does
+        last = messages[-1]["content"]
+        seen.append((threading.current_thread().name, last))
+        if last == "q":
+            return "a"
+        return "```repl\nFINAL(llm_query('q') + llm_query('q'))\n```"
+
+    model = CallableModel(chat)
+    assert isinstance(model, AsyncCallableModel) and model.name == "chat"
+    with brood.Supervisor(model=chat) as sup:
+        assert sup.run("task").answer == "aa"
+    assert [last for _, last in seen][1:] == ["q", "q"]
+    assert {thread for thread, _ in seen} == {"brood-supervisor"}
+
+
+def test_an_async_chat_fn_keeps_the_chat_fn_rules_and_runs_alone_outside_the_gateway() -> None:
+    async def chat(messages: Messages) -> Any:
+        return None if messages[-1]["content"] == "none" else "ok"
+
+    async def failing(messages: Messages) -> str:
+        raise ConnectionError("refused")
+
+    assert CallableModel(chat).complete(conversation("t")) == Completion("ok")
+    with pytest.raises(ModelError, match="chat_fn 'chat' returned NoneType, not text"):
+        CallableModel(chat).complete(conversation("none"))
+    with pytest.raises(ModelError, match="chat_fn 'failing' raised ConnectionError: refused"):
+        CallableModel(failing).complete(conversation("t"))
+    assert type(CallableModel(functools.partial(chat))) is AsyncCallableModel
+    assert type(CallableModel(lambda m: "x")) is CallableModel
 
 
 def test_a_name_may_be_given() -> None:

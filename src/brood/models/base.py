@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import inspect
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -65,7 +67,14 @@ def check_text(value: object, source: str) -> str:
 
 
 class CallableModel(Model):
-    """Wraps `chat_fn(messages, model=None) -> str`, the form OpenEnv's repl_env uses."""
+    """Wraps `chat_fn(messages, model=None) -> str`, the form OpenEnv's repl_env uses. An
+    `async def` chat_fn is awaited on the supervisor's loop (no thread): its wrapper is an
+    `AsyncCallableModel`."""
+
+    def __new__(cls, chat_fn: Callable[..., Any], name: str | None = None) -> CallableModel:
+        if cls is CallableModel and _is_coroutine_function(chat_fn):
+            cls = AsyncCallableModel
+        return super().__new__(cls)
 
     def __init__(self, chat_fn: Callable[..., Any], name: str | None = None) -> None:
         if not callable(chat_fn):
@@ -82,6 +91,38 @@ class CallableModel(Model):
         except Exception as exc:
             raise ModelError(f"chat_fn {self.name!r} raised {type(exc).__name__}: {exc}") from exc
         return Completion(check_text(reply, f"chat_fn {self.name!r}"))
+
+
+class AsyncCallableModel(CallableModel):
+    """Wraps `async def chat_fn(messages, model=None) -> str`: the gateway awaits it on the
+    supervisor's loop, as it awaits a provider's client, so a call costs no thread hop. It
+    must not block: a chat_fn that blocks belongs in a plain `def`, which runs in the
+    gateway's threads."""
+
+    async def acomplete(self, messages: Messages, model: str | None = None) -> Completion:
+        """The chat_fn's reply, which must be a str; anything it raises is a ModelError."""
+        try:
+            if model:
+                reply = await self.chat_fn(messages, model=model)
+            else:
+                reply = await self.chat_fn(messages)
+        except ModelError:
+            raise
+        except Exception as exc:
+            raise ModelError(f"chat_fn {self.name!r} raised {type(exc).__name__}: {exc}") from exc
+        return Completion(check_text(reply, f"chat_fn {self.name!r}"))
+
+    def complete(self, messages: Messages, model: str | None = None) -> Completion:
+        """`acomplete` run to its end on a loop of its own (a caller outside the gateway)."""
+        return asyncio.run(self.acomplete(messages, model))
+
+
+def _is_coroutine_function(fn: object) -> bool:
+    inner = getattr(fn, "func", fn)  # functools.partial
+    # A function, or an object whose class has an `async def __call__`.
+    return inspect.iscoroutinefunction(inner) or inspect.iscoroutinefunction(
+        getattr(type(inner), "__call__", None)
+    )
 
 
 def _callable_name(fn: Callable[..., Any]) -> str:
