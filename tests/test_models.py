@@ -19,6 +19,7 @@ import brood
 from brood.errors import InvalidArgument, ModelError
 from brood.models import CallableModel, Completion, Model, OpenAIModel, ScriptedModel, resolve_model
 from brood.models.base import AsyncCallableModel
+from brood.models.echo import EchoModel
 from brood.models.scripted import read_log
 
 Messages = list[dict[str, Any]]
@@ -230,6 +231,31 @@ def test_an_async_chat_fn_keeps_the_chat_fn_rules_and_runs_alone_outside_the_gat
         CallableModel(failing).complete(conversation("t"))
     assert type(CallableModel(functools.partial(chat))) is AsyncCallableModel
     assert type(CallableModel(lambda m: "x")) is CallableModel
+
+
+def test_an_instant_model_is_called_on_the_supervisors_loop_and_others_in_its_threads() -> None:
+    """brood's own scripted models never block, so the gateway answers them on its loop;
+    a reply that is the user's callable (or a log to write) keeps them in its threads."""
+    assert ScriptedModel(["a"]).instant and EchoModel().instant
+    assert not ScriptedModel([lambda m: "a"]).instant
+    assert not ScriptedModel(["a"], default=[lambda m: "b"]).instant
+    assert not ScriptedModel(["a"], log_path=os.devnull).instant
+    assert not CallableModel(lambda m: "a").instant
+
+    seen: list[str] = []
+
+    class Instant(Model):
+        instant = True
+
+        def complete(self, messages: Messages, model: str | None = None) -> Completion:
+            seen.append(threading.current_thread().name)
+            if messages[-1]["content"] == "q":
+                return Completion("a")
+            return Completion("```repl\nFINAL(llm_query('q'))\n```")
+
+    with brood.Supervisor(model=Instant()) as sup:
+        assert sup.run("task").answer == "a"
+    assert seen == ["brood-supervisor", "brood-supervisor"]
 
 
 def test_a_name_may_be_given() -> None:

@@ -46,6 +46,10 @@ class Model:
     # the supervisor prices the calls of a model with a provider by its name. None (a
     # chat_fn, a scripted or local model): unknown unless the user gives its price.
     provider: str | None = None
+    # True for a model whose `complete` never blocks and answers in microseconds (brood's
+    # scripted models, `echo`): the gateway calls it on the supervisor's loop, with no
+    # thread hop. A model that may block (I/O, a lock, a user's callable) leaves it False.
+    instant: bool = False
 
     def complete(self, messages: Messages, model: str | None = None) -> Completion:
         """Answer a chat (`messages`, OpenAI's shape) with the reply text and its usage;
@@ -120,8 +124,8 @@ class AsyncCallableModel(CallableModel):
 def _is_coroutine_function(fn: object) -> bool:
     inner = getattr(fn, "func", fn)  # functools.partial
     # A function, or an object whose class has an `async def __call__`.
-    return inspect.iscoroutinefunction(inner) or inspect.iscoroutinefunction(
-        getattr(type(inner), "__call__", None)
+    return inspect.iscoroutinefunction(inner) or (
+        callable(inner) and inspect.iscoroutinefunction(type(inner).__call__)
     )
 
 

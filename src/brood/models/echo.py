@@ -60,6 +60,7 @@ class EchoModel(Model):
     """
 
     name = "echo"
+    instant = True  # its replies are computed from the messages alone: no I/O, no lock
 
     def __init__(self, chunks: int = DEFAULT_CHUNKS) -> None:
         if isinstance(chunks, bool) or not isinstance(chunks, int) or not 1 <= chunks <= MAX_CHUNKS:

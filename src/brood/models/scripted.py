@@ -48,6 +48,11 @@ class ScriptedModel(Model):
         self.default = list(default) if default is not None else None
         self.log_path = os.fspath(log_path) if log_path is not None else None
         self.tokens_per_call = tokens_per_call
+        # Text replies only and no log to write: answered on the supervisor's loop. A
+        # callable reply is the user's code, which may block: it runs in the gateway's
+        # threads, as a chat_fn does.
+        replies = [r for rs in self.script.values() for r in rs] + list(self.default or ())
+        self.instant = self.log_path is None and not any(callable(r) for r in replies)
 
     def complete(self, messages: Messages, model: str | None = None) -> Completion:
         """The script's next reply for this run's key and turn (ModelError past its end)."""

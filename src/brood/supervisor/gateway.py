@@ -4,8 +4,9 @@ Workers hold no model object, client or credential (DESIGN.md section 14): a wor
 for a call as it asks for a child, and the gateway makes it, measures it and journals it,
 so usage and budgets rest on what the gateway saw, never on what a worker reports.
 
-A `Model` with an `acomplete` coroutine runs on the supervisor's loop; any other model
-(a `chat_fn`) runs in a bounded pool of daemon threads. A call whose run ends is
+A `Model` with an `acomplete` coroutine (a provider's client, an `async def` chat_fn)
+runs on the supervisor's loop, and so does an `instant` one (brood's scripted models);
+any other model (a `def` chat_fn) runs in a bounded pool of daemon threads. A call whose run ends is
 abandoned: its awaiting task is cancelled and the thread's result, if it ever comes, is
 dropped, so a `chat_fn` that never returns holds up neither a cancel nor `close()`.
 """
@@ -173,7 +174,9 @@ class ModelGateway:
         cls: type = type(model)
         token = rate_gated.set(True)  # seen by the call's task, and copied to its thread
         try:
-            if _is_async(cls):
+            if model.instant:  # never blocks: no thread hop
+                done = model.complete(messages, name)
+            elif _is_async(cls):
                 self.awaited.setdefault(id(model), model)
                 done = await model.acomplete(messages, model=name)  # type: ignore[attr-defined]
             else:
