@@ -95,8 +95,9 @@ class Backend(Protocol):
         """The warm workers waiting for a run."""
         ...
 
-    def discard_scratch(self, conn: WorkerConn) -> None:
-        """Remove the worker's scratch directory (its run has ended and it has exited)."""
+    def discard_scratch(self, conn: WorkerConn) -> asyncio.Future[None]:
+        """Start removing the worker's scratch directory (its run has ended and it has
+        exited), off the loop; the future resolves once it is gone."""
         ...
 
     async def close(self) -> None: ...

@@ -373,14 +373,15 @@ class LocalBackend:
     def group_pids(self, conn: WorkerConn) -> list[int]:
         return pids_in_group(conn.pid)
 
-    def discard_scratch(self, conn: WorkerConn) -> None:
+    def discard_scratch(self, conn: WorkerConn) -> asyncio.Future[None]:
+        loop = asyncio.get_running_loop()
         if conn.scratch and not self.settings.keep_scratch:
-            # Most runs leave their scratch directory empty: one rmdir, on the loop, instead
-            # of rmtree's walk (a dozen calls); a directory with something in it is walked.
-            try:
-                os.rmdir(conn.scratch)
-            except OSError:
-                shutil.rmtree(conn.scratch, ignore_errors=True)
+            # In a thread: an rmdir waits for the filesystem's journal (0.5 ms while the
+            # brood journal commits beside it), which the loop would wait through too.
+            return loop.run_in_executor(None, _remove_scratch, conn.scratch)
+        done: asyncio.Future[None] = loop.create_future()
+        done.set_result(None)
+        return done
 
     def idle_pids(self) -> list[int]:
         return [c.pid for c in self.conns.values() if c.handler is None]
@@ -486,6 +487,15 @@ class WorkerFrames(asyncio.Protocol):
         if not self.ended:
             self.ended = True
             self.backend.closed(self.conn)
+
+
+def _remove_scratch(path: str) -> None:
+    """Most runs leave their scratch directory empty: one rmdir instead of rmtree's walk (a
+    dozen calls); a directory with something in it is walked."""
+    try:
+        os.rmdir(path)
+    except OSError:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _violation(exc: ProtocolError) -> Msg:

@@ -110,8 +110,10 @@ class Ending:
         open_children = [c for c in run.children if not c.rec.state.terminal]
         await asyncio.gather(*(self.finish(c, RunState.CANCELLED, why) for c in open_children))
         confirmed = await self.stop_worker(run)
+        # Its scratch is gone before its end is journaled: removed meanwhile, off the loop.
+        discarded = None
         if confirmed and run.conn is not None:
-            k.backend.discard_scratch(run.conn)
+            discarded = k.backend.discard_scratch(run.conn)
         with contextlib.suppress(StoreError):  # a failed journal fails every tree anyway
             await self.asks.end_of(run, f"its run ended ({state.value}: {reason})")
         self.admission.release(run)
@@ -119,6 +121,8 @@ class Ending:
             self.quarantine(run, run.conn)
         if state is RunState.FAILED:
             run.failure_kind = kind
+        if discarded is not None:
+            await discarded
         await k.move(run, state, reason)  # a journal that fails it makes it kind store
         k.tracing.run_ended(run)
         # Its pool place is given up once its end is journaled, so a pool's sections never
@@ -166,7 +170,7 @@ class Ending:
         k.stop_watch(run)
         confirmed = await self.stop_worker(run)
         if confirmed and run.conn is not None:
-            k.backend.discard_scratch(run.conn)
+            await k.backend.discard_scratch(run.conn)
         self.admission.release(run)
         if not confirmed and run.conn is not None:
             self.quarantine(run, run.conn)
@@ -267,7 +271,7 @@ class Ending:
         del self.quarantined[run.id]
         k.event(run, "released", {"group": conn.pid})
         if not k.closing:
-            k.backend.discard_scratch(conn)
+            await k.backend.discard_scratch(conn)
 
     async def on_exit(self, run: Run, status: int, conn: WorkerConn | None = None) -> None:
         """The worker (`conn`) died. Unless its run is already ending, or the worker was
