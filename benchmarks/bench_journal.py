@@ -65,6 +65,9 @@ class NullStore:
     def note(self, *args: Any, **kw: Any) -> None:
         self.writes += 1
 
+    def bind_loop(self) -> None:
+        pass
+
     def flush(self) -> None:
         pass
 

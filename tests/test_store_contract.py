@@ -9,6 +9,8 @@ it also tells which of the store's connections are still open.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import glob
 import json
@@ -660,6 +662,30 @@ def test_events_nobody_waits_on_ride_with_the_next_waited_write_in_order(
     with reader(target) as ro:
         assert len(ro.events(rec.id)) == 202
         assert ro.get_run(rec.id)["last_line"] == "last"
+
+
+def test_writes_queued_on_the_bound_loop_are_settled_on_it_and_others_block(
+    target: Target, store: Store
+):
+    rec = record("r-loop", prompt="p")
+
+    async def on_the_loop() -> list[object]:
+        store.bind_loop()
+        written = [store.insert_run(rec, "sup")]
+        written += [store.event(rec, "message", {"i": i}) for i in range(50)]
+        assert all(isinstance(w, asyncio.Future) for w in written)
+        return await asyncio.gather(*written)
+
+    results = asyncio.run(on_the_loop())
+    assert results[0] == 1 and len(results) == 51
+    with reader(target) as ro:  # each was committed before its future resolved
+        assert [e["data"]["i"] for e in ro.events(rec.id)] == list(range(50))
+    # Another thread's writes (and this one's, its loop gone) give futures to block on.
+    other = store.event(rec, "message", {"i": 50})
+    assert isinstance(other, concurrent.futures.Future)
+    other.result()
+    with reader(target) as ro:
+        assert len(ro.events(rec.id)) == 51
 
 
 def test_two_thousand_writes_queued_while_the_journal_is_busy_land_in_order(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import cloudpickle
@@ -328,7 +329,9 @@ class Cluster:
             try:
                 # Its supervisor cannot renew any more; revoking makes the trees resumable
                 # now rather than when the lease would lapse (lease.LEASE_S).
-                store.revoke_lease(agent.token).result(timeout=CALL_S)
+                revoked = store.revoke_lease(agent.token)
+                assert isinstance(revoked, Future)  # a store of this thread's: no loop's
+                revoked.result(timeout=CALL_S)
                 for root_id in mine:
                     try:
                         state = store.get_run(root_id)["state"]

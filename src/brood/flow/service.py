@@ -36,7 +36,7 @@ class Ledgers(Protocol):
     def events(self, run_id: str | None = None, kind: str | None = None) -> list[dict[str, Any]]:
         """The events of `run_id` of that kind, oldest first."""
 
-    def committed(self) -> Future[Any]:
+    def committed(self) -> Future[Any] | asyncio.Future[Any]:
         """Done once everything written so far is committed."""
 
 

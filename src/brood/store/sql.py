@@ -19,6 +19,7 @@ starts no writer and never changes the journal.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -32,6 +33,7 @@ from typing import Any, TypeVar
 
 from brood.errors import StoreError, UnknownRun
 from brood.lifecycle import TERMINAL_VALUES, RunRecord
+from brood.store.base import Written
 
 log = logging.getLogger("brood")
 T = TypeVar("T")
@@ -121,7 +123,38 @@ class _Unwaited:
 
 
 _UNWAITED = _Unwaited()
-Waiter = Future[Any] | _Unwaited
+
+
+class _LoopWaiter:
+    """The future of a write queued on the loop the store is bound to (`bind_loop`): the
+    writer keeps its outcome, and settles it there with every other of its batch in one
+    call onto the loop (one wake, no future to chain per write)."""
+
+    __slots__ = ("fut", "outcome")
+
+    def __init__(self, fut: asyncio.Future[Any]) -> None:
+        self.fut = fut
+        self.outcome: tuple[Any, BaseException | None] | None = None
+
+    def set_result(self, result: Any) -> None:
+        self.outcome = (result, None)
+
+    def set_exception(self, error: BaseException) -> None:
+        self.outcome = (None, error)
+
+
+def _settle_on_loop(waiters: list[_LoopWaiter]) -> None:
+    for w in waiters:
+        if w.fut.done():  # its caller stopped waiting (a cancelled task)
+            continue
+        result, error = w.outcome or (None, StoreError("the journal closed before this write"))
+        if error is not None:
+            w.fut.set_exception(error)
+        else:
+            w.fut.set_result(result)
+
+
+Waiter = Future[Any] | _LoopWaiter | _Unwaited
 
 
 # json.dumps(value, default=str)'s own text (", " and ": "), not a compact encoder's: the
@@ -215,6 +248,9 @@ class SQLStore:
         # Set by a write someone waits on (and by close): it ends the writer's lingering
         # over a batch of unwaited ones. Unwaited writes never set it.
         self._urgent = threading.Event()
+        # The supervisor's loop (`bind_loop`), and the thread that runs it.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0
         self._thread: threading.Thread | None = None
         # busy_s: the writer's wall time in transactions (GIL waits included); cpu_s: its
         # CPU time in them; statements: SQL statements executed (benchmarks read these).
@@ -342,6 +378,7 @@ class SQLStore:
                     self._fail(self.write_error(exc))
                 for _, fut in batch:
                     _settle(fut, error=self.failure)
+            _wake_loops(batch)
         with contextlib.suppress(*self.errors):
             self._writer.close()
 
@@ -461,13 +498,13 @@ class SQLStore:
         thread's time spent on them (wall time and CPU time)."""
         return dict(self._stats)
 
-    def _submit(self, sql: str, args: tuple[Any, ...]) -> Future[Any]:
+    def _submit(self, sql: str, args: tuple[Any, ...]) -> Written:
         return self._submit_many([(sql, args)])
 
-    def _submit_many(self, statements: list[tuple[str, tuple[Any, ...]]]) -> Future[Any]:
+    def _submit_many(self, statements: list[tuple[str, tuple[Any, ...]]]) -> Written:
         return self._submit_prepared([(self.q(sql), args) for sql, args in statements])
 
-    def _submit_prepared(self, stmts: list[tuple[str, tuple[Any, ...]]]) -> Future[Any]:
+    def _submit_prepared(self, stmts: list[tuple[str, tuple[Any, ...]]]) -> Written:
         """Queue statements whose placeholders are this database's already."""
 
         def write(cur: Any) -> int:
@@ -480,9 +517,21 @@ class SQLStore:
 
         return self._enqueue(write)
 
-    def _enqueue(self, write: Write) -> Future[Any]:
-        fut: Future[Any] = Future()
-        self._put(write, fut)
+    def bind_loop(self) -> None:
+        """Called on the supervisor's loop: the writes queued from it from now on give
+        asyncio futures of that loop, settled a batch at a time."""
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+
+    def _enqueue(self, write: Write) -> Written:
+        fut: Written
+        loop = self._loop
+        if loop is not None and threading.get_ident() == self._loop_thread and loop.is_running():
+            fut = loop.create_future()
+            self._put(write, _LoopWaiter(fut))
+        else:
+            fut = Future()
+            self._put(write, fut)
         self._urgent.set()  # someone waits on it: a lingering writer commits now
         return fut
 
@@ -495,17 +544,17 @@ class SQLStore:
 
     def insert_supervisor(
         self, token: str, pid: int, host: str, control: str | None, lease_until: float | None = None
-    ) -> Future[Any]:
+    ) -> Written:
         return self._submit(
             "INSERT INTO supervisors (id, pid, host, control, started_at, lease_until)"
             " VALUES (?,?,?,?,?,?)",
             (token, pid, host, control, time.time(), lease_until),
         )
 
-    def close_supervisor(self, token: str) -> Future[Any]:
+    def close_supervisor(self, token: str) -> Written:
         return self._submit("UPDATE supervisors SET closed_at=? WHERE id=?", (time.time(), token))
 
-    def renew_lease(self, token: str, until: float) -> Future[Any]:
+    def renew_lease(self, token: str, until: float) -> Written:
         """Extend a supervisor's lease to `until`. Resolves to 1, or to 0 when the lease
         had lapsed, was revoked or the row is closed: the supervisor is fenced then."""
         return self._submit(
@@ -514,7 +563,7 @@ class SQLStore:
             (until, token, time.time()),
         )
 
-    def revoke_lease(self, token: str) -> Future[Any]:
+    def revoke_lease(self, token: str) -> Written:
         """End a supervisor's lease now (its host is known dead): its trees may be resumed
         at once, and it is fenced if it comes back."""
         return self._submit("UPDATE supervisors SET lease_until=0 WHERE id=?", (token,))
@@ -530,7 +579,7 @@ class SQLStore:
         supervisor: str,
         context: bytes | None = None,
         model_name: str | None = None,
-    ) -> Future[Any]:
+    ) -> Written:
         """Resolves to 1 once the run is journaled, or 0 if its id is already taken. A
         second child under the same parent, key and attempt fails (exactly-once starts)."""
         return self._submit(
@@ -558,14 +607,14 @@ class SQLStore:
             ),
         )
 
-    def claim_tree(self, root_id: str, supervisor: str) -> Future[Any]:
+    def claim_tree(self, root_id: str, supervisor: str) -> Written:
         """Make `supervisor` the owner of the tree's runs that have not ended (resume)."""
         return self._submit(
             f"UPDATE runs SET supervisor=? WHERE root_id=? AND state NOT IN ({_TERMINAL_SQL})",
             (supervisor, root_id),
         )
 
-    def claim_run(self, run_id: str, supervisor: str) -> Future[Any]:
+    def claim_run(self, run_id: str, supervisor: str) -> Written:
         """Make `supervisor` the owner of one run (a child placed on another node)."""
         return self._submit("UPDATE runs SET supervisor=? WHERE id=?", (supervisor, run_id))
 
@@ -576,11 +625,11 @@ class SQLStore:
             r["id"]: {"context": _bytes(r["context"]), "model_name": r["model_name"]} for r in rows
         }
 
-    def note_reason(self, run_id: str, reason: str | None) -> Future[Any]:
+    def note_reason(self, run_id: str, reason: str | None) -> Written:
         """Journal why a run waits, without a move (a queued run waiting for a pool)."""
         return self._submit("UPDATE runs SET reason=? WHERE id=?", (reason, run_id))
 
-    def transition(self, rec: RunRecord, frm: str, to: str) -> Future[Any]:
+    def transition(self, rec: RunRecord, frm: str, to: str) -> Written:
         # This write carries the run's usage: an event's UPDATE queued before it is not
         # needed any more (its last line of output rides here).
         with self._usage_lock:
@@ -614,22 +663,28 @@ class SQLStore:
 
     def event(
         self, rec: RunRecord, kind: str, data: dict[str, Any], progress: str | None = None
-    ) -> Future[Any]:
+    ) -> Written:
         """Journal an event; with it the run's usage so far (and its last line of output,
         when `progress` is given), so readers in other processes see a live tree. The
         future resolves once it is committed."""
-        fut: Future[Any] = Future()
-        self._put(self._event_write(rec, kind, data, progress), fut)
-        self._urgent.set()
-        return fut
+        return self._enqueue(self._event_write(rec, kind, data, progress))
 
     def note(
-        self, rec: RunRecord, kind: str, data: dict[str, Any], progress: str | None = None
+        self,
+        rec: RunRecord,
+        kind: str,
+        data: dict[str, Any],
+        progress: str | None = None,
+        *,
+        at_once: bool = False,
     ) -> None:
         """`event`, for one nobody waits on (a model call, a step's output): it is
-        committed with the next write someone waits on, or within LAZY_LINGER_S; if that
-        fails, the journal fails (`on_failure`), as for any write."""
+        committed with the next write someone waits on, or within LAZY_LINGER_S (at once
+        with `at_once`); if that fails, the journal fails (`on_failure`), as for any
+        write."""
         self._put(self._event_write(rec, kind, data, progress), _UNWAITED)
+        if at_once:
+            self._urgent.set()
 
     def _event_write(
         self, rec: RunRecord, kind: str, data: dict[str, Any], progress: str | None
@@ -668,7 +723,7 @@ class SQLStore:
         if not self.readonly and not self._closed:
             self.committed().result()
 
-    def committed(self) -> Future[Any]:
+    def committed(self) -> Written:
         """A future that resolves once everything queued so far is committed (writes are
         committed in the order they were queued)."""
         return self._submit_many([])
@@ -805,11 +860,23 @@ class SQLStore:
                 _settle(
                     item[1], error=StoreError(f"the journal {self.where} closed before this write")
                 )
+                _wake_loops([item])
         with self._readers_lock:  # every reading thread's connection, not just this one's
             readers, self._readers = self._readers, []
         for conn in readers:
             conn.close()
         self._local = threading.local()
+
+
+def _wake_loops(batch: list[tuple[Write, Waiter]]) -> None:
+    """Settle a batch's loop waiters, with one call onto each loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[_LoopWaiter]] = {}
+    for _, w in batch:
+        if type(w) is _LoopWaiter:
+            by_loop.setdefault(w.fut.get_loop(), []).append(w)
+    for loop, waiters in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits
+            loop.call_soon_threadsafe(_settle_on_loop, waiters)
 
 
 def _bytes(value: Any) -> bytes | None:

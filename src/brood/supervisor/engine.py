@@ -167,6 +167,7 @@ class Engine:
             self._loop.loop.call_soon_threadsafe(self.core.store_failed, exc)
 
     async def _start(self) -> None:
+        self.store.bind_loop()  # its writes from the loop are settled on it, a batch at once
         await self.backend.start()
         if self._mcp:
             from brood.supervisor.mcp import McpServers  # the [mcp] extra, when asked for

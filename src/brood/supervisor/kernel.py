@@ -197,10 +197,7 @@ class Kernel:
         # waits on them, so they ride with the next write that is waited on (the step's
         # start, the run's end) instead of a commit of their own. Others (a message, an
         # ask) commit as soon as the writer gets to them. A cost_unknown goes with its call.
-        if kind in LAZY_EVENTS:
-            self.store.note(run.rec, kind, data, progress)
-        else:
-            self.store.event(run.rec, kind, data, progress)
+        self.store.note(run.rec, kind, data, progress, at_once=kind not in LAZY_EVENTS)
 
     def start_trace(self, run: Run, links: Sequence[SpanIds] = ()) -> None:
         """`run`'s span begins (tracing on), under its parent's and linked to `links` (its

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -299,14 +298,16 @@ class Requests:
         if msg.replaying:  # journaled before the crash
             self._step_go(run, msg.req_id)
             return
-        loop = asyncio.get_running_loop()
+        req_id = msg.req_id
 
-        def written(_: object) -> None:  # on the writer thread
-            with contextlib.suppress(RuntimeError):  # the loop has closed meanwhile
-                loop.call_soon_threadsafe(self._step_go, run, msg.req_id)
+        def written(fut: asyncio.Future[Any]) -> None:
+            # A failed write needs no word here: the journal's failure ends the run.
+            if not fut.cancelled():
+                fut.exception()
+            self._step_go(run, req_id)
 
-        # A failed write needs no word here: the journal's failure ends the run.
-        k.store.event(run.rec, "step_begun", {"step": msg.step}).add_done_callback(written)
+        written_at = k.store.event(run.rec, "step_begun", {"step": msg.step})
+        asyncio.wrap_future(written_at).add_done_callback(written)
 
     def _step_go(self, run: Run, req_id: int) -> None:
         self.kernel.unhold(run)
