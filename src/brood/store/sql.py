@@ -721,7 +721,10 @@ class SQLStore:
         """Block until everything queued so far is committed (at once once closed: closing
         committed it all)."""
         if not self.readonly and not self._closed:
-            self.committed().result()
+            done: Future[Any] = Future()  # blocked on, whichever thread this is
+            self._put(lambda cur: None, done)
+            self._urgent.set()
+            done.result()
 
     def committed(self) -> Written:
         """A future that resolves once everything queued so far is committed (writes are
