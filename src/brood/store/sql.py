@@ -532,8 +532,14 @@ class SQLStore:
         else:
             fut = Future()
             self._put(write, fut)
-        self._urgent.set()  # someone waits on it: a lingering writer commits now
+        self._hurry()  # someone waits on it: a lingering writer commits now
         return fut
+
+    def _hurry(self) -> None:
+        """End the writer's lingering: what is queued is committed now. Set once per batch
+        (the writer clears it as it takes one), not once per write."""
+        if not self._urgent.is_set():
+            self._urgent.set()
 
     def _put(self, write: Write, waiter: Waiter) -> None:
         if self.readonly:
@@ -684,7 +690,7 @@ class SQLStore:
         write."""
         self._put(self._event_write(rec, kind, data, progress), _UNWAITED)
         if at_once:
-            self._urgent.set()
+            self._hurry()
 
     def _event_write(
         self, rec: RunRecord, kind: str, data: dict[str, Any], progress: str | None
@@ -723,7 +729,7 @@ class SQLStore:
         if not self.readonly and not self._closed:
             done: Future[Any] = Future()  # blocked on, whichever thread this is
             self._put(lambda cur: None, done)
-            self._urgent.set()
+            self._hurry()
             done.result()
 
     def committed(self) -> Written:
