@@ -96,7 +96,7 @@ class Budget:
             if far:
                 assert k.spreader is not None
                 await k.spreader.budget_enter(root)
-            else:
+            elif not self._budget_covers(root):  # else no coroutine to make: the common case
                 await self._budget_admits(root)
         except BaseException:
             run.calls.discard(task)  # ended while it waited: no call was made
