@@ -35,6 +35,7 @@ class Budget:
         # one client (one connection pool) per spec for the supervisor's life.
         self.by_spec: dict[str, Model] = {}
         self.pricing = pricing or Pricing()
+        self._last_prompt: tuple[str, str] | None = None  # (system prompt, its ref)
 
     async def model_call(self, run: Run, msg: ModelReq) -> str:
         """Make a worker's model call in the gateway; measure it and journal it here."""
@@ -345,7 +346,7 @@ class Budget:
         if not request or request[0].get("role") != "system":
             return request
         text, mark, rest = str(request[0].get("content", "")).partition(BUDGET_MARK)
-        ref = hashlib.sha256(text.encode()).hexdigest()[:16]
+        ref = self._prompt_ref(text)
         if ref not in run.tree.prompts:
             run.tree.prompts.add(ref)
             self.kernel.event(self.kernel.top(run), "prompt", {"ref": ref, "content": text})
@@ -353,6 +354,16 @@ class Budget:
         if mark:
             head["suffix"] = mark + rest
         return [head, *request[1:]]
+
+    def _prompt_ref(self, text: str) -> str:
+        """A system prompt's ref (its hash's head). Most calls carry the prompt the call
+        before carried (every run of a tree has the same): compared, not hashed again."""
+        last = self._last_prompt
+        if last is not None and last[0] == text:
+            return last[1]
+        ref = hashlib.sha256(text.encode()).hexdigest()[:16]
+        self._last_prompt = (text, ref)
+        return ref
 
     def budget_of(self, run: Run) -> dict[str, Any]:
         """A run's place in the tree and the budgets left now (budget_remaining())."""
