@@ -185,7 +185,7 @@ class Core:
         # start was being journaled: observers and waiters hear of it either way.
         run.started.set()
         self.conversations.started(run)
-        k.observers.emit("on_start", run.info())
+        k.observers.emit("on_start", run.info)
         if run.rec.state is not RUN or run.ending is not None:
             return  # that cancel stops the worker
         if run.timeout is not None and run.timer is None:  # a woken run keeps its clock

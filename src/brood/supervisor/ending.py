@@ -134,7 +134,7 @@ class Ending:
             if not fut.done():
                 fut.set_exception(BroodError(f"run {run.id} ended ({state.value}: {reason})"))
         run.done.set()
-        k.observers.emit("on_end", run.info())
+        k.observers.emit("on_end", run.info)
         return state
 
     async def suspend(self, run: Run, reason: str) -> RunState:
@@ -218,7 +218,7 @@ class Ending:
         run.started.set()
         run.done.set()
         k.tracing.run_ended(run)
-        k.observers.emit("on_end", run.info())
+        k.observers.emit("on_end", run.info)
         if run.retrying:
             k.task(self.next_attempt(run))
 

@@ -20,14 +20,16 @@ class Observers:
         self._queue: queue.Queue[tuple[Callable[[Any], Any], Any] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
 
-    def emit(self, name: str, info: Any) -> None:
+    def emit(self, name: str, info: Callable[[], Any]) -> None:
+        """Hand `info()` (made now, on the loop) to the user's `name` callback, if any; a
+        supervisor with no callback makes none."""
         cb = self.callbacks.get(name)
         if cb is None:
             return
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="brood-observers", daemon=True)
             self._thread.start()
-        self._queue.put((cb, info))
+        self._queue.put((cb, info()))
 
     def _loop(self) -> None:
         while (item := self._queue.get()) is not None:

@@ -57,7 +57,7 @@ class Spread:
                 move(run.rec, RUN)
                 k.tell_parent(run)
                 run.started.set()
-                k.observers.emit("on_start", run.info())
+                k.observers.emit("on_start", run.info)
             end = await k.spreader.ended(run)
         except Exception as exc:
             if run.ending is not None or run.rec.state.terminal:
