@@ -1,8 +1,11 @@
 """Fan-out: 1,000 children of one scripted turn each, under max_concurrency=16.
 
 Every child replies "```repl\\nFINAL('x')\\n```", so all the time is brood's: admission,
-journal, a worker per child from the zygote, messages, cleanup. The root starts them in one
-step, timed inside its own code from the call to the last answer, in two ways:
+journal, a worker per child from the zygote, messages, cleanup. The model is a
+ScriptedModel of text replies, which the gateway answers on the supervisor's loop (it is
+`instant`), as it awaits a served model's client there: no thread hop per turn. The root
+starts them in one step, timed inside its own code from the call to the last answer, in
+two ways:
 `rlm_query_batched(prompts)`, and `rlm_spawn` for each prompt then `rlm_wait_all`.
 
 The floor is a bare asyncio loop making the same scripted model calls (ScriptedModel.complete
