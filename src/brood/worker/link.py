@@ -14,8 +14,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -47,11 +45,42 @@ def stalled(what: str, stall: float) -> StallTimeout:
     )
 
 
+class _Answer:
+    """A request's reply, waited for on one bare lock that the reader thread releases
+    (a Future waits on a Condition: several Python-level locks and calls per reply)."""
+
+    __slots__ = ("error", "lock", "value")
+
+    def __init__(self) -> None:
+        self.lock = _thread.allocate_lock()
+        self.lock.acquire()  # held until the reply comes
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+    def set_result(self, value: Any) -> None:
+        self.value = value
+        self.lock.release()
+
+    def set_exception(self, error: BaseException) -> None:
+        self.error = error
+        self.lock.release()
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The reply's value (or its error raised); TimeoutError if it has not come
+        within `timeout` seconds (it may still come: ask again)."""
+        if not self.lock.acquire(timeout=-1 if timeout is None else timeout):
+            raise TimeoutError
+        self.lock.release()  # it has come: any later look finds it at once
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
 class Link:
     def __init__(self, chan: SyncChannel) -> None:
         self.chan = chan
         self._ids = itertools.count(1)
-        self._pending: dict[int, Future[Any]] = {}
+        self._pending: dict[int, _Answer] = {}
         self._whole: set[int] = set()  # requests answered with their whole Reply
         self._pending_lock = threading.Lock()
         self.cond = threading.Condition()
@@ -106,7 +135,7 @@ class Link:
         slow: tuple[float, Callable[[], AbstractContextManager[None]]] | None = None,
     ) -> Any:
         check(msg)
-        fut: Future[Any] = Future()
+        fut = _Answer()
         with self._pending_lock:
             self._pending[msg.req_id] = fut  # type: ignore[attr-defined]
             if whole:
@@ -117,21 +146,19 @@ class Link:
             patience, waiting = slow
             try:
                 return fut.result(timeout=patience if stall is None else min(patience, stall))
-            except FutureTimeout:
+            except TimeoutError:
                 with waiting():
                     return self._await(fut, msg, stall, what, began)
         return self._await(fut, msg, stall, what, began)
 
-    def _await(
-        self, fut: Future[Any], msg: Msg, stall: float | None, what: str, began: float
-    ) -> Any:
+    def _await(self, fut: _Answer, msg: Msg, stall: float | None, what: str, began: float) -> Any:
         if stall is None:
             return fut.result()
         while True:
             quiet = time.monotonic() - max(self.heard, began)
             try:
                 return fut.result(timeout=max(stall - quiet, 0.0))
-            except FutureTimeout:
+            except TimeoutError:
                 if time.monotonic() - max(self.heard, began) >= stall:
                     with self._pending_lock:
                         self._pending.pop(msg.req_id, None)  # type: ignore[attr-defined]
