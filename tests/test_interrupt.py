@@ -104,14 +104,17 @@ def test_a_storm_of_interrupts_leaves_no_stale_run_and_no_dead_writer(tmp_path):
             for root in roots:
                 for run in _runs(journal.tree(root["id"])):
                     assert run["state"] not in OPEN, (i, run["id"], run["state"], err)
-        if code == 130 and roots:
+        if "15 sightings" in out:
+            # The tree ended first and its answer was printed: a late Ctrl-C may still end
+            # the exiting process, whose status is then 0, 130 or the signal's.
+            continue
+        assert code == 130, (i, code, out, err)  # else it said why it stopped early
+        if roots:
             root = roots[0]
             assert f"interrupted: {root['id']} {root['state']}" in err, err
             cancelled += root["state"] == "cancelled"
-        elif code == 130:
+        else:
             assert "interrupted before the run started" in err
-        else:  # the tree ended first; a late Ctrl-C may still end the exiting process
-            assert "15 sightings" in out, (code, out, err)
     assert cancelled >= 3  # much of the storm landed while the tree ran
 
 
