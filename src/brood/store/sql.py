@@ -150,6 +150,9 @@ def _settle_on_loop(waiters: list[_LoopWaiter]) -> None:
         result, error = w.outcome or (None, StoreError("the journal closed before this write"))
         if error is not None:
             w.fut.set_exception(error)
+            # Heard by whoever awaits it; a failed journal is said once, loudly, by
+            # on_failure, so a write nobody awaited is not logged again when collected.
+            w.fut.exception()
         else:
             w.fut.set_result(result)
 
@@ -506,7 +509,9 @@ class SQLStore:
 
     def _submit_prepared(self, stmts: list[tuple[str, tuple[Any, ...]]]) -> Written:
         """Queue statements whose placeholders are this database's already."""
+        return self._enqueue(self._statements(stmts))
 
+    def _statements(self, stmts: list[tuple[str, tuple[Any, ...]]]) -> Write:
         def write(cur: Any) -> int:
             count = 0
             for sql, args in stmts:
@@ -515,7 +520,7 @@ class SQLStore:
             self._stats["statements"] += len(stmts)  # writer thread only
             return count  # rows the last statement touched
 
-        return self._enqueue(write)
+        return write
 
     def bind_loop(self) -> None:
         """Called on the supervisor's loop: the writes queued from it from now on give
@@ -631,9 +636,12 @@ class SQLStore:
             r["id"]: {"context": _bytes(r["context"]), "model_name": r["model_name"]} for r in rows
         }
 
-    def note_reason(self, run_id: str, reason: str | None) -> Written:
-        """Journal why a run waits, without a move (a queued run waiting for a pool)."""
-        return self._submit("UPDATE runs SET reason=? WHERE id=?", (reason, run_id))
+    def note_reason(self, run_id: str, reason: str | None) -> None:
+        """Journal why a run waits, without a move (a queued run waiting for a pool), at
+        once; nobody waits on it (a failure fails the journal, as any write's)."""
+        stmt = (self.q("UPDATE runs SET reason=? WHERE id=?"), (reason, run_id))
+        self._put(self._statements([stmt]), _UNWAITED)
+        self._hurry()
 
     def transition(self, rec: RunRecord, frm: str, to: str) -> Written:
         # This write carries the run's usage: an event's UPDATE queued before it is not
