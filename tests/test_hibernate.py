@@ -321,20 +321,29 @@ def test_a_session_root_waiting_on_its_child_stays_live_and_says_why(tmp_path):
     gate = Gate(tmp_path, "child")
     model = brood.ScriptedModel({"child": [repl(f"{gate.wait_code}\nFINAL('child done')")]})
     env = brood.Session(model, limits=fast(hibernate_after=0), store=url)
-    opener = threading.Thread(target=gate.open)  # once the child waits, during the step
+
+    def said() -> list[dict[str, Any]]:
+        with Journal(url) as journal:
+            return journal.store.events(run_id, "stays_live")
+
+    def open_once_said() -> None:  # the child ends only once the root said it stays live
+        try:
+            until(said)
+        finally:
+            gate.open()  # the child waits for it, whatever the root said
+
+    opener = threading.Thread(target=open_once_said)
     try:
         env.reset("task")
+        run_id = env.run_id
+        assert run_id is not None
         opener.start()
         obs = env.step("print(rlm_query('child task'))")
         opener.join()
         assert obs.stdout.strip() == "child done"
-        run_id = env.run_id
-        assert run_id is not None
     finally:
         env.close()
-    with Journal(url) as journal:
-        said = journal.store.events(run_id, "stays_live")
-    assert len(said) == 1 and "Session" in said[0]["data"]["reason"]
+    assert len(said()) == 1 and "Session" in said()[0]["data"]["reason"]
 
 
 def test_a_run_with_spawned_work_in_flight_stays_live(tmp_path):
