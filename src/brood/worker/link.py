@@ -59,9 +59,11 @@ class Link:
         self.asks: dict[str, AskUpdate] = {}  # guarded by cond; the run's asks to people
         self.heard = time.monotonic()  # when the supervisor last said anything (progress)
         self.inbox: list[str] = []  # guarded by cond
-        self.execs: queue.Queue[Exec] = queue.Queue()
-        self.starts: queue.Queue[Start] = queue.Queue()
-        self.turns: queue.Queue[Turn] = queue.Queue()  # a conversation's next user turns
+        # SimpleQueues: put and a blocking get is all these need, and a queue.Queue (a lock
+        # and three Conditions each) costs a freshly forked worker ~30 copy-on-write faults.
+        self.execs: queue.SimpleQueue[Exec] = queue.SimpleQueue()
+        self.starts: queue.SimpleQueue[Start] = queue.SimpleQueue()
+        self.turns: queue.SimpleQueue[Turn] = queue.SimpleQueue()  # a conversation's next turns
 
     def start_reader(self) -> None:
         # A bare thread, not threading.Thread: the worker never joins or names it, and
