@@ -647,17 +647,24 @@ def _apply_landlock(policy: Policy, abi: int) -> None:
         os.close(fd)
 
 
+_bounding_dropped = False  # this process emptied its bounding set and locked securebits
+
+
+def _drop_bounding_set() -> None:
+    # Every capability in the bounding set, until the kernel says the number is unknown.
+    for cap in range(64):
+        ctypes.set_errno(0)
+        if _libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) < 0:
+            err = ctypes.get_errno()
+            if err == errno.EINVAL and cap > _CAP_SETPCAP:
+                break
+            raise _fail(f"PR_CAPBSET_DROP of capability {cap}", err)
+    _prctl("PR_SET_SECUREBITS", _PR_SET_SECUREBITS, _SECUREBITS_LOCKED_DOWN)
+
+
 def _drop_caps(full: bool) -> None:
     if full:
-        # Every capability in the bounding set, until the kernel says the number is unknown.
-        for cap in range(64):
-            ctypes.set_errno(0)
-            if _libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) < 0:
-                err = ctypes.get_errno()
-                if err == errno.EINVAL and cap > _CAP_SETPCAP:
-                    break
-                raise _fail(f"PR_CAPBSET_DROP of capability {cap}", err)
-        _prctl("PR_SET_SECUREBITS", _PR_SET_SECUREBITS, _SECUREBITS_LOCKED_DOWN)
+        _drop_bounding_set()
     ctypes.set_errno(0)
     if _libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) < 0:
         err = ctypes.get_errno()
@@ -696,9 +703,14 @@ def apply(policy: Policy, support: Support) -> None:
     # beneath it.
     bound = scratch_bound(policy, support)
     mounts = policy.disk is not None and bound in (disk.TMPFS, disk.TMPFS_USERNS)
+    # Emptied before the fork (`prepare`): a process inherits its bounding set and
+    # securebits, and can never widen them again, except in a user namespace of its own.
+    bounding_dropped = _bounding_dropped
     if mounts and disk.bound_scratch(policy.scratch, policy.disk or 0, bound):
-        # The new user namespace gave this process every capability within it.
+        # The new user namespace gave this process every capability within it, and a full
+        # bounding set.
         support = msgspec.structs.replace(support, drop_caps=True, caps_held=True)
+        bounding_dropped = False
     _apply_rlimits(policy)
     if policy.confine:
         if support.no_new_privs:
@@ -706,7 +718,7 @@ def apply(policy: Policy, support: Support) -> None:
         if support.landlock_abi > 0:
             _apply_landlock(policy, support.landlock_abi)
         if support.drop_caps or support.caps_held:
-            _drop_caps(full=support.drop_caps)
+            _drop_caps(full=support.drop_caps and not bounding_dropped)
         if support.seccomp:  # after no_new_privs, which a filter needs without CAP_SYS_ADMIN
             _install_filter(_compiled_filter(policy.network))
     # Lifecycle, not security: orphans of model code reparent to the worker, not past it.
@@ -1042,13 +1054,25 @@ def _install_filter(fprog: _SockFprog) -> None:
 
 
 def prepare(policy: Policy, support: Support) -> None:
-    """Compute once, in the zygote before it forks, what every worker's `apply` needs: the
-    Landlock read paths and the compiled seccomp filter. Workers then share them
-    copy-on-write instead of each building its own."""
+    """Do once, in the zygote before it forks, what every worker's `apply` needs: compute
+    the Landlock read paths and the compiled seccomp filter (workers then share them
+    copy-on-write instead of each building its own), and, where `support.drop_caps`, empty
+    this process's capability bounding set and lock its securebits, which every worker
+    forked from it inherits (and `apply` then leaves as they are: dropping them again cost
+    each worker ~45 system calls, each replacing its credentials). The zygote keeps its
+    effective capabilities and never executes a program, so it loses nothing it uses.
+    Should the drop fail here, every worker makes it itself."""
+    global _bounding_dropped
     if policy.confine:
         default_read_paths()
         if support.seccomp:
             _compiled_filter(policy.network)
+        if support.drop_caps and not _bounding_dropped:
+            try:
+                _drop_bounding_set()
+            except ConfinementError:
+                return
+            _bounding_dropped = True
 
 
 _PROBE_NOT_REFUSED = 200  # the probe child's exit code when the filter let unshare through
