@@ -406,6 +406,8 @@ def main() -> None:
         confine.enter_private_network()  # every worker forked from here inherits it
     import brood.worker.main  # noqa: F401  - pre-import what every worker runs
     from brood.worker.prompt import cached_system_prompt
+    from brood.worker.repl import prebuild_builtins
+    from brood.worker.verbs import prebind
 
     for can_spawn in (True, False):
         cached_system_prompt(can_spawn)
@@ -416,6 +418,9 @@ def main() -> None:
     zygote = Zygote(ctrl, scratch_root, policy, support)
     confine.prepare(policy, support)  # computed once here, not again in every worker
     gc.collect()
+    # Last, so that what each worker's run takes from them lies together on a few pages.
+    prebind()
+    prebuild_builtins()
     gc.freeze()  # forked workers then share this heap instead of copying it on first GC
     zygote.serve()
 
