@@ -20,7 +20,6 @@ import os
 import platform
 import re
 import resource
-import secrets
 import signal
 import site
 import stat
@@ -1312,7 +1311,7 @@ def cgroup_parent(support: Support | None = None) -> str | None:
         try:
             return _make_parent(support, name)
         except FileExistsError:  # the same pid in another pid namespace, or a crashed zygote
-            name = f"brood-{os.getpid()}-{secrets.token_hex(4)}"
+            name = f"brood-{os.getpid()}-{os.urandom(4).hex()}"
         except OSError as exc:
             what = f"creating the cgroup {os.path.join(support.cgroup_dir, name)}"
             raise ConfinementError(f"confinement: {_why(what, exc, support)}") from exc
@@ -1552,7 +1551,7 @@ def cgroup_remove_parent(parent: str, support: Support | None = None) -> bool:
 def _try_cgroup(support: Support) -> str:
     """Make a parent and a worker cgroup as the zygote and a worker would, move a child in,
     and remove both. "" if it all works, else why not."""
-    name = f"brood-probe-{os.getpid()}-{secrets.token_hex(3)}"
+    name = f"brood-probe-{os.getpid()}-{os.urandom(3).hex()}"
     try:
         parent = _make_parent(support, name)
     except OSError as exc:
