@@ -55,6 +55,7 @@ __all__ = [
     "default_read_paths",
     "enter_private_network",
     "gaps",
+    "held_fds",
     "pids_capped",
     "prepare",
     "probe",
@@ -580,10 +581,44 @@ def _handled_fs(abi: int) -> int:
     return rights
 
 
-def _landlock_rules(policy: Policy, handled: int) -> list[tuple[str, int]]:
+# The Landlock rules for `default_read_paths()`, made once by `prepare` in the zygote (at
+# the Landlock ABI in `_held_abi`), each holding an O_PATH descriptor of its path: a worker
+# inherits them and only adds them to its ruleset, instead of opening, inspecting and
+# describing each path again. `apply` closes them once its ruleset is in force, before any
+# model code runs.
+_held_rules: list[tuple[str, _PathBeneathAttr]] = []
+_held_abi = 0
+
+
+def _hold_read_rules(abi: int) -> None:
+    global _held_abi
+    read = _FS_READ & _handled_fs(abi)
+    for path in default_read_paths():
+        try:
+            pfd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        except OSError:
+            continue  # the worker tries it again, and names the path if it fails there too
+        access = read if stat.S_ISDIR(os.fstat(pfd).st_mode) else read & _FS_FILE_RIGHTS
+        _held_rules.append((path, _PathBeneathAttr(allowed_access=access, parent_fd=pfd)))
+    _held_abi = abi
+
+
+def held_fds() -> list[int]:
+    """The descriptors `prepare` holds for the Landlock rules of every worker: a worker
+    forked from this process keeps them until `apply` has used and closed them."""
+    return [rule.parent_fd for _, rule in _held_rules]
+
+
+def _release_held_rules() -> None:
+    while _held_rules:
+        os.close(_held_rules.pop()[1].parent_fd)
+
+
+def _landlock_rules(policy: Policy, handled: int, held: bool) -> list[tuple[str, int]]:
+    """The rules of `policy` as (path, access); with `held`, not those of `_held_rules`."""
     read = _FS_READ & handled
     write = handled  # every right the running ABI knows
-    rules: list[tuple[str, int]] = [(p, read) for p in default_read_paths()]
+    rules: list[tuple[str, int]] = [] if held else [(p, read) for p in default_read_paths()]
     if policy.network:
         rules += [(p, read) for p in _NETWORK_READ]
     rules += [(p, read) for p in policy.fs_read]
@@ -616,8 +651,19 @@ def _apply_landlock(policy: Policy, abi: int) -> None:
     )
     if fd < 0:
         raise _fail(f"landlock_create_ruleset (ABI {abi})", ctypes.get_errno())
+    held = _held_abi == abi
     try:
-        for path, access in _landlock_rules(policy, handled):
+        for path, held_rule in _held_rules if held else ():
+            rc = _libc.syscall(
+                ctypes.c_long(add_rule),
+                ctypes.c_int(fd),
+                ctypes.c_int(_LANDLOCK_RULE_PATH_BENEATH),
+                ctypes.byref(held_rule),
+                ctypes.c_uint32(0),
+            )
+            if rc < 0:
+                raise _fail(f"landlock_add_rule for {path!r}", ctypes.get_errno())
+        for path, access in _landlock_rules(policy, handled, held):
             try:
                 pfd = os.open(path, os.O_PATH | os.O_CLOEXEC)
             except (FileNotFoundError, NotADirectoryError):
@@ -647,6 +693,7 @@ def _apply_landlock(policy: Policy, abi: int) -> None:
             raise _fail("landlock_restrict_self", ctypes.get_errno())
     finally:
         os.close(fd)
+        _release_held_rules()
 
 
 _bounding_dropped = False  # this process emptied its bounding set and locked securebits
@@ -1057,8 +1104,10 @@ def _install_filter(fprog: _SockFprog) -> None:
 
 def prepare(policy: Policy, support: Support) -> None:
     """Do once, in the zygote before it forks, what every worker's `apply` needs: compute
-    the Landlock read paths and the compiled seccomp filter (workers then share them
-    copy-on-write instead of each building its own), and, where `support.drop_caps`, empty
+    the Landlock read paths, their rules (holding a descriptor of each path: `held_fds`,
+    which the zygote leaves open in a worker until `apply` has used them) and the compiled
+    seccomp filter (workers then share them copy-on-write instead of each building its
+    own), and, where `support.drop_caps`, empty
     this process's capability bounding set and lock its securebits, which every worker
     forked from it inherits (and `apply` then leaves as they are: dropping them again cost
     each worker ~45 system calls, each replacing its credentials). The zygote keeps its
@@ -1067,6 +1116,8 @@ def prepare(policy: Policy, support: Support) -> None:
     global _bounding_dropped
     if policy.confine:
         default_read_paths()
+        if support.landlock_abi > 0 and _landlock_numbers() is not None and not _held_rules:
+            _hold_read_rules(support.landlock_abi)
         if support.seccomp:
             _compiled_filter(policy.network)
         if support.drop_caps and not _bounding_dropped:

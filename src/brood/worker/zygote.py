@@ -125,15 +125,20 @@ def children() -> list[int]:
     return found
 
 
-def _only_own_fds(keep: int) -> None:
+def _only_own_fds(sock: int) -> None:
     """Leave the worker only its standard streams (on /dev/null: model code must not write
-    to the user's terminal) and its own socket. Landlock checks opens, not descriptors
-    already held, so nothing the zygote had open may cross into a worker."""
+    to the user's terminal), its own socket, and the descriptors of its Landlock rules,
+    which `confine.apply` closes once it has used them. Landlock checks opens, not
+    descriptors already held, so nothing else the zygote had open may cross into a
+    worker."""
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
-    os.closerange(3, keep)
-    os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX"))
+    low = 3
+    for keep in sorted({sock, *confine.held_fds()}):
+        os.closerange(low, keep)
+        low = keep + 1
+    os.closerange(low, os.sysconf("SC_OPEN_MAX"))
 
 
 class Zygote:
