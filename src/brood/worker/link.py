@@ -14,7 +14,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import AbstractContextManager
 from typing import Any
@@ -38,6 +37,36 @@ from brood.protocol import (
 )
 
 
+class _Answer:
+    """The reply a request waits for: what the link needs of a concurrent.futures.Future
+    (set_result, set_exception, result with a timeout) on one bare lock, held until the
+    reply comes. A Future builds a threading.Condition, in Python, for every request."""
+
+    __slots__ = ("_error", "_ready", "_value")
+
+    def __init__(self) -> None:
+        self._ready = _thread.allocate_lock()
+        self._ready.acquire()
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def set_result(self, value: Any) -> None:
+        self._value = value
+        self._ready.release()
+
+    def set_exception(self, error: BaseException) -> None:
+        self._error = error
+        self._ready.release()
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self._ready.acquire(timeout=-1 if timeout is None else timeout):
+            raise FutureTimeout
+        self._ready.release()  # answered for good: a later call returns at once
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
 def stalled(what: str, stall: float) -> StallTimeout:
     return StallTimeout(
         f"{what} made no progress for {stall:g} s (Limits.stall_timeout): no reply, state "
@@ -51,7 +80,7 @@ class Link:
     def __init__(self, chan: SyncChannel) -> None:
         self.chan = chan
         self._ids = itertools.count(1)
-        self._pending: dict[int, Future[Any]] = {}
+        self._pending: dict[int, _Answer] = {}
         self._whole: set[int] = set()  # requests answered with their whole Reply
         self._pending_lock = threading.Lock()
         self.cond = threading.Condition()
@@ -108,7 +137,7 @@ class Link:
         slow: tuple[float, Callable[[], AbstractContextManager[None]]] | None = None,
     ) -> Any:
         check(msg)
-        fut: Future[Any] = Future()
+        fut = _Answer()
         with self._pending_lock:
             self._pending[msg.req_id] = fut  # type: ignore[attr-defined]
             if whole:
@@ -124,9 +153,7 @@ class Link:
                     return self._await(fut, msg, stall, what, began)
         return self._await(fut, msg, stall, what, began)
 
-    def _await(
-        self, fut: Future[Any], msg: Msg, stall: float | None, what: str, began: float
-    ) -> Any:
+    def _await(self, fut: _Answer, msg: Msg, stall: float | None, what: str, began: float) -> Any:
         if stall is None:
             return fut.result()
         while True:
