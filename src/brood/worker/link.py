@@ -88,8 +88,8 @@ class Link:
         self.asks: dict[str, AskUpdate] = {}  # guarded by cond; the run's asks to people
         self.heard = time.monotonic()  # when the supervisor last said anything (progress)
         self.inbox: list[str] = []  # guarded by cond
-        # SimpleQueues: put and a blocking get is all these need, and a queue.Queue (a lock
-        # and three Conditions each) costs a freshly forked worker ~30 copy-on-write faults.
+        # SimpleQueues: put and a blocking get is all these need, and a queue.Queue builds a
+        # lock and three Conditions, in Python, in every worker.
         self.execs: queue.SimpleQueue[Exec] = queue.SimpleQueue()
         self.starts: queue.SimpleQueue[Start] = queue.SimpleQueue()
         self.turns: queue.SimpleQueue[Turn] = queue.SimpleQueue()  # a conversation's next turns

@@ -225,7 +225,7 @@ def _safe_builtins() -> dict[str, Any]:
 def prebuild_builtins() -> None:
     """Copy the builtins once ahead for the next Repl made in this process. The zygote
     calls it before it forks: copying ~160 builtins in a fresh worker touches each of them
-    (a reference count), and so ~70 pages, each a copy-on-write fault there."""
+    (a reference count), and so dozens of pages, each a copy-on-write fault there."""
     _spare_builtins.append(_safe_builtins())
 
 

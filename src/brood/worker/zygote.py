@@ -51,15 +51,15 @@ _SIGCHLD, _SIG_DFL = int(signal.SIGCHLD), int(signal.SIG_DFL)
 # interpreter's at-fork hooks (os.register_at_fork: threading, logging and random register
 # theirs). Those hooks repair what other threads held at the fork; the zygote has no other
 # thread and holds no lock when it forks, so they have nothing to repair, and running them
-# cost every worker ~200 copy-on-write page faults (0.6 ms of CPU). PyDLL keeps the GIL
-# held across the call, as os.fork does. The one hook whose effect a worker needs,
+# cost every worker about 0.5 ms of CPU. PyDLL keeps the GIL held across the call, as
+# os.fork does. The one hook whose effect a worker needs,
 # random's reseed, is done in the child (`_reseed`).
 _libc_fork = ctypes.PyDLL(None, use_errno=True).fork
 _libc_fork.restype = ctypes.c_int
 _libc_fork.argtypes = []
 # The generator behind the random module's functions: reseeded in each worker from the
 # kernel's entropy, as os.fork's hook would (so no two workers share a sequence), through
-# its C method, which costs a fresh worker a fifth of the faults of `random.seed()`.
+# its C method, which costs a fresh worker half the CPU of `random.seed()`.
 _RANDOM = getattr(random.seed, "__self__", None)
 
 
