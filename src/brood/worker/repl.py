@@ -297,7 +297,8 @@ class Repl:
         if isinstance(last, ast.Expr):
             # Like an interactive prompt: the value of a trailing expression is shown.
             tree.body.pop()
-            exec(compile(tree, "<repl>", "exec"), self.namespace)
+            if tree.body:  # a block that is one expression (FINAL(...)) compiles once
+                exec(compile(tree, "<repl>", "exec"), self.namespace)
             value = eval(compile(ast.Expression(last.value), "<repl>", "eval"), self.namespace)
             if value is not None:
                 print(repr(value))
