@@ -1262,9 +1262,21 @@ def _mkdir(leaf: str) -> None:
         pass
 
 
+def _read(path: str) -> bytes:
+    """The whole of a small kernel file, read raw: the zygote reads cgroup files at every
+    reap, where a text-mode file object costs more than the read."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        data = b""
+        while chunk := os.read(fd, 65536):
+            data += chunk
+        return data
+    finally:
+        os.close(fd)
+
+
 def _procs(leaf: str) -> list[int]:
-    with open(os.path.join(leaf, "cgroup.procs")) as f:
-        return [int(p) for p in f.read().split()]
+    return [int(p) for p in _read(os.path.join(leaf, "cgroup.procs")).split()]
 
 
 def _memory_leaf_parent(parent: str, support: Support) -> str | None:
@@ -1490,11 +1502,10 @@ def cgroup_oom_kills(parent: str, pid: int | str, support: Support | None = None
             return 0
         path = os.path.join(mem_parent, str(pid), "memory.oom_control")
     try:
-        with open(path) as f:
-            for line in f:
-                key, _, value = line.partition(" ")
-                if key == "oom_kill":
-                    return int(value)
+        for line in _read(path).splitlines():
+            key, _, value = line.partition(b" ")
+            if key == b"oom_kill":
+                return int(value)
     except (OSError, ValueError):
         pass
     return 0

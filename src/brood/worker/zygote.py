@@ -31,9 +31,10 @@ import gc
 import itertools
 import os
 import random
-import selectors
+import select
 import signal
 import socket
+import struct
 import sys
 import traceback
 
@@ -179,7 +180,8 @@ class Zygote:
         if fd is None:
             self.ctrl.sendall(encode(msg))
         else:
-            socket.send_fds(self.ctrl, [encode(msg)], [fd])
+            rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))]
+            self.ctrl.sendmsg([encode(msg)], rights)  # socket.send_fds, without its layer
 
     def recv(self) -> Msg | None:
         data = self.ctrl.recv(65536)
@@ -367,20 +369,25 @@ class Zygote:
     def serve(self) -> None:
         signal.set_wakeup_fd(self.wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
-        sel = selectors.DefaultSelector()
-        sel.register(self.ctrl, selectors.EVENT_READ, "ctrl")
-        sel.register(self.wake_r, selectors.EVENT_READ, "child")
+        # epoll itself rather than a selectors.DefaultSelector: what the zygote runs between
+        # two forks it copies page by page after each (a page a live worker still shares is
+        # copied at the zygote's first write to it), and the selector's Python layer was
+        # part of that.
+        poll = select.epoll()
         try:
-            self._loop(sel)
+            poll.register(self.ctrl.fileno(), select.EPOLLIN)
+            poll.register(self.wake_r, select.EPOLLIN)
+            self._loop(poll)
         except OSError:
             pass  # the supervisor is gone (broken pipe): shut down below
         finally:
+            poll.close()
             self.shutdown()
 
-    def _loop(self, sel: selectors.BaseSelector) -> None:
+    def _loop(self, poll: select.epoll) -> None:
         while True:
-            for key, _ in sel.select():
-                if key.data == "child":
+            for fd, _ in poll.poll():
+                if fd == self.wake_r:
                     try:
                         os.read(self.wake_r, 4096)
                     except BlockingIOError:
