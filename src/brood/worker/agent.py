@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from brood.errors import BroodError
@@ -128,7 +128,8 @@ class Agent:
             )
         else:
             self.rt.link.send(StepDone(self.rt.step, "", "", "", None, 0.0, replayed=True))
-        return replace(out, stderr=stderr, written=out.written + len(stderr) - len(out.stderr))
+        written = out.written + len(stderr) - len(out.stderr)
+        return StepOutput(out.stdout, stderr, out.error, out.duration, written)
 
     def feedback(self, reply: str) -> str:
         blocks = extract_blocks(reply)

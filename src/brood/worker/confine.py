@@ -20,7 +20,6 @@ import os
 import platform
 import re
 import resource
-import secrets
 import signal
 import site
 import stat
@@ -56,6 +55,7 @@ __all__ = [
     "default_read_paths",
     "enter_private_network",
     "gaps",
+    "held_fds",
     "pids_capped",
     "prepare",
     "probe",
@@ -562,7 +562,10 @@ def _prctl(what: str, option: int, arg2: int = 0, arg3: int = 0) -> int:
 
 def _thread_count() -> int:
     try:
-        return len(os.listdir("/proc/self/task"))
+        # procfs counts a process's threads in the link count of its task directory (2 +
+        # one per thread): one stat, where listing them cost a fresh worker ten times more.
+        links = os.stat("/proc/self/task").st_nlink
+        return links - 2 if links > 2 else len(os.listdir("/proc/self/task"))
     except OSError:  # no /proc: Python's own threads are what we can see
         return threading.active_count()
 
@@ -578,10 +581,44 @@ def _handled_fs(abi: int) -> int:
     return rights
 
 
-def _landlock_rules(policy: Policy, handled: int) -> list[tuple[str, int]]:
+# The Landlock rules for `default_read_paths()`, made once by `prepare` in the zygote (at
+# the Landlock ABI in `_held_abi`), each holding an O_PATH descriptor of its path: a worker
+# inherits them and only adds them to its ruleset, instead of opening, inspecting and
+# describing each path again. `apply` closes them once its ruleset is in force, before any
+# model code runs.
+_held_rules: list[tuple[str, _PathBeneathAttr]] = []
+_held_abi = 0
+
+
+def _hold_read_rules(abi: int) -> None:
+    global _held_abi
+    read = _FS_READ & _handled_fs(abi)
+    for path in default_read_paths():
+        try:
+            pfd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        except OSError:
+            continue  # the worker tries it again, and names the path if it fails there too
+        access = read if stat.S_ISDIR(os.fstat(pfd).st_mode) else read & _FS_FILE_RIGHTS
+        _held_rules.append((path, _PathBeneathAttr(allowed_access=access, parent_fd=pfd)))
+    _held_abi = abi
+
+
+def held_fds() -> list[int]:
+    """The descriptors `prepare` holds for the Landlock rules of every worker: a worker
+    forked from this process keeps them until `apply` has used and closed them."""
+    return [rule.parent_fd for _, rule in _held_rules]
+
+
+def _release_held_rules() -> None:
+    while _held_rules:
+        os.close(_held_rules.pop()[1].parent_fd)
+
+
+def _landlock_rules(policy: Policy, handled: int, held: bool) -> list[tuple[str, int]]:
+    """The rules of `policy` as (path, access); with `held`, not those of `_held_rules`."""
     read = _FS_READ & handled
     write = handled  # every right the running ABI knows
-    rules: list[tuple[str, int]] = [(p, read) for p in default_read_paths()]
+    rules: list[tuple[str, int]] = [] if held else [(p, read) for p in default_read_paths()]
     if policy.network:
         rules += [(p, read) for p in _NETWORK_READ]
     rules += [(p, read) for p in policy.fs_read]
@@ -614,8 +651,19 @@ def _apply_landlock(policy: Policy, abi: int) -> None:
     )
     if fd < 0:
         raise _fail(f"landlock_create_ruleset (ABI {abi})", ctypes.get_errno())
+    held = _held_abi == abi
     try:
-        for path, access in _landlock_rules(policy, handled):
+        for path, held_rule in _held_rules if held else ():
+            rc = _libc.syscall(
+                ctypes.c_long(add_rule),
+                ctypes.c_int(fd),
+                ctypes.c_int(_LANDLOCK_RULE_PATH_BENEATH),
+                ctypes.byref(held_rule),
+                ctypes.c_uint32(0),
+            )
+            if rc < 0:
+                raise _fail(f"landlock_add_rule for {path!r}", ctypes.get_errno())
+        for path, access in _landlock_rules(policy, handled, held):
             try:
                 pfd = os.open(path, os.O_PATH | os.O_CLOEXEC)
             except (FileNotFoundError, NotADirectoryError):
@@ -645,19 +693,27 @@ def _apply_landlock(policy: Policy, abi: int) -> None:
             raise _fail("landlock_restrict_self", ctypes.get_errno())
     finally:
         os.close(fd)
+        _release_held_rules()
+
+
+_bounding_dropped = False  # this process emptied its bounding set and locked securebits
+
+
+def _drop_bounding_set() -> None:
+    # Every capability in the bounding set, until the kernel says the number is unknown.
+    for cap in range(64):
+        ctypes.set_errno(0)
+        if _libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) < 0:
+            err = ctypes.get_errno()
+            if err == errno.EINVAL and cap > _CAP_SETPCAP:
+                break
+            raise _fail(f"PR_CAPBSET_DROP of capability {cap}", err)
+    _prctl("PR_SET_SECUREBITS", _PR_SET_SECUREBITS, _SECUREBITS_LOCKED_DOWN)
 
 
 def _drop_caps(full: bool) -> None:
     if full:
-        # Every capability in the bounding set, until the kernel says the number is unknown.
-        for cap in range(64):
-            ctypes.set_errno(0)
-            if _libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) < 0:
-                err = ctypes.get_errno()
-                if err == errno.EINVAL and cap > _CAP_SETPCAP:
-                    break
-                raise _fail(f"PR_CAPBSET_DROP of capability {cap}", err)
-        _prctl("PR_SET_SECUREBITS", _PR_SET_SECUREBITS, _SECUREBITS_LOCKED_DOWN)
+        _drop_bounding_set()
     ctypes.set_errno(0)
     if _libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) < 0:
         err = ctypes.get_errno()
@@ -696,9 +752,14 @@ def apply(policy: Policy, support: Support) -> None:
     # beneath it.
     bound = scratch_bound(policy, support)
     mounts = policy.disk is not None and bound in (disk.TMPFS, disk.TMPFS_USERNS)
+    # Emptied before the fork (`prepare`): a process inherits its bounding set and
+    # securebits, and can never widen them again, except in a user namespace of its own.
+    bounding_dropped = _bounding_dropped
     if mounts and disk.bound_scratch(policy.scratch, policy.disk or 0, bound):
-        # The new user namespace gave this process every capability within it.
+        # The new user namespace gave this process every capability within it, and a full
+        # bounding set.
         support = msgspec.structs.replace(support, drop_caps=True, caps_held=True)
+        bounding_dropped = False
     _apply_rlimits(policy)
     if policy.confine:
         if support.no_new_privs:
@@ -706,7 +767,7 @@ def apply(policy: Policy, support: Support) -> None:
         if support.landlock_abi > 0:
             _apply_landlock(policy, support.landlock_abi)
         if support.drop_caps or support.caps_held:
-            _drop_caps(full=support.drop_caps)
+            _drop_caps(full=support.drop_caps and not bounding_dropped)
         if support.seccomp:  # after no_new_privs, which a filter needs without CAP_SYS_ADMIN
             _install_filter(_compiled_filter(policy.network))
     # Lifecycle, not security: orphans of model code reparent to the worker, not past it.
@@ -1042,13 +1103,29 @@ def _install_filter(fprog: _SockFprog) -> None:
 
 
 def prepare(policy: Policy, support: Support) -> None:
-    """Compute once, in the zygote before it forks, what every worker's `apply` needs: the
-    Landlock read paths and the compiled seccomp filter. Workers then share them
-    copy-on-write instead of each building its own."""
+    """Do once, in the zygote before it forks, what every worker's `apply` needs: compute
+    the Landlock read paths, their rules (holding a descriptor of each path: `held_fds`,
+    which the zygote leaves open in a worker until `apply` has used them) and the compiled
+    seccomp filter (workers then share them copy-on-write instead of each building its
+    own), and, where `support.drop_caps`, empty
+    this process's capability bounding set and lock its securebits, which every worker
+    forked from it inherits (and `apply` then leaves as they are: dropping them again cost
+    each worker ~45 system calls, each replacing its credentials). The zygote keeps its
+    effective capabilities and never executes a program, so it loses nothing it uses.
+    Should the drop fail here, every worker makes it itself."""
+    global _bounding_dropped
     if policy.confine:
         default_read_paths()
+        if support.landlock_abi > 0 and _landlock_numbers() is not None and not _held_rules:
+            _hold_read_rules(support.landlock_abi)
         if support.seccomp:
             _compiled_filter(policy.network)
+        if support.drop_caps and not _bounding_dropped:
+            try:
+                _drop_bounding_set()
+            except ConfinementError:
+                return
+            _bounding_dropped = True
 
 
 _PROBE_NOT_REFUSED = 200  # the probe child's exit code when the filter let unshare through
@@ -1185,9 +1262,21 @@ def _mkdir(leaf: str) -> None:
         pass
 
 
+def _read(path: str) -> bytes:
+    """The whole of a small kernel file, read raw: the zygote reads cgroup files at every
+    reap, where a text-mode file object costs more than the read."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        data = b""
+        while chunk := os.read(fd, 65536):
+            data += chunk
+        return data
+    finally:
+        os.close(fd)
+
+
 def _procs(leaf: str) -> list[int]:
-    with open(os.path.join(leaf, "cgroup.procs")) as f:
-        return [int(p) for p in f.read().split()]
+    return [int(p) for p in _read(os.path.join(leaf, "cgroup.procs")).split()]
 
 
 def _memory_leaf_parent(parent: str, support: Support) -> str | None:
@@ -1288,7 +1377,7 @@ def cgroup_parent(support: Support | None = None) -> str | None:
         try:
             return _make_parent(support, name)
         except FileExistsError:  # the same pid in another pid namespace, or a crashed zygote
-            name = f"brood-{os.getpid()}-{secrets.token_hex(4)}"
+            name = f"brood-{os.getpid()}-{os.urandom(4).hex()}"
         except OSError as exc:
             what = f"creating the cgroup {os.path.join(support.cgroup_dir, name)}"
             raise ConfinementError(f"confinement: {_why(what, exc, support)}") from exc
@@ -1413,11 +1502,10 @@ def cgroup_oom_kills(parent: str, pid: int | str, support: Support | None = None
             return 0
         path = os.path.join(mem_parent, str(pid), "memory.oom_control")
     try:
-        with open(path) as f:
-            for line in f:
-                key, _, value = line.partition(" ")
-                if key == "oom_kill":
-                    return int(value)
+        for line in _read(path).splitlines():
+            key, _, value = line.partition(b" ")
+            if key == b"oom_kill":
+                return int(value)
     except (OSError, ValueError):
         pass
     return 0
@@ -1528,7 +1616,7 @@ def cgroup_remove_parent(parent: str, support: Support | None = None) -> bool:
 def _try_cgroup(support: Support) -> str:
     """Make a parent and a worker cgroup as the zygote and a worker would, move a child in,
     and remove both. "" if it all works, else why not."""
-    name = f"brood-probe-{os.getpid()}-{secrets.token_hex(3)}"
+    name = f"brood-probe-{os.getpid()}-{os.urandom(3).hex()}"
     try:
         parent = _make_parent(support, name)
     except OSError as exc:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import tempfile
 
 from brood.errors import ConfinementError
 from brood.worker.trial import in_child
@@ -142,6 +141,10 @@ def probe() -> tuple[str, str]:
     """(mechanism, "") when a worker here can put its scratch on a tmpfs of its own, else
     ("", why not). Tries it in a short-lived child, on a fresh directory under the temporary
     directory (in the child's own namespace, so nothing is mounted here). Never raises."""
+    # Imported here, not at the top: a zygote that imports no tempfile (nor with it shutil
+    # and three compression libraries) maps fewer files into every worker it forks.
+    import tempfile
+
     mechanism = TMPFS if _may_mount() else TMPFS_USERNS
     try:
         where = tempfile.mkdtemp(prefix="brood-disk-probe-")

@@ -14,6 +14,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -36,6 +37,36 @@ from brood.protocol import (
 )
 
 
+class _Answer:
+    """The reply a request waits for: what the link needs of a concurrent.futures.Future
+    (set_result, set_exception, result with a timeout) on one bare lock, held until the
+    reply comes. A Future builds a threading.Condition, in Python, for every request."""
+
+    __slots__ = ("_error", "_ready", "_value")
+
+    def __init__(self) -> None:
+        self._ready = _thread.allocate_lock()
+        self._ready.acquire()
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def set_result(self, value: Any) -> None:
+        self._value = value
+        self._ready.release()
+
+    def set_exception(self, error: BaseException) -> None:
+        self._error = error
+        self._ready.release()
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self._ready.acquire(timeout=-1 if timeout is None else timeout):
+            raise FutureTimeout
+        self._ready.release()  # answered for good: a later call returns at once
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
 def stalled(what: str, stall: float) -> StallTimeout:
     return StallTimeout(
         f"{what} made no progress for {stall:g} s (Limits.stall_timeout): no reply, state "
@@ -43,37 +74,6 @@ def stalled(what: str, stall: float) -> StallTimeout:
         "/ rlm_await), cancel it, or do something else meanwhile",
         waited_on=what,
     )
-
-
-class _Answer:
-    """A request's reply, waited for on one bare lock that the reader thread releases
-    (a Future waits on a Condition: several Python-level locks and calls per reply)."""
-
-    __slots__ = ("error", "lock", "value")
-
-    def __init__(self) -> None:
-        self.lock = _thread.allocate_lock()
-        self.lock.acquire()  # held until the reply comes
-        self.value: Any = None
-        self.error: BaseException | None = None
-
-    def set_result(self, value: Any) -> None:
-        self.value = value
-        self.lock.release()
-
-    def set_exception(self, error: BaseException) -> None:
-        self.error = error
-        self.lock.release()
-
-    def result(self, timeout: float | None = None) -> Any:
-        """The reply's value (or its error raised); TimeoutError if it has not come
-        within `timeout` seconds (it may still come: ask again)."""
-        if not self.lock.acquire(timeout=-1 if timeout is None else timeout):
-            raise TimeoutError
-        self.lock.release()  # it has come: any later look finds it at once
-        if self.error is not None:
-            raise self.error
-        return self.value
 
 
 class Link:
@@ -88,9 +88,11 @@ class Link:
         self.asks: dict[str, AskUpdate] = {}  # guarded by cond; the run's asks to people
         self.heard = time.monotonic()  # when the supervisor last said anything (progress)
         self.inbox: list[str] = []  # guarded by cond
-        self.execs: queue.Queue[Exec] = queue.Queue()
-        self.starts: queue.Queue[Start] = queue.Queue()
-        self.turns: queue.Queue[Turn] = queue.Queue()  # a conversation's next user turns
+        # SimpleQueues: put and a blocking get is all these need, and a queue.Queue builds a
+        # lock and three Conditions, in Python, in every worker.
+        self.execs: queue.SimpleQueue[Exec] = queue.SimpleQueue()
+        self.starts: queue.SimpleQueue[Start] = queue.SimpleQueue()
+        self.turns: queue.SimpleQueue[Turn] = queue.SimpleQueue()  # a conversation's next turns
 
     def start_reader(self) -> None:
         # A bare thread, not threading.Thread: the worker never joins or names it, and
@@ -146,7 +148,7 @@ class Link:
             patience, waiting = slow
             try:
                 return fut.result(timeout=patience if stall is None else min(patience, stall))
-            except TimeoutError:
+            except FutureTimeout:
                 with waiting():
                     return self._await(fut, msg, stall, what, began)
         return self._await(fut, msg, stall, what, began)
@@ -158,7 +160,7 @@ class Link:
             quiet = time.monotonic() - max(self.heard, began)
             try:
                 return fut.result(timeout=max(stall - quiet, 0.0))
-            except TimeoutError:
+            except FutureTimeout:
                 if time.monotonic() - max(self.heard, began) >= stall:
                     with self._pending_lock:
                         self._pending.pop(msg.req_id, None)  # type: ignore[attr-defined]

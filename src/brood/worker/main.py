@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import _thread
 import socket
-import threading
 import traceback
 
 import cloudpickle
@@ -47,8 +47,11 @@ def serve(sock: socket.socket) -> None:
             link.send(Failed(reason=_reason(exc), error=error, kind="diverged"))
         else:
             link.send(Failed(reason=_reason(exc), error=error))
-    # Stay until the supervisor's Stop (handled by the reader thread) ends the process.
-    threading.Event().wait()
+    # Stay until the supervisor's Stop (handled by the reader thread) ends the process: on a
+    # bare lock taken twice (a threading.Event builds a Condition, in Python, for nothing).
+    forever = _thread.allocate_lock()
+    forever.acquire()
+    forever.acquire()
 
 
 def report_unusable(sock: socket.socket, reason: str) -> None:

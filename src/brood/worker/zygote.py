@@ -24,13 +24,17 @@ the control socket closes), the zygote kills everything it has and exits.
 
 from __future__ import annotations
 
+import _random
 import _signal
+import ctypes
 import gc
 import itertools
 import os
-import selectors
+import random
+import select
 import signal
 import socket
+import struct
 import sys
 import traceback
 
@@ -43,6 +47,42 @@ from brood.worker import confine
 # Plain ints for `_signal.signal` in a fresh worker: `signal.signal` converts its result to
 # an enum, and that machinery costs a forked worker ~30 copy-on-write page faults.
 _SIGCHLD, _SIG_DFL = int(signal.SIGCHLD), int(signal.SIG_DFL)
+
+# Workers are forked by libc's fork() itself rather than os.fork(), which also runs the
+# interpreter's at-fork hooks (os.register_at_fork: threading, logging and random register
+# theirs). Those hooks repair what other threads held at the fork; the zygote has no other
+# thread and holds no lock when it forks, so they have nothing to repair, and running them
+# cost every worker about 0.5 ms of CPU. PyDLL keeps the GIL held across the call, as
+# os.fork does. The one hook whose effect a worker needs,
+# random's reseed, is done in the child (`_reseed`).
+_libc_fork = ctypes.PyDLL(None, use_errno=True).fork
+_libc_fork.restype = ctypes.c_int
+_libc_fork.argtypes = []
+# The generator behind the random module's functions: reseeded in each worker from the
+# kernel's entropy, as os.fork's hook would (so no two workers share a sequence), through
+# its C method, which costs a fresh worker half the CPU of `random.seed()`.
+_RANDOM = getattr(random.seed, "__self__", None)
+
+
+def _fork_without_hooks() -> int:
+    pid: int = _libc_fork()
+    if pid < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return pid
+
+
+def _reseed() -> None:
+    if isinstance(_RANDOM, _random.Random):
+        _random.Random.seed(_RANDOM, None)
+        _RANDOM.gauss_next = None  # type: ignore[attr-defined]  # as random.seed() does
+
+
+def _single_threaded() -> bool:
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:
+        return False
 
 
 def _set_subreaper() -> None:
@@ -86,15 +126,20 @@ def children() -> list[int]:
     return found
 
 
-def _only_own_fds(keep: int) -> None:
+def _only_own_fds(sock: int) -> None:
     """Leave the worker only its standard streams (on /dev/null: model code must not write
-    to the user's terminal) and its own socket. Landlock checks opens, not descriptors
-    already held, so nothing the zygote had open may cross into a worker."""
+    to the user's terminal), its own socket, and the descriptors of its Landlock rules,
+    which `confine.apply` closes once it has used them. Landlock checks opens, not
+    descriptors already held, so nothing else the zygote had open may cross into a
+    worker."""
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
-    os.closerange(3, keep)
-    os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX"))
+    low = 3
+    for keep in sorted({sock, *confine.held_fds()}):
+        os.closerange(low, keep)
+        low = keep + 1
+    os.closerange(low, os.sysconf("SC_OPEN_MAX"))
 
 
 class Zygote:
@@ -121,6 +166,8 @@ class Zygote:
         self.slot_of: dict[int, str] = {}  # worker pid -> its slot, until it is gone
         self.free_slots: list[str] = []  # made, empty, to be handed to the next worker
         self.released: set[str] = set()  # of gone workers, until their cgroup is empty
+        # The hooks of os.fork are skipped only where they have nothing to repair.
+        self.fork = _fork_without_hooks if _single_threaded() else os.fork
         # OOM kills counted in a slot's cgroup before its current worker joined it.
         self.oom_before: dict[str, int] = {}
         if policy.confine:
@@ -133,7 +180,8 @@ class Zygote:
         if fd is None:
             self.ctrl.sendall(encode(msg))
         else:
-            socket.send_fds(self.ctrl, [encode(msg)], [fd])
+            rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))]
+            self.ctrl.sendmsg([encode(msg)], rights)  # socket.send_fds, without its layer
 
     def recv(self) -> Msg | None:
         data = self.ctrl.recv(65536)
@@ -158,10 +206,12 @@ class Zygote:
     def fork_worker(self) -> int:
         slot, slot_error = self.take_slot()
         mine, theirs = socket.socketpair()
-        pid = os.fork()
+        pid = self.fork()
         if pid == 0:
             try:
                 signal.set_wakeup_fd(-1)
+                if self.fork is _fork_without_hooks:
+                    _reseed()
                 _signal.signal(_SIGCHLD, _SIG_DFL)
                 os.setsid()  # own session and process group: cleanup signals the whole group
                 self.ctrl.close()
@@ -187,7 +237,8 @@ class Zygote:
         from brood.worker.main import report_unusable, serve
 
         scratch = os.path.join(self.scratch_root, str(os.getpid()))
-        _set_subreaper()  # what model code starts stays below the worker, even orphaned
+        # `apply` makes the worker a child subreaper (what model code starts stays below
+        # it, even orphaned); a worker whose confinement fails runs no model code.
         try:
             if slot_error:
                 raise ConfinementError(slot_error)
@@ -318,20 +369,25 @@ class Zygote:
     def serve(self) -> None:
         signal.set_wakeup_fd(self.wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
-        sel = selectors.DefaultSelector()
-        sel.register(self.ctrl, selectors.EVENT_READ, "ctrl")
-        sel.register(self.wake_r, selectors.EVENT_READ, "child")
+        # epoll itself rather than a selectors.DefaultSelector: what the zygote runs between
+        # two forks it copies page by page after each (a page a live worker still shares is
+        # copied at the zygote's first write to it), and the selector's Python layer was
+        # part of that.
+        poll = select.epoll()
         try:
-            self._loop(sel)
+            poll.register(self.ctrl.fileno(), select.EPOLLIN)
+            poll.register(self.wake_r, select.EPOLLIN)
+            self._loop(poll)
         except OSError:
             pass  # the supervisor is gone (broken pipe): shut down below
         finally:
+            poll.close()
             self.shutdown()
 
-    def _loop(self, sel: selectors.BaseSelector) -> None:
+    def _loop(self, poll: select.epoll) -> None:
         while True:
-            for key, _ in sel.select():
-                if key.data == "child":
+            for fd, _ in poll.poll():
+                if fd == self.wake_r:
                     try:
                         os.read(self.wake_r, 4096)
                     except BlockingIOError:
@@ -362,6 +418,8 @@ def main() -> None:
         confine.enter_private_network()  # every worker forked from here inherits it
     import brood.worker.main  # noqa: F401  - pre-import what every worker runs
     from brood.worker.prompt import cached_system_prompt
+    from brood.worker.repl import prebuild_builtins
+    from brood.worker.verbs import prebind
 
     for can_spawn in (True, False):
         cached_system_prompt(can_spawn)
@@ -372,6 +430,9 @@ def main() -> None:
     zygote = Zygote(ctrl, scratch_root, policy, support)
     confine.prepare(policy, support)  # computed once here, not again in every worker
     gc.collect()
+    # Last, so that what each worker's run takes from them lies together on a few pages.
+    prebind()
+    prebuild_builtins()
     gc.freeze()  # forked workers then share this heap instead of copying it on first GC
     zygote.serve()
 

@@ -125,6 +125,19 @@ def bind(fn: Verb, rt: Runtime) -> Callable[..., Any]:
     def helper(*args: Any, **kw: Any) -> Any:
         return fn(*args, rt=rt, **kw)
 
+    return _dressed(helper, fn)
+
+
+def bind_later(fn: Verb, run: list[Runtime]) -> Callable[..., Any]:
+    """`bind`, to the run that `run` (a list of one) will hold when the helper is called."""
+
+    def helper(*args: Any, **kw: Any) -> Any:
+        return fn(*args, rt=run[0], **kw)
+
+    return _dressed(helper, fn)
+
+
+def _dressed(helper: Callable[..., Any], fn: Verb) -> Callable[..., Any]:
     helper.__name__, helper.__qualname__ = fn.__name__, fn.__qualname__
     helper.__module__, helper.__doc__ = fn.__module__, fn.__doc__
     helper.__wrapped__ = fn  # type: ignore[attr-defined]
