@@ -628,6 +628,19 @@ def _landlock_rules(policy: Policy, handled: int, held: bool) -> list[tuple[str,
     return rules
 
 
+def _add_landlock_rule(add_rule: int, ruleset: int, rule: _PathBeneathAttr, path: str) -> None:
+    """Add one path-beneath rule to the ruleset being built."""
+    rc = _libc.syscall(
+        ctypes.c_long(add_rule),
+        ctypes.c_int(ruleset),
+        ctypes.c_int(_LANDLOCK_RULE_PATH_BENEATH),
+        ctypes.byref(rule),
+        ctypes.c_uint32(0),
+    )
+    if rc < 0:
+        raise _fail(f"landlock_add_rule for {path!r}", ctypes.get_errno())
+
+
 def _apply_landlock(policy: Policy, abi: int) -> None:
     numbers = _landlock_numbers()
     if numbers is None:
@@ -654,15 +667,7 @@ def _apply_landlock(policy: Policy, abi: int) -> None:
     held = _held_abi == abi
     try:
         for path, held_rule in _held_rules if held else ():
-            rc = _libc.syscall(
-                ctypes.c_long(add_rule),
-                ctypes.c_int(fd),
-                ctypes.c_int(_LANDLOCK_RULE_PATH_BENEATH),
-                ctypes.byref(held_rule),
-                ctypes.c_uint32(0),
-            )
-            if rc < 0:
-                raise _fail(f"landlock_add_rule for {path!r}", ctypes.get_errno())
+            _add_landlock_rule(add_rule, fd, held_rule, path)
         for path, access in _landlock_rules(policy, handled, held):
             try:
                 pfd = os.open(path, os.O_PATH | os.O_CLOEXEC)
@@ -677,15 +682,7 @@ def _apply_landlock(policy: Policy, abi: int) -> None:
                 if not stat.S_ISDIR(os.fstat(pfd).st_mode):
                     access &= _FS_FILE_RIGHTS
                 rule = _PathBeneathAttr(allowed_access=access, parent_fd=pfd)
-                rc = _libc.syscall(
-                    ctypes.c_long(add_rule),
-                    ctypes.c_int(fd),
-                    ctypes.c_int(_LANDLOCK_RULE_PATH_BENEATH),
-                    ctypes.byref(rule),
-                    ctypes.c_uint32(0),
-                )
-                if rc < 0:
-                    raise _fail(f"landlock_add_rule for {path!r}", ctypes.get_errno())
+                _add_landlock_rule(add_rule, fd, rule, path)
             finally:
                 os.close(pfd)
         rc = _libc.syscall(ctypes.c_long(restrict), ctypes.c_int(fd), ctypes.c_uint32(0))
