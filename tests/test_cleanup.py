@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -250,7 +251,9 @@ def test_child_cleanup_error_keeps_the_answer(tmp_path, monkeypatch):
 
 def test_startup_sweep_kills_processes_of_a_dead_supervisor(tmp_path):
     """A supervisor and its zygote die by SIGKILL; the grandchild its model code started is
-    left. The next supervisor's start-up sweep finds it by its owner token and kills it."""
+    left, and so is the folder of its workers' scratch directories. The next supervisor's
+    start-up sweep finds the grandchild by its owner token and kills it, and removes the
+    folder its owner record names."""
     import subprocess
     import sys
     import textwrap
@@ -269,11 +272,12 @@ def test_startup_sweep_kills_processes_of_a_dead_supervisor(tmp_path):
                                           + {Gate(tmp_path, "never").wait_code!r} + "\\n```"]}})
         sup = brood.Supervisor(m, limits=brood.Limits(fs_write=[{str(tmp_path)!r}]))
         sup.spawn("root")
-        print(sup._engine.backend._zygote.pid, flush=True)
+        print(sup._engine.backend._zygote.pid, sup._engine.backend.scratch_root, flush=True)
         signal.pause()
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    zygote_pid = int(proc.stdout.readline())
+    zygote, scratch_root = proc.stdout.readline().split()
+    zygote_pid = int(zygote)
     ready.wait()
     grandchild = int(pidfile.read_text())
     os.kill(zygote_pid, signal.SIGKILL)
@@ -281,8 +285,52 @@ def test_startup_sweep_kills_processes_of_a_dead_supervisor(tmp_path):
     proc.wait()
     proc.stdout.close()
     assert pid_alive(grandchild)  # orphaned: nobody is left to clean it up
+    assert os.path.isdir(scratch_root)
     with brood.Supervisor(brood.ScriptedModel([]), limits=FAST):
         assert not pid_alive(grandchild)
+        assert not os.path.exists(scratch_root)  # its workers' scratch folder went too
+
+
+def test_the_sweep_removes_only_a_dead_supervisors_own_scratch_folder(tmp_path):
+    """A record of a gone supervisor names its scratch folder: removed. A live one's, a
+    folder not of brood's name, and a link of brood's name are left alone."""
+    from brood.backends.owners import (
+        SCRATCH_PREFIX,
+        pid_namespace,
+        registry_dir,
+        start_time,
+        sweep_orphans,
+    )
+
+    registry = registry_dir()
+    assert registry is not None
+
+    def folder(name: str) -> str:
+        path = tmp_path / name
+        (path / "123").mkdir(parents=True)
+        (path / "123" / "left").write_text("a run's file")
+        return str(path)
+
+    def record(mark: str, scratch: str, *, alive: bool) -> None:
+        start = start_time(os.getpid()) if alive else "not-this-start"
+        data = {"pid": os.getpid(), "start": start, "pidns": pid_namespace(), "scratch": scratch}
+        (Path(registry) / mark).write_text(json.dumps(data))
+
+    dead = folder(SCRATCH_PREFIX + "dead")
+    live = folder(SCRATCH_PREFIX + "live")
+    other = folder("not-brood")
+    target = folder("kept")
+    link = str(tmp_path / (SCRATCH_PREFIX + "link"))
+    os.symlink(target, link)
+    record("a" * 32, dead, alive=False)
+    record("b" * 32, live, alive=True)
+    record("c" * 32, other, alive=False)
+    record("d" * 32, link, alive=False)
+    sweep_orphans()
+    assert not os.path.exists(dead)
+    assert os.path.isdir(live) and os.path.isdir(other) and os.path.islink(link)
+    assert (Path(target) / "123" / "left").exists()
+    assert sorted(os.listdir(registry)) == ["b" * 32]  # the dead ones' records went
 
 
 # Model code that shuts its end of the channel for writing (the supervisor reads its end's

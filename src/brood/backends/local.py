@@ -27,6 +27,7 @@ import msgspec
 from brood.backends.base import STATUS_UNKNOWN, WorkerConn, WorkerSettings
 from brood.backends.owners import (
     OWNER_ENV,
+    SCRATCH_PREFIX,
     proc_stat,
     register_owner,
     sweep_orphans,
@@ -103,7 +104,7 @@ class LocalBackend:
         self.settings = settings
         # Workers' scratch directories live here, one per worker (its pid), each reachable
         # by that worker alone (Landlock); removed when their run ends.
-        self.scratch_root = tempfile.mkdtemp(prefix="brood-scratch-")
+        self.scratch_root = tempfile.mkdtemp(prefix=SCRATCH_PREFIX)
         self._zygote: subprocess.Popen[bytes] | None = None
         self._ctrl: socket.socket | None = None
         # Ready workers; None once no worker can come any more (`self.failed` says why).
@@ -123,7 +124,8 @@ class LocalBackend:
 
     async def start(self) -> None:
         sweep_orphans()
-        self.owner = register_owner()
+        kept = self.settings.keep_scratch  # the user keeps it: no sweep removes it either
+        self.owner = register_owner(None if kept else self.scratch_root)
         await self._start_zygote()
         policy = self.settings.policy
         if policy.disk is not None and (

@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import stat
 import tempfile
@@ -36,6 +37,7 @@ OWNER_ENV = "BROOD_OWNER"
 REGISTRY_ENV = "BROOD_OWNERS_DIR"
 MARK_CHARS = frozenset("0123456789abcdef")
 MARK_LEN = 32
+SCRATCH_PREFIX = "brood-scratch-"  # a supervisor's folder of its workers' scratch directories
 
 
 def registry_dir() -> str | None:
@@ -96,13 +98,15 @@ def pid_namespace(pid: int | str = "self") -> str | None:
         return None
 
 
-def register_owner() -> str:
-    """A new mark for the processes of one supervisor, recorded in the registry."""
+def register_owner(scratch: str | None = None) -> str:
+    """A new mark for the processes of one supervisor, recorded in the registry with the
+    folder its workers' scratch directories are made in (removed by a later sweep if the
+    supervisor dies without removing it)."""
     mark = secrets.token_hex(MARK_LEN // 2)
     folder = registry_dir()
     if folder is not None:
         me = os.getpid()
-        record = {"pid": me, "start": start_time(me), "pidns": pid_namespace()}
+        record = {"pid": me, "start": start_time(me), "pidns": pid_namespace(), "scratch": scratch}
         fd = os.open(os.path.join(folder, mark), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(record, f)
@@ -204,17 +208,34 @@ def sweep_orphans(mark: str | None = None) -> list[int]:
 
 
 def _forget_gone(still_running: set[str]) -> None:
-    """Remove the records of gone supervisors that had no process left to sweep (those
-    that had one are removed by the next sweep, once it is surely dead)."""
+    """Remove the scratch folders of gone supervisors (every process of theirs was killed
+    above), and the records of those that had no process left to sweep (those that had one
+    are removed by the next sweep, once it is surely dead)."""
     folder = registry_dir()
     if folder is None:
         return
     for name in os.listdir(folder):
-        if name in still_running:
-            continue
         record = owner_record(name)
-        if record is not None and supervisor_gone(record):
+        if record is None or not supervisor_gone(record):
+            continue
+        _remove_scratch(record.get("scratch"))
+        if name not in still_running:
             unregister_owner(name)
+
+
+def _remove_scratch(path: object) -> None:
+    """A dead supervisor's scratch folder, as its record names it: removed only when it is
+    a folder of brood's name (SCRATCH_PREFIX) that this user owns, not a link."""
+    if not isinstance(path, str) or not os.path.isabs(path):
+        return
+    if not os.path.basename(path).startswith(SCRATCH_PREFIX):
+        return
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return  # already gone
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def owner_token() -> str:
