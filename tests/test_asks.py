@@ -4,15 +4,15 @@ models; the person is the test."""
 
 from __future__ import annotations
 
+import functools
 import json
-import threading
 
 import pytest
 from typer.testing import CliRunner
 
 import brood
 from brood.cli.main import app
-from tests.util import FAST, Signal, fast
+from tests.util import FAST, Signal, fast, until
 
 FENCE = "```"
 
@@ -21,14 +21,7 @@ def code(source: str) -> str:
     return f"{FENCE}repl\n{source}\n{FENCE}"
 
 
-def until(condition, timeout: float = 60.0) -> None:
-    """Wait until `condition()` holds, looking again every few milliseconds."""
-    stop = threading.Event()
-    for _ in range(int(timeout / 0.005)):
-        if condition():
-            return
-        stop.wait(0.005)
-    raise AssertionError("the condition never held")
+until = functools.partial(until, every=0.005)
 
 
 def ask_events(sup: brood.Supervisor, run_id: str) -> list[dict]:

@@ -10,8 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ from brood.models import resolve_model
 from brood.models.base import CallableModel, spec_record
 from brood.models.echo import CHUNK_TASK, EchoModel, plain_reply
 from tests.test_resume import wait_gone
-from tests.util import Signal, fast
+from tests.util import Signal, fast, until
 
 TIMEOUT_S = 120
 BROOD = [sys.executable, "-m", "brood.cli.main"]
@@ -143,16 +142,6 @@ def test_an_empty_context_is_said_and_starts_no_child():
         result = sup.run("Count", context=[])
         assert len(sup.store.runs(result.run_id)) == 1
     assert result.answer == "the context is an empty list: nothing to count"
-
-
-def until(condition: Callable[[], Any], timeout: float = 60.0) -> Any:
-    """Poll `condition` until it returns something true, bounded by `timeout`."""
-    pause = threading.Event()
-    for _ in range(int(timeout / 0.02)):
-        if value := condition():
-            return value
-        pause.wait(0.02)
-    raise AssertionError("the condition never held")
 
 
 def test_a_task_that_begins_with_ask_asks_a_person_and_answers_with_what_was_said():

@@ -8,7 +8,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -18,23 +17,13 @@ import brood
 from brood.cli.main import app
 from brood.journal import Journal
 from tests.test_resume import wait_gone
-from tests.util import Gate, fast, pid_alive
+from tests.util import Gate, fast, pid_alive, until
 
 FENCE = "```"
 
 
 def repl(code: str) -> str:
     return f"{FENCE}repl\n{code}\n{FENCE}"
-
-
-def until(condition: Callable[[], Any], timeout: float = 60.0) -> Any:
-    """Poll `condition` until it returns something true, bounded by `timeout`."""
-    pause = threading.Event()
-    for _ in range(int(timeout / 0.02)):
-        if value := condition():
-            return value
-        pause.wait(0.02)
-    raise AssertionError("the condition never held")
 
 
 def row(url: str, run_id: str) -> dict[str, Any]:

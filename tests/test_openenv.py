@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -46,7 +46,7 @@ from brood.integrations.openenv import (
     served_limits,
 )
 from brood.journal import Journal
-from tests.util import FAST, read_until, stop
+from tests.util import FAST, read_until, stop, until
 
 pytestmark = pytest.mark.train
 
@@ -54,16 +54,6 @@ ROOT = Path(__file__).resolve().parent.parent
 SERVING = re.compile(r"brood openenv: serving at (http://127\.0\.0\.1:\d+)")
 START_S = 120.0  # bound on the server's start-up (openenv-core imports gradio); never a pace
 EPISODES = 8
-
-
-def until(condition: Callable[[], Any], timeout: float = 60.0) -> Any:
-    """Poll `condition` until it returns something true, bounded by `timeout`."""
-    pause = threading.Event()
-    for _ in range(int(timeout / 0.02)):
-        if value := condition():
-            return value
-        pause.wait(0.02)
-    raise AssertionError("the condition never held")
 
 
 def alive(pid: int) -> bool:

@@ -8,15 +8,15 @@ send and cancel; `brood serve` with the OpenAI client."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
-import threading
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ import psutil
 
 from brood.models.echo import CHUNK_TASK, plain_reply
 from tests.test_resume import wait_gone
-from tests.util import read_until, stop
+from tests.util import read_until, stop, until
 
 BROOD = [sys.executable, "-m", "brood.cli.main"]
 TIMEOUT_S = 120
@@ -57,14 +57,7 @@ def started(*args: str) -> subprocess.Popen[str]:
     )
 
 
-def until(condition: Callable[[], Any], timeout: float = 60.0) -> Any:
-    """Poll `condition` until it returns something true, bounded by `timeout`."""
-    pause = threading.Event()
-    for _ in range(int(timeout / 0.05)):
-        if value := condition():
-            return value
-        pause.wait(0.05)
-    raise AssertionError("the condition never held")
+until = functools.partial(until, every=0.05)
 
 
 def open_asks(store: str) -> list[dict[str, Any]]:

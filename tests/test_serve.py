@@ -3,6 +3,7 @@ and real workers; the clients are httpx and the real `openai` client."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -31,7 +32,7 @@ from brood.serve import make_app
 from brood.serve.bodies import MAX_BODY_BYTES, MAX_JSON_DEPTH
 from tests.trust_util import coder, outcome, task
 from tests.trust_util import limits as trust_limits
-from tests.util import fast, read_until, stop
+from tests.util import fast, read_until, stop, until
 
 TOKEN = "s3cret-token"
 FENCE = "```"
@@ -90,14 +91,7 @@ def hold() -> Iterator[Hold]:
     h.released.set()
 
 
-def until(condition: Callable[[], Any], timeout: float = 30.0) -> Any:
-    """Poll `condition` until it returns something true, bounded by `timeout`."""
-    pause = threading.Event()
-    for _ in range(int(timeout / 0.02)):
-        if value := condition():
-            return value
-        pause.wait(0.02)
-    raise AssertionError("the condition never held")
+until = functools.partial(until, timeout=30.0)
 
 
 @dataclass

@@ -8,7 +8,10 @@ import re
 import select
 import subprocess
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import brood
 
@@ -19,6 +22,17 @@ TEST_FILES = os.path.join(tempfile.gettempdir(), f"pytest-of-{getpass.getuser()}
 SHARED = dict(shutdown_grace=0.3, term_grace=0.3, fs_write=(TEST_FILES,))
 
 FAST = brood.Limits(**SHARED, max_depth=3)  # type: ignore[arg-type]
+
+
+def until(condition: Callable[[], Any], timeout: float = 60.0, every: float = 0.02) -> Any:
+    """Poll `condition` every `every` seconds until it returns something true (that value),
+    bounded by `timeout`."""
+    pause = threading.Event()
+    for _ in range(int(timeout / every)):
+        if value := condition():
+            return value
+        pause.wait(every)
+    raise AssertionError("the condition never held")
 
 
 def fast(**kw: object) -> brood.Limits:
