@@ -11,6 +11,7 @@ import functools
 import json
 import os
 import re
+import signal
 import socket
 import sys
 import time
@@ -1672,7 +1673,12 @@ def with_bare_ray(args: list[str]) -> list[str]:
 
 def main() -> None:  # pragma: no cover - console entry
     """The `brood` command."""
-    app(args=with_bare_ray(sys.argv[1:]), prog_name="brood")
+    try:
+        app(args=with_bare_ray(sys.argv[1:]), prog_name="brood")
+    finally:
+        # The command is over, its tree ended: a late Ctrl-C would only print a traceback
+        # from the interpreter's shutdown (which waits for its threads), so it is ignored.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 if __name__ == "__main__":  # pragma: no cover
