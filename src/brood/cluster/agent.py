@@ -135,10 +135,15 @@ class NodeAgent:
         import ray
 
         note = {"node_id": ray.get_runtime_context().get_node_id(), "host": socket.gethostname()}
-        run = self.engine.call(self.engine.core.host_guest(rec, data, note))
+        # Known before the guest starts: its first model call asks its root's node.
+        self.guest_roots[rec.id] = root_token
+        try:
+            run = self.engine.call(self.engine.core.host_guest(rec, data, note))
+        except BaseException:
+            self.guest_roots.pop(rec.id, None)
+            raise
         with self.lock:
             self.guests[run.id] = run
-            self.guest_roots[run.id] = root_token
 
     def _guest(self, run_id: str) -> Run:
         with self.lock:
