@@ -33,7 +33,7 @@ from brood.backends.owners import (
     sweep_orphans,
     unregister_owner,
 )
-from brood.backends.scratch import SCRATCH_WATCH_S, over_limit, scratch_sizes
+from brood.backends.scratch import SCRATCH_WATCH_S, Remover, over_limit, scratch_sizes
 from brood.errors import BackendError
 from brood.protocol import (
     HEADER,
@@ -121,6 +121,7 @@ class LocalBackend:
         self._orphans: set[WorkerConn] = set()  # workers of a lost zygote, not yet gone
         self._replacing = False  # a lost zygote's successor is starting
         self._owed = 0  # forks asked for meanwhile, made once it is up
+        self._remover = Remover()  # ended workers' scratch directories, off the loop
 
     async def start(self) -> None:
         sweep_orphans()
@@ -378,9 +379,7 @@ class LocalBackend:
     def discard_scratch(self, conn: WorkerConn) -> asyncio.Future[None]:
         loop = asyncio.get_running_loop()
         if conn.scratch and not self.settings.keep_scratch:
-            # In a thread: an rmdir waits for the filesystem's journal (0.5 ms while the
-            # brood journal commits beside it), which the loop would wait through too.
-            return loop.run_in_executor(None, _remove_scratch, conn.scratch)
+            return self._remover.remove(conn.scratch)
         done: asyncio.Future[None] = loop.create_future()
         done.set_result(None)
         return done
@@ -419,6 +418,7 @@ class LocalBackend:
             unregister_owner(self.owner)
         for task in list(self._tasks):
             task.cancel()
+        self._remover.close()
         if self.settings.keep_scratch:  # keep what runs used; drop what no run got
             for conn in self._all:
                 if conn.handler is None:
@@ -489,15 +489,6 @@ class WorkerFrames(asyncio.Protocol):
         if not self.ended:
             self.ended = True
             self.backend.closed(self.conn)
-
-
-def _remove_scratch(path: str) -> None:
-    """Most runs leave their scratch directory empty: one rmdir instead of rmtree's walk (a
-    dozen calls); a directory with something in it is walked."""
-    try:
-        os.rmdir(path)
-    except OSError:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _violation(exc: ProtocolError) -> Msg:

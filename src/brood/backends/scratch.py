@@ -12,11 +12,24 @@ temporary directory, and a default journal made in it).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+import queue
+import shutil
 import stat
+import threading
 from typing import NamedTuple
 
-__all__ = ["SCRATCH_WATCH_S", "Measure", "over_limit", "scratch_bytes", "scratch_sizes"]
+__all__ = [
+    "SCRATCH_WATCH_S",
+    "Measure",
+    "Remover",
+    "over_limit",
+    "remove_scratch",
+    "scratch_bytes",
+    "scratch_sizes",
+]
 
 # A look walks every busy scratch directory in a thread: a few calls for the few files a run
 # usually leaves. Shorter would bound a fast writer more tightly at more cost to every run.
@@ -96,3 +109,65 @@ def over_limit(measure: Measure, limit: int) -> str | None:
         f"worker disk limit: {what} (scratch is watched here, not a tmpfs of its own: "
         "`brood doctor` says why); write less there, or raise the limit"
     )
+
+
+def remove_scratch(path: str) -> None:
+    """Most runs leave their scratch directory empty: one rmdir instead of rmtree's walk (a
+    dozen calls); a directory with something in it is walked."""
+    try:
+        os.rmdir(path)
+    except OSError:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+class Remover:
+    """Removes ended workers' scratch directories on a thread of its own, off the loop (an
+    rmdir waits for the filesystem's journal). It takes what was queued meanwhile as one
+    batch and settles the batch's futures with one call onto the loop: a fan-out's children
+    cost it one wake-up per batch, where an executor job per directory costs two each."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[str, asyncio.Future[None]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread: threading.Thread | None = None
+
+    def remove(self, path: str) -> asyncio.Future[None]:
+        """A future (of the running loop) settled once `path` is gone."""
+        fut = asyncio.get_running_loop().create_future()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="brood-scratch", daemon=True)
+            self._thread.start()
+        self._queue.put((path, fut))
+        return fut
+
+    def close(self) -> None:
+        """Remove what is queued, then end the thread."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            batch = [self._queue.get()]
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    batch.append(self._queue.get_nowait())
+            done = []
+            for item in batch:
+                if item is not None:
+                    remove_scratch(item[0])
+                    done.append(item[1])
+            if done:
+                loop = done[0].get_loop()
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                    loop.call_soon_threadsafe(_settle, done)
+            if None in batch:
+                return
+
+
+def _settle(futures: list[asyncio.Future[None]]) -> None:
+    for fut in futures:
+        if not fut.done():
+            fut.set_result(None)

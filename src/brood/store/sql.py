@@ -20,6 +20,7 @@ starts no writer and never changes the journal.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -254,6 +255,10 @@ class SQLStore:
         # The supervisor's loop (`bind_loop`), and the thread that runs it.
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
+        # Writes made on that loop, held until its current callbacks have run (`_release`):
+        # queued together, they wake the writer once, not once each. (write, waiter, urgent)
+        self._held: collections.deque[tuple[Write, Waiter, bool]] = collections.deque()
+        self._releasing = threading.Lock()  # one thread queues them at a time: in order
         self._thread: threading.Thread | None = None
         # busy_s: the writer's wall time in transactions (GIL waits included); cpu_s: its
         # CPU time in them; statements: SQL statements executed (benchmarks read these).
@@ -533,11 +538,10 @@ class SQLStore:
         loop = self._loop
         if loop is not None and threading.get_ident() == self._loop_thread and loop.is_running():
             fut = loop.create_future()
-            self._put(write, _LoopWaiter(fut))
+            self._put(write, _LoopWaiter(fut), urgent=True)
         else:
             fut = Future()
-            self._put(write, fut)
-        self._hurry()  # someone waits on it: a lingering writer commits now
+            self._put(write, fut, urgent=True)  # someone waits on it: committed now
         return fut
 
     def _hurry(self) -> None:
@@ -546,12 +550,43 @@ class SQLStore:
         if not self._urgent.is_set():
             self._urgent.set()
 
-    def _put(self, write: Write, waiter: Waiter) -> None:
+    def _put(self, write: Write, waiter: Waiter, *, urgent: bool) -> None:
+        """Queue a write; `urgent` (someone waits on it) ends a lingering writer's wait.
+        On the supervisor's loop, a write nobody blocks a thread on is held until the
+        loop's current callbacks have run, then queued with the others they made."""
         if self.readonly:
             raise StoreError(f"{self.where} was opened read-only")
         if self._closed:
             raise StoreError(f"the journal {self.where} is closed; it takes no more writes")
+        loop = self._loop
+        if (
+            loop is not None
+            and not isinstance(waiter, Future)  # a thread may block on it: queued now
+            and threading.get_ident() == self._loop_thread
+            and loop.is_running()
+        ):
+            held = self._held
+            held.append((write, waiter, urgent))
+            if len(held) == 1:
+                loop.call_soon(self._release)
+            return
+        self._release()  # what the loop holds goes first: writes keep their order
         self._queue.put((write, waiter))
+        if urgent:
+            self._hurry()
+
+    def _release(self) -> None:
+        """Queue the writes held on the loop, in order (any thread may)."""
+        held, urgent = self._held, False
+        if not held:
+            return
+        with self._releasing:
+            while held:
+                write, waiter, now = held.popleft()
+                self._queue.put((write, waiter))  # wakes a waiting writer once, not each
+                urgent = urgent or now
+        if urgent:
+            self._hurry()
 
     def insert_supervisor(
         self, token: str, pid: int, host: str, control: str | None, lease_until: float | None = None
@@ -640,8 +675,7 @@ class SQLStore:
         """Journal why a run waits, without a move (a queued run waiting for a pool), at
         once; nobody waits on it (a failure fails the journal, as any write's)."""
         stmt = (self.q("UPDATE runs SET reason=? WHERE id=?"), (reason, run_id))
-        self._put(self._statements([stmt]), _UNWAITED)
-        self._hurry()
+        self._put(self._statements([stmt]), _UNWAITED, urgent=True)
 
     def transition(self, rec: RunRecord, frm: str, to: str) -> Written:
         # This write carries the run's usage: an event's UPDATE queued before it is not
@@ -696,9 +730,7 @@ class SQLStore:
         committed with the next write someone waits on, or within LAZY_LINGER_S (at once
         with `at_once`); if that fails, the journal fails (`on_failure`), as for any
         write."""
-        self._put(self._event_write(rec, kind, data, progress), _UNWAITED)
-        if at_once:
-            self._hurry()
+        self._put(self._event_write(rec, kind, data, progress), _UNWAITED, urgent=at_once)
 
     def _event_write(
         self, rec: RunRecord, kind: str, data: dict[str, Any], progress: str | None
@@ -736,8 +768,7 @@ class SQLStore:
         committed it all)."""
         if not self.readonly and not self._closed:
             done: Future[Any] = Future()  # blocked on, whichever thread this is
-            self._put(lambda cur: None, done)
-            self._hurry()
+            self._put(lambda cur: None, done, urgent=True)
             done.result()
 
     def committed(self) -> Written:
@@ -864,6 +895,7 @@ class SQLStore:
 
     def close(self) -> None:
         self._closed = True
+        self._release()  # held on a loop that may run no more callbacks: committed too
         if self._thread is not None and self._thread.is_alive():
             self._queue.put(None)
             self._urgent.set()
