@@ -46,10 +46,10 @@ def test_every_name_in_all_resolves() -> None:
 
 
 def test_every_public_object_of_the_package_is_in_all() -> None:
-    public = {
+    public = {  # what dir() lists: the names imported so far and those imported on use
         name
-        for name, value in vars(brood).items()
-        if not name.startswith("_") and not isinstance(value, types.ModuleType)
+        for name in dir(brood)
+        if not name.startswith("_") and not isinstance(getattr(brood, name), types.ModuleType)
     }
     assert public == set(brood.__all__)
 
@@ -194,6 +194,24 @@ def test_import_brood_leaves_flows_to_their_first_use() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [], done.stdout
+
+
+def test_the_zygote_imports_the_worker_side_alone() -> None:
+    """Every worker is forked from the zygote, and a smaller zygote forks, copies on write
+    and exits faster: it imports no supervisor-side module and no asyncio (nor the ssl and
+    subprocess asyncio brings), while a public name of `brood` still imports on use."""
+    code = (
+        "import sys, brood.worker.zygote, brood.worker.main\n"
+        "print(*[m for m in sys.modules if m.startswith(('asyncio', 'ssl', 'brood.'))])\n"
+        "print(brood.Limits.__module__, brood.Supervisor.__module__)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    loaded, names = done.stdout.splitlines()
+    modules = loaded.split()
+    assert "brood.worker.confine" in modules and "brood.protocol" in modules
+    assert not [m for m in modules if forbidden(m) or m.startswith(("asyncio", "ssl"))]
+    assert names.split() == ["brood.limits", "brood.api"]
 
 
 # ---- errors survive pickling (cloudpickle ships them between processes, e.g. on Ray) ----

@@ -6,7 +6,6 @@ Both sides import this module; it imports nothing of either side.
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import struct
 import threading
@@ -20,6 +19,8 @@ from brood.lifecycle import AskState
 from brood.limits import may_start_children
 
 if TYPE_CHECKING:
+    import asyncio
+
     from brood.limits import Limits
 
 HEADER = struct.Struct(">I")
@@ -673,6 +674,8 @@ class SyncChannel:
 async def read_frame(reader: asyncio.StreamReader, *, worker: bool = False) -> Msg | None:
     """The next message from an asyncio stream, or None at end of stream. With `worker`,
     the frame is held to what a worker may send (raises ProtocolError otherwise)."""
+    import asyncio  # here: the worker side never needs it (nor ssl, which it brings)
+
     bound = MAX_WORKER_FRAME if worker else MAX_FRAME
     try:
         head = await reader.readexactly(HEADER.size)
