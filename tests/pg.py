@@ -34,6 +34,31 @@ def _as_postgres(cmd: list[str]) -> list[str]:
     return cmd
 
 
+PREFIX = "brood-pg-"
+OWNER = "owner"  # the pid of the test process that started the server in that folder
+
+
+def _sweep_stale(pg_ctl: str) -> None:
+    """Stop and remove the servers of test processes that are gone (killed before their
+    `finally` ran); another live session's server is left alone."""
+    for base in glob.glob(os.path.join(tempfile.gettempdir(), PREFIX + "*")):
+        try:
+            with open(os.path.join(base, OWNER)) as f:
+                owner = int(f.read())
+            os.kill(owner, 0)
+            continue  # its session still runs
+        except ProcessLookupError:
+            pass
+        except (OSError, ValueError):
+            continue  # not ours to judge: no owner recorded, or it cannot be read
+        subprocess.run(
+            _as_postgres([pg_ctl, "-D", os.path.join(base, "data"), "-m", "immediate", "stop"]),
+            capture_output=True,
+            timeout=60,
+        )
+        shutil.rmtree(base, ignore_errors=True)
+
+
 class NoPostgres(Exception):
     """No PostgreSQL server can be started here; the message says why."""
 
@@ -56,9 +81,12 @@ def local_postgres(port: str, *options: str) -> Iterator[str]:
             raise NoPostgres(
                 "running as root and there is no `postgres` user to run the server"
             ) from None
-    base = tempfile.mkdtemp(prefix="brood-pg-")
+    _sweep_stale(pg_ctl)
+    base = tempfile.mkdtemp(prefix=PREFIX)
     data, sock = os.path.join(base, "data"), os.path.join(base, "sock")
     os.makedirs(sock)
+    with open(os.path.join(base, OWNER), "w") as f:
+        f.write(str(os.getpid()))  # a later session stops it if this one is killed
     if os.geteuid() == 0:
         for path in (base, sock):
             os.chown(path, owner.pw_uid, owner.pw_gid)
