@@ -23,7 +23,7 @@ from brood.models.base import Completion, Messages, Model
 from brood.protocol import COMPACT_PROMPT, ModelReq, Replay
 from brood.supervisor.frames import Conversation, Violation
 from tests.test_resume import wait_gone
-from tests.util import Signal, fast
+from tests.util import Signal, fast, until
 
 FENCE = "```"
 REPO = str(Path(__file__).resolve().parents[1])
@@ -187,6 +187,11 @@ def test_a_summary_call_that_fails_fails_the_run_saying_so_and_loses_nothing(tmp
     assert [r["messages"] for r in records] == model.calls
 
 
+def _kinds_of(url: str, root_id: str) -> list[str]:
+    with Journal(url) as journal:
+        return kinds(journal.store.events(root_id))
+
+
 def blocking_model(stage: int, signal_path: str, fifo: str) -> Callable[..., str]:
     """`stage_reply`, except that the turn after stage `stage` announces itself on
     `signal_path`, then blocks until its process is killed."""
@@ -226,14 +231,16 @@ def test_a_compaction_is_replayed_from_the_journal_on_resume(tmp_path, crash_aft
         assert proc.stdout is not None
         root_id = proc.stdout.readline().strip()
         reached.wait()
+        # The compaction's model call is a note (committed within LAZY_LINGER_S, or with
+        # the next write someone waits on): the crash comes once it is in the journal.
+        until(lambda: "compact" in _kinds_of(url, root_id))
     finally:
         proc.kill()
         proc.wait(CRASH_TIMEOUT_S)
         if proc.stdout is not None:
             proc.stdout.close()
     wait_gone(proc.pid)
-    with Journal(url) as journal:
-        before = kinds(journal.store.events(root_id))
+    before = _kinds_of(url, root_id)
     assert before.count("compact") == 1  # journaled before the crash
 
     model = Recorder()

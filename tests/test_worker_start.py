@@ -28,6 +28,7 @@ from brood.worker.link import Link
 from brood.worker.repl import Repl, StepClock
 from brood.worker.runtime import Runtime
 from brood.worker.verbs.base import verb_of
+from brood.worker.zygote import _fork_without_hooks
 
 SUPPORT = confine.probe()
 _PR_CAPBSET_READ = 23
@@ -44,7 +45,10 @@ def _in_zygote_and_worker(zygote: Callable[[], None], worker: Callable[[], Any])
         try:
             os.close(r)
             zygote()
-            child = os.fork()
+            # As the zygote forks: libc's fork, without the interpreter's at-fork hooks. A
+            # library an earlier test loaded (OpenTelemetry's span processor) restarts its
+            # thread in every os.fork() child, and a worker must start single-threaded.
+            child = _fork_without_hooks()
             if child == 0:
                 out: Any
                 try:
