@@ -8,6 +8,7 @@ the worker saw comes back through a pipe."""
 
 from __future__ import annotations
 
+import _thread
 import ast
 import ctypes
 import inspect
@@ -135,6 +136,28 @@ def _runtime(run_id: str) -> Runtime:
         max_depth=2,
         limits=WorkerLimits.from_limits(Limits(max_depth=2)),
     )
+
+
+def test_a_worker_that_runs_a_second_thread_is_refused_confinement(tmp_path: Path) -> None:
+    (tmp_path / "scratch").mkdir()
+    policy = confine.Policy(scratch=str(tmp_path / "scratch"))
+
+    def worker() -> dict[str, Any]:
+        counts = {"alone": confine._thread_count()}
+        hold = _thread.allocate_lock()
+        hold.acquire()
+        _thread.start_new_thread(hold.acquire, ())  # a bare thread, as the link's reader
+        counts["with a thread"] = confine._thread_count()
+        try:
+            confine.apply(policy, SUPPORT)
+            counts["refused"] = ""
+        except brood.ConfinementError as exc:
+            counts["refused"] = str(exc)
+        return counts
+
+    got = _in_zygote_and_worker(lambda: None, worker)
+    assert got["alone"] == 1 and got["with a thread"] == 2
+    assert "runs 2 threads" in got["refused"]
 
 
 def test_prebound_helpers_serve_one_run_and_the_next_binds_its_own() -> None:
