@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -1369,7 +1368,7 @@ def serve(
     try:
         import uvicorn
 
-        from brood.hosts import is_loopback
+        from brood.hosts import is_loopback, listen
         from brood.serve import make_app
         from brood.serve.caps import MAX_QUEUED, MAX_STREAMS
         from brood.serve.sessions import MAX_SESSIONS, SESSION_IDLE_S
@@ -1397,7 +1396,11 @@ def serve(
     except brood.BroodError as exc:
         _refused(exc)
         return
-    sock = _listen(host, port)
+    try:
+        sock = listen(host, port)
+    except brood.BroodError as exc:
+        _refused(exc)
+        return
     bound = sock.getsockname()[1]
     where = f"http://{f'[{host}]' if ':' in host else host}:{bound}"
     lines = [
@@ -1417,34 +1420,6 @@ def serve(
         server.run(sockets=[sock])
     finally:
         sock.close()
-
-
-LISTEN_BACKLOG = 2048  # uvicorn's own default
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port (port 0: a free one, named in the start-up lines)."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-        sock = socket.socket(family, kind, proto)
-    except (OSError, OverflowError) as exc:
-        _fail(f"--host {host} --port {port}: {exc}; pass an address of this machine")
-        raise  # unreachable: _fail exits
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        # Listening before the start-up lines are printed: a client that reads them and
-        # connects at once is queued, not refused, while the server is still starting.
-        sock.listen(LISTEN_BACKLOG)
-    except OSError as exc:
-        sock.close()
-        _fail(
-            f"cannot listen on {host}:{port}: {exc.strerror}; pass another --port "
-            "(--port 0 picks a free one)"
-        )
-    return sock
 
 
 # ---- OpenEnv ---------------------------------------------------------------------------------

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import socket
 import sys
 from typing import Any
 
@@ -30,7 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocketDisconnect
 
 from brood.errors import InvalidArgument
-from brood.hosts import host_of, is_loopback
+from brood.hosts import host_of, is_loopback, listen
 from brood.integrations.openenv.environment import (
     BroodAction,
     BroodEnvironmentFactory,
@@ -43,7 +42,6 @@ __all__ = ["DEFAULT_MAX_ENVS", "DEFAULT_PORT", "make_app", "serve", "served_limi
 
 DEFAULT_MAX_ENVS = 64  # WebSocket sessions at once
 DEFAULT_PORT = 8000  # openenv's servers' own default
-LISTEN_BACKLOG = 2048  # uvicorn's own default
 
 
 def served_limits(max_concurrent_envs: int, **fields: Any) -> Limits:
@@ -148,7 +146,7 @@ def serve(
         **supervisor,
     )
     try:
-        sock = _listen(host, port)
+        sock = listen(host, port)
     except BaseException:
         app.state.environments.close()
         raise
@@ -170,21 +168,6 @@ def serve(
     finally:
         sock.close()
         app.state.environments.close()  # when the lifespan did not run (a failed start)
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(LISTEN_BACKLOG)
-    except OSError as exc:
-        sock.close()
-        raise InvalidArgument(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    return sock
 
 
 class Guard:
