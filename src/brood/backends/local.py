@@ -377,10 +377,9 @@ class LocalBackend:
         return pids_in_group(conn.pid)
 
     def discard_scratch(self, conn: WorkerConn) -> asyncio.Future[None]:
-        loop = asyncio.get_running_loop()
         if conn.scratch and not self.settings.keep_scratch:
             return self._remover.remove(conn.scratch)
-        done: asyncio.Future[None] = loop.create_future()
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         done.set_result(None)
         return done
 

@@ -533,11 +533,16 @@ class SQLStore:
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
 
+    def _on_loop(self) -> bool:
+        """Whether this is the supervisor's loop, running (`bind_loop`)."""
+        loop = self._loop
+        return loop is not None and threading.get_ident() == self._loop_thread and loop.is_running()
+
     def _enqueue(self, write: Write) -> Written:
         fut: Written
-        loop = self._loop
-        if loop is not None and threading.get_ident() == self._loop_thread and loop.is_running():
-            fut = loop.create_future()
+        if self._on_loop():
+            assert self._loop is not None
+            fut = self._loop.create_future()
             self._put(write, _LoopWaiter(fut), urgent=True)
         else:
             fut = Future()
@@ -558,17 +563,14 @@ class SQLStore:
             raise StoreError(f"{self.where} was opened read-only")
         if self._closed:
             raise StoreError(f"the journal {self.where} is closed; it takes no more writes")
-        loop = self._loop
-        if (
-            loop is not None
-            and not isinstance(waiter, Future)  # a thread may block on it: queued now
-            and threading.get_ident() == self._loop_thread
-            and loop.is_running()
-        ):
+        # A _LoopWaiter is only made on the loop; a Future may be blocked on by a thread,
+        # so its write is queued now.
+        if isinstance(waiter, _LoopWaiter) or (waiter is _UNWAITED and self._on_loop()):
+            assert self._loop is not None
             held = self._held
             held.append((write, waiter, urgent))
             if len(held) == 1:
-                loop.call_soon(self._release)
+                self._loop.call_soon(self._release)
             return
         self._release()  # what the loop holds goes first: writes keep their order
         self._queue.put((write, waiter))
