@@ -22,7 +22,7 @@ from itertools import count
 
 import pytest
 
-from brood.backends.owners import REGISTRY_ENV, registry_dir
+from brood.backends.owners import REGISTRY_ENV, registry_dir, sweep_orphans
 from brood.testing import leftover_processes
 
 USER_SETTINGS = ("BROOD_STORE", "BROOD_MODEL", "BROOD_TOKEN")
@@ -57,6 +57,7 @@ def private_registry(request: pytest.FixtureRequest, suite_folder: str) -> Itera
     try:
         yield registry_dir()
     finally:
+        sweep_orphans()  # the folders of the supervisors the test killed, before the records go
         os.environ[REGISTRY_ENV] = session
         shutil.rmtree(folder, ignore_errors=True)
 

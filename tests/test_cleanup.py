@@ -251,9 +251,9 @@ def test_child_cleanup_error_keeps_the_answer(tmp_path, monkeypatch):
 
 def test_startup_sweep_kills_processes_of_a_dead_supervisor(tmp_path):
     """A supervisor and its zygote die by SIGKILL; the grandchild its model code started is
-    left, and so is the folder of its workers' scratch directories. The next supervisor's
-    start-up sweep finds the grandchild by its owner token and kills it, and removes the
-    folder its owner record names."""
+    left, and so are the folder of its workers' scratch directories and the folder of its
+    control socket. The next supervisor's start-up sweep finds the grandchild by its owner
+    token and kills it, and removes the folders its owner record names."""
     import subprocess
     import sys
     import textwrap
@@ -272,11 +272,13 @@ def test_startup_sweep_kills_processes_of_a_dead_supervisor(tmp_path):
                                           + {Gate(tmp_path, "never").wait_code!r} + "\\n```"]}})
         sup = brood.Supervisor(m, limits=brood.Limits(fs_write=[{str(tmp_path)!r}]))
         sup.spawn("root")
-        print(sup._engine.backend._zygote.pid, sup._engine.backend.scratch_root, flush=True)
+        engine = sup._engine
+        print(engine.backend._zygote.pid, engine.backend.scratch_root, engine.control.path,
+              flush=True)
         signal.pause()
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    zygote, scratch_root = proc.stdout.readline().split()
+    zygote, scratch_root, control = proc.stdout.readline().split()
     zygote_pid = int(zygote)
     ready.wait()
     grandchild = int(pidfile.read_text())
@@ -285,18 +287,22 @@ def test_startup_sweep_kills_processes_of_a_dead_supervisor(tmp_path):
     proc.wait()
     proc.stdout.close()
     assert pid_alive(grandchild)  # orphaned: nobody is left to clean it up
-    assert os.path.isdir(scratch_root)
+    assert os.path.isdir(scratch_root) and os.path.exists(control)
     with brood.Supervisor(brood.ScriptedModel([]), limits=FAST):
         assert not pid_alive(grandchild)
         assert not os.path.exists(scratch_root)  # its workers' scratch folder went too
+        assert not os.path.exists(os.path.dirname(control))  # and its socket and key
 
 
-def test_the_sweep_removes_only_a_dead_supervisors_own_scratch_folder(tmp_path):
-    """A record of a gone supervisor names its scratch folder: removed. A live one's, a
-    folder not of brood's name, and a link of brood's name are left alone."""
+def test_the_sweep_removes_only_a_dead_supervisors_own_folders(tmp_path):
+    """A record of a gone supervisor names its scratch and control folders: removed. A live
+    one's, a folder not of brood's name (or of the other key's name), and a link of brood's
+    name are left alone."""
     from brood.backends.owners import (
+        CONTROL_PREFIX,
         SCRATCH_PREFIX,
         pid_namespace,
+        record_folder,
         registry_dir,
         start_time,
         sweep_orphans,
@@ -311,10 +317,12 @@ def test_the_sweep_removes_only_a_dead_supervisors_own_scratch_folder(tmp_path):
         (path / "123" / "left").write_text("a run's file")
         return str(path)
 
-    def record(mark: str, scratch: str, *, alive: bool) -> None:
+    def record(mark: str, scratch: str, *, alive: bool, control: str | None = None) -> None:
         start = start_time(os.getpid()) if alive else "not-this-start"
         data = {"pid": os.getpid(), "start": start, "pidns": pid_namespace(), "scratch": scratch}
         (Path(registry) / mark).write_text(json.dumps(data))
+        if control is not None:
+            record_folder(mark, "control", control)
 
     dead = folder(SCRATCH_PREFIX + "dead")
     live = folder(SCRATCH_PREFIX + "live")
@@ -322,13 +330,18 @@ def test_the_sweep_removes_only_a_dead_supervisors_own_scratch_folder(tmp_path):
     target = folder("kept")
     link = str(tmp_path / (SCRATCH_PREFIX + "link"))
     os.symlink(target, link)
-    record("a" * 32, dead, alive=False)
-    record("b" * 32, live, alive=True)
-    record("c" * 32, other, alive=False)
+    dead_control = folder(CONTROL_PREFIX + "dead")
+    live_control = folder(CONTROL_PREFIX + "live")
+    wrong_key = folder(CONTROL_PREFIX + "as-scratch")
+    record("a" * 32, dead, alive=False, control=dead_control)
+    record("b" * 32, live, alive=True, control=live_control)
+    record("c" * 32, other, alive=False, control=str(tmp_path / "not-brood"))
     record("d" * 32, link, alive=False)
+    record("e" * 32, wrong_key, alive=False)
     sweep_orphans()
-    assert not os.path.exists(dead)
-    assert os.path.isdir(live) and os.path.isdir(other) and os.path.islink(link)
+    assert not os.path.exists(dead) and not os.path.exists(dead_control)
+    assert os.path.isdir(live) and os.path.isdir(live_control) and os.path.isdir(other)
+    assert os.path.islink(link) and os.path.isdir(wrong_key)
     assert (Path(target) / "123" / "left").exists()
     assert sorted(os.listdir(registry)) == ["b" * 32]  # the dead ones' records went
 

@@ -134,12 +134,19 @@ def test_a_journal_on_a_read_only_filesystem_is_named_so_not_damaged(tmp_path):
         f"{cli} run x --model scripted:demo --store sqlite:///{journal}/new.db; echo exit=$?; "
         f"{cli} ps --store {store} --json >/dev/null; echo exit=$?"
     )
+    temp = tmp_path / "temp"  # where the supervisors make their scratch and control folders
+    temp.mkdir()
     out = subprocess.run(
-        ["unshare", "--mount", "sh", "-c", script], capture_output=True, text=True, timeout=120
+        ["unshare", "--mount", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "TMPDIR": str(temp)},
     )
     assert out.stdout.split() == ["exit=2", "exit=2", "exit=0"], out
     assert out.stderr.count("cannot be written") == 2, out.stderr
     assert "read-only filesystem" in out.stderr and "damaged" not in out.stderr
+    assert list(temp.iterdir()) == []  # the supervisors that failed to start left nothing
 
 
 def test_a_bare_ray_flag_means_a_ray_started_here():

@@ -4,7 +4,8 @@ Every process a supervisor starts (its zygote, workers, what model code forks) c
 BROOD_OWNER=MARK in its environment. The mark is random: it names no process, so model code
 that reads it learns nothing it could signal. The supervisor records its mark in this
 user's registry folder (`registry_dir()`, mode 0700) with its own pid, start time and PID
-namespace, and removes the record when it closes.
+namespace, and removes the record when it closes. The record also names the supervisor's
+scratch and control folders, which a sweep removes once the supervisor is gone.
 
 The registry is `$TMPDIR/brood-owners-UID`, shared by every brood process of the user, unless
 BROOD_OWNERS_DIR names another folder (an absolute path; made 0700 when missing, refused when
@@ -38,6 +39,9 @@ REGISTRY_ENV = "BROOD_OWNERS_DIR"
 MARK_CHARS = frozenset("0123456789abcdef")
 MARK_LEN = 32
 SCRATCH_PREFIX = "brood-scratch-"  # a supervisor's folder of its workers' scratch directories
+CONTROL_PREFIX = "brood-ctl-"  # a supervisor's folder of its control socket and its key
+# The folders an owner record may name, by key, each with the prefix of brood's own name.
+FOLDERS = {"scratch": SCRATCH_PREFIX, "control": CONTROL_PREFIX}
 
 
 def registry_dir() -> str | None:
@@ -111,6 +115,21 @@ def register_owner(scratch: str | None = None) -> str:
         with os.fdopen(fd, "w") as f:
             json.dump(record, f)
     return mark
+
+
+def record_folder(mark: str, key: str, path: str) -> None:
+    """Add a folder to `mark`'s record (`key` one of FOLDERS), for a later sweep to remove
+    if the supervisor dies without removing it. The record is replaced whole, never half
+    written."""
+    folder = registry_dir()
+    record = owner_record(mark)
+    if folder is None or record is None:
+        return
+    record[key] = path
+    fd, temp = tempfile.mkstemp(dir=folder, prefix=".new-")
+    with os.fdopen(fd, "w") as f:
+        json.dump(record, f)
+    os.replace(temp, os.path.join(folder, mark))
 
 
 def unregister_owner(mark: str) -> None:
@@ -208,9 +227,9 @@ def sweep_orphans(mark: str | None = None) -> list[int]:
 
 
 def _forget_gone(still_running: set[str]) -> None:
-    """Remove the scratch folders of gone supervisors (every process of theirs was killed
-    above), and the records of those that had no process left to sweep (those that had one
-    are removed by the next sweep, once it is surely dead)."""
+    """Remove the scratch and control folders of gone supervisors (every process of theirs
+    was killed above), and the records of those that had no process left to sweep (those
+    that had one are removed by the next sweep, once it is surely dead)."""
     folder = registry_dir()
     if folder is None:
         return
@@ -218,17 +237,18 @@ def _forget_gone(still_running: set[str]) -> None:
         record = owner_record(name)
         if record is None or not supervisor_gone(record):
             continue
-        _remove_scratch(record.get("scratch"))
+        for key, prefix in FOLDERS.items():
+            _remove_folder(record.get(key), prefix)
         if name not in still_running:
             unregister_owner(name)
 
 
-def _remove_scratch(path: object) -> None:
-    """A dead supervisor's scratch folder, as its record names it: removed only when it is
-    a folder of brood's name (SCRATCH_PREFIX) that this user owns, not a link."""
+def _remove_folder(path: object, prefix: str) -> None:
+    """A dead supervisor's folder, as its record names it: removed only when it is a folder
+    of brood's name (`prefix`) that this user owns, not a link."""
     if not isinstance(path, str) or not os.path.isabs(path):
         return
-    if not os.path.basename(path).startswith(SCRATCH_PREFIX):
+    if not os.path.basename(path).startswith(prefix):
         return
     try:
         st = os.lstat(path)

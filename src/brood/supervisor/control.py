@@ -18,6 +18,7 @@ import socket
 import tempfile
 from typing import Any
 
+from brood.backends.owners import CONTROL_PREFIX, record_folder
 from brood.errors import BroodError, InvalidArgument
 from brood.lifecycle import RunState
 from brood.protocol import (
@@ -41,15 +42,21 @@ from brood.supervisor.core import Core
 class ControlServer:
     def __init__(self, core: Core) -> None:
         self.core = core
-        self._dir = tempfile.mkdtemp(prefix="brood-ctl-")  # mode 0700
-        self.path = os.path.join(self._dir, "ctl.sock")
+        self._dir: str | None = None
+        self.path = ""
         self._secret = secrets.token_hex(32)
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self, owner: str | None) -> None:
+        """Make the socket's folder and listen; `owner` (the backend's owner mark) records
+        the folder so that a later supervisor's sweep removes it if this one is killed."""
+        self._dir = tempfile.mkdtemp(prefix=CONTROL_PREFIX)  # mode 0700
+        if owner:
+            record_folder(owner, "control", self._dir)
+        self.path = os.path.join(self._dir, "ctl.sock")
         fd = os.open(key_path(self.path), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(self._secret)
-        self._server: asyncio.AbstractServer | None = None
-
-    async def start(self) -> None:
         self._server = await asyncio.start_unix_server(self._serve, path=self.path)
         os.chmod(self.path, 0o600)
 
@@ -103,7 +110,8 @@ class ControlServer:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def key_path(socket_path: str) -> str:

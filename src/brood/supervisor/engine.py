@@ -156,6 +156,9 @@ class Engine:
             if hasattr(self, "core"):  # MCP servers it connected to are stopped too
                 with contextlib.suppress(Exception):
                     self._loop.call(self.core.tools.aclose())
+            if hasattr(self, "control"):  # its socket's folder, made before the journal failed
+                with contextlib.suppress(Exception):
+                    self._loop.call(self.control.close())
             with contextlib.suppress(Exception):
                 self._loop.call(self.backend.close())
             self._shutdown()
@@ -169,16 +172,17 @@ class Engine:
     async def _start(self) -> None:
         self.store.bind_loop()  # its writes from the loop are settled on it, a batch at once
         await self.backend.start()
+        # Its processes carry the workers' owner mark, and its control folder is recorded
+        # under it: a sweep finds them if we crash.
+        mark = getattr(self.backend, "owner", None)
         if self._mcp:
             from brood.supervisor.mcp import McpServers  # the [mcp] extra, when asked for
 
-            # Its processes carry the workers' owner mark: a sweep finds them if we crash.
-            mark = getattr(self.backend, "owner", None)
             servers = McpServers(self._mcp, env={OWNER_ENV: mark} if mark else None)
             tools = self.core.tools
             await servers.start(repl_names() | tools.tools.keys())
             tools.add_remote(servers)
-        await self.control.start()
+        await self.control.start(mark)
         await asyncio.wrap_future(
             self.store.insert_supervisor(
                 self.core.owner,
