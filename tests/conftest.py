@@ -8,6 +8,11 @@ them, never sweep each other's processes, and the leftover check reads the regis
 test's supervisors wrote. The Ray tests share one cluster per module, whose node agents keep
 the environment they started with: they use the session's registry instead.
 
+The session has its own temporary folder (TMPDIR, and `tempfile`'s default), removed when
+it ends: what its supervisors make there (private journals, scratch and control folders),
+even those a test kills, goes with it; each test also sweeps the folders of the supervisors
+it killed, as the next supervisor's start-up would.
+
 A user's own BROOD_STORE, BROOD_MODEL and BROOD_TOKEN do not reach the tests.
 """
 
@@ -31,16 +36,26 @@ _tests = count(1)
 
 
 @pytest.fixture(scope="session", autouse=True)
-def suite_folder() -> Iterator[str]:
-    """A folder of this session alone (mode 0700), holding the owner registries; the
-    session's own registry is set for everything started before a test's (Ray's nodes)."""
+def suite_folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A folder of this session alone, holding the owner registries (each mode 0700) and the
+    session's temporary folder; the session's own registry is set for everything started
+    before a test's (Ray's nodes)."""
+    tmp_path_factory.getbasetemp()  # pytest's own stays where it was
     folder = tempfile.mkdtemp(prefix="brood-suite-")
-    saved = {name: os.environ.pop(name, None) for name in (REGISTRY_ENV, *USER_SETTINGS)}
+    os.chmod(folder, 0o711)  # others may pass through to the temporary folder, not list it
+    temp = os.path.join(folder, "tmp")
+    os.mkdir(temp)
+    os.chmod(temp, 0o1777)  # like /tmp: a test may hand a folder in it to another user
+    names = ("TMPDIR", REGISTRY_ENV, *USER_SETTINGS)
+    saved = {name: os.environ.pop(name, None) for name in names}
     os.environ[REGISTRY_ENV] = os.path.join(folder, "owners")
+    os.environ["TMPDIR"] = tempfile.tempdir = temp
     try:
         yield folder
     finally:
-        os.environ.pop(REGISTRY_ENV, None)
+        tempfile.tempdir = None
+        for name in names:
+            os.environ.pop(name, None)
         os.environ.update({k: v for k, v in saved.items() if v is not None})
         shutil.rmtree(folder, ignore_errors=True)
 
