@@ -553,7 +553,7 @@ def decode(body: bytes) -> Msg:
         raise ProtocolError(f"frame of {len(body)} bytes is nested too deeply") from None
 
 
-def decode_worker(body: bytes) -> Msg:
+def decode_worker(body: bytes | memoryview) -> Msg:
     """A frame from a worker, which may only be one of `WorkerMsg` with valid values."""
     if len(body) > MAX_WORKER_FRAME:
         raise ProtocolError(

@@ -62,6 +62,9 @@ ORPHAN_POLL_S = 0.05  # how often the workers of a lost zygote are looked at unt
 # A worker whose connection closed has this long to be seen exited (it closes its end in
 # the kernel a moment before it is a zombie); one still alive then has lost its connection.
 CONNECTION_GRACE_S = 0.05
+# What one read of a worker's connection takes at most (asyncio's own default): read into one
+# buffer of the backend's, shared by every connection, so a read allocates nothing.
+READ_BUFFER = 256 * 1024
 ZYGOTE_START_TIMEOUT_S = 60.0  # a cold import on a loaded machine can take seconds
 
 
@@ -102,6 +105,7 @@ class LocalBackend:
     def __init__(self, settings: WorkerSettings) -> None:
         self.owner = ""  # this backend's owner mark, from start()
         self.settings = settings
+        self._reads = memoryview(bytearray(READ_BUFFER))  # every worker's frames arrive here
         # Workers' scratch directories live here, one per worker (its pid), each reachable
         # by that worker alone (Landlock); removed when their run ends.
         self.scratch_root = tempfile.mkdtemp(prefix=SCRATCH_PREFIX)
@@ -311,7 +315,7 @@ class LocalBackend:
     async def _serve(self, conn: WorkerConn, sock: socket.socket) -> None:
         """Read one worker's frames (`WorkerFrames`), then offer it to runs."""
         loop = asyncio.get_running_loop()
-        await loop.create_connection(lambda: WorkerFrames(self, conn), sock=sock)
+        await loop.create_connection(lambda: WorkerFrames(self, conn, self._reads), sock=sock)
         await self._idle.put(conn)
 
     def closed(self, conn: WorkerConn) -> None:
@@ -426,16 +430,22 @@ class LocalBackend:
             shutil.rmtree(self.scratch_root, ignore_errors=True)
 
 
-class WorkerFrames(asyncio.Protocol):
+class WorkerFrames(asyncio.BufferedProtocol):
     """The supervisor's end of one worker's connection: frames are cut from what arrives and
     handed to the worker's run as they come, in the loop's own callback (no reading task
     woken per frame). A frame that is not one a worker may send, or is too big, ends that
     worker's run with the reason; the supervisor goes on. A frame's size is checked as soon
-    as its header is in, so a too-big body is never buffered."""
+    as its header is in, so a too-big body is never buffered.
 
-    def __init__(self, backend: LocalBackend, conn: WorkerConn) -> None:
+    Bytes are read into the backend's one read buffer (`shared`), which every connection
+    uses in turn (the loop reads one at a time), so a read allocates nothing; only a frame
+    that arrives in parts gets a buffer of its own (`part`), of exactly its size."""
+
+    def __init__(self, backend: LocalBackend, conn: WorkerConn, shared: memoryview) -> None:
         self.backend, self.conn = backend, conn
-        self.buf = bytearray()
+        self.shared = shared
+        self.part: bytearray | None = None  # a frame begun (its header, then all of it)
+        self.have = 0  # bytes of `part` read so far
         self.ended = False
         self.transport: asyncio.Transport | None = None
 
@@ -444,35 +454,79 @@ class WorkerFrames(asyncio.Protocol):
         self.transport = transport
         self.conn.writer = transport
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self.part is not None:  # the rest of the frame begun, and no more
+            return memoryview(self.part)[self.have :]
+        return self.shared
+
+    def buffer_updated(self, nbytes: int) -> None:
         if self.ended:
             return
-        buf = self.buf
-        buf += data
-        while len(buf) >= HEADER.size:
-            (size,) = HEADER.unpack_from(buf)
+        part = self.part
+        if part is None:
+            self._frames(self.shared[:nbytes])
+            return
+        self.have += nbytes
+        if self.have < len(part):
+            return
+        if len(part) == HEADER.size:  # its header is in: a buffer for the whole frame
+            self._begin(part)
+            return
+        self.part = None
+        self._decoded(memoryview(part)[HEADER.size :])
+
+    def _frames(self, data: memoryview) -> None:
+        """Hand on each whole frame of `data`; keep the one it ends inside of."""
+        pos, end = 0, len(data)
+        while end - pos >= HEADER.size:
+            (size,) = HEADER.unpack_from(data, pos)
             if size > MAX_WORKER_FRAME:
-                self._refuse(
-                    ProtocolError(
-                        f"frame of {size} bytes exceeds the {MAX_WORKER_FRAME}-byte bound"
-                    )
-                )
+                self._too_big(size)
                 return
-            end = HEADER.size + size
-            if len(buf) < end:
+            stop = pos + HEADER.size + size
+            if stop > end:
+                break
+            if not self._decoded(data[pos + HEADER.size : stop]):
                 return
-            body = bytes(buf[HEADER.size : end])
-            del buf[:end]
-            try:
-                msg = decode_worker(body)
-            except ProtocolError as exc:
-                self._refuse(exc)
+            pos = stop
+        if pos < end:
+            self._begin(data[pos:end])
+
+    def _begin(self, head: memoryview | bytearray) -> None:
+        """Keep the start of a frame (`head`) until the rest of it comes."""
+        if len(head) < HEADER.size:
+            part = bytearray(HEADER.size)
+        else:
+            (size,) = HEADER.unpack_from(head)
+            if size > MAX_WORKER_FRAME:
+                self._too_big(size)
                 return
-            self.conn.deliver(msg)
+            if size == 0:  # whole already, and empty: not a frame a worker may send
+                self.part = None
+                self._decoded(memoryview(b""))
+                return
+            part = bytearray(HEADER.size + size)
+        part[: len(head)] = head
+        self.part, self.have = part, len(head)
+
+    def _too_big(self, size: int) -> None:
+        self._refuse(
+            ProtocolError(f"frame of {size} bytes exceeds the {MAX_WORKER_FRAME}-byte bound")
+        )
+
+    def _decoded(self, body: memoryview) -> bool:
+        """Hand one frame's message on; False (the worker refused) if it is not one."""
+        try:
+            msg = decode_worker(body)
+        except ProtocolError as exc:
+            self._refuse(exc)
+            return False
+        self.conn.deliver(msg)
+        return True
 
     def _refuse(self, exc: ProtocolError) -> None:
         self.ended = True
-        self.buf.clear()
+        self.part = None
         assert self.transport is not None
         self.transport.pause_reading()
         self.conn.deliver(_violation(exc))

@@ -27,7 +27,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, InvalidStateError
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
@@ -163,8 +163,19 @@ Waiter = Future[Any] | _LoopWaiter | _Unwaited
 
 # json.dumps(value, default=str)'s own text (", " and ": "), not a compact encoder's: the
 # journal is read by people and by their SQL (`data LIKE '{"kind": "spec"%'`). One encoder
-# made once: json.dumps with an argument builds a new one at every call.
-_json = json.JSONEncoder(default=str).encode
+# made once (json.dumps with an argument builds a new one at every call), called without
+# JSONEncoder's Python layers where the C one is there: every model call's event goes
+# through it on the supervisor's loop. Journaled values are brood's own, never cyclic.
+_c_encoder = getattr(json.encoder, "c_make_encoder", None)
+_encode_json: Callable[[Any, int], Iterable[str]] = (
+    _c_encoder(None, str, json.encoder.encode_basestring_ascii, None, ": ", ", ", 0, 0, 1)
+    if _c_encoder is not None
+    else lambda value, _: (json.JSONEncoder(default=str).encode(value),)
+)
+
+
+def _json(value: Any) -> str:
+    return "".join(_encode_json(value, 0))
 
 
 # A batch's consecutive events go in one INSERT of up to this many rows (5 values each:

@@ -152,12 +152,14 @@ class ModelGateway:
         """One call. A RateLimited answer closes the endpoint's gate for every call of every
         tree until the server's Retry-After has passed (one wait, not one per call), and
         the call is tried again; after RATE_TRIES the RateLimited is the call's error."""
-        endpoint = model.describe()
+        endpoint: str | None = None  # named only once some endpoint was rate-limited
         for attempt in range(RATE_TRIES):
             # A deadline, which another 429 may move later meanwhile: looked at again after
             # each wait (nothing sets it as an event could signal).
-            while (left := self.gates.get(endpoint, 0.0) - _now()) > 0:
-                await _sleep(left)
+            if self.gates:
+                endpoint = endpoint or model.describe()
+                while (left := self.gates.get(endpoint, 0.0) - _now()) > 0:
+                    await _sleep(left)
             try:
                 return await self._call(model, messages, name)
             except RateLimited as exc:
@@ -166,6 +168,7 @@ class ModelGateway:
                         f"{exc} (tried {RATE_TRIES} times, each after the endpoint's wait)",
                         retry_after=exc.retry_after,
                     ) from exc
+                endpoint = endpoint or model.describe()
                 wait = _rate_wait(exc.retry_after, attempt, endpoint)
                 self.gates[endpoint] = max(self.gates.get(endpoint, 0.0), _now() + wait)
         raise AssertionError("unreachable")

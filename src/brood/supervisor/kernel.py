@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Awaitable, Callable, Sequence
+from types import CoroutineType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from brood.backends.base import Backend
@@ -159,7 +160,10 @@ class Kernel:
     # ---- bookkeeping -------------------------------------------------------------------
     def task(self, coro: Any) -> asyncio.Task[Any]:
         """Run `coro` on the loop, held until it ends (so it is never collected early)."""
-        task = asyncio.ensure_future(coro)
+        if type(coro) is CoroutineType:  # nearly always: no need of ensure_future's checks
+            task = asyncio.get_running_loop().create_task(coro)
+        else:
+            task = asyncio.ensure_future(coro)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         return task
@@ -280,8 +284,10 @@ class Kernel:
     def progress(self, run: Run) -> None:
         """`run` made progress: every ancestor's worker hears a heartbeat (at most one per
         HEARTBEAT_S each), so a step waiting on work below is not taken for stalled."""
-        now = asyncio.get_running_loop().time()
         below, parent = run, run.parent
+        if parent is None:
+            return  # a root: nobody above to tell
+        now = asyncio.get_running_loop().time()
         while parent is not None:
             if parent.conn is not None and now - parent.last_beat >= HEARTBEAT_S:
                 parent.last_beat = now
