@@ -24,10 +24,11 @@ References measured in this process, before and after the runs:
               (brood.protocol SyncChannel, msgspec) sent over a socketpair and a Reply
               frame sent back by a forked echo process
   loop        the supervisor's side with nothing of brood's: an asyncio loop answering
-              ModelReq frames from a forked process (decoded and encoded as brood does),
-              directly, and with one thread hop (a queue to a thread, call_soon_threadsafe
-              back): the CPU this process spends per call. What a loop and a thread cost
-              on this machine, which brood's supervisor CPU is compared with
+              ModelReq frames from a forked process (read into one buffer, decoded and
+              encoded as brood does), directly, and with one thread hop (a queue to a
+              thread, call_soon_threadsafe back): the CPU this process spends per call.
+              What a loop and a thread cost on this machine, which brood's supervisor CPU
+              is compared with
 
 Targets, for the awaited path (the path a served model's calls take): supervisor CPU per
 llm_query <= TARGET_CPU_US, and the hop <= TARGET_HOP_RATIO x the socketpair round trip.
@@ -143,31 +144,40 @@ def socketpair_seconds() -> float:
         os.waitpid(pid, 0)
 
 
-class _Answering(asyncio.Protocol):
-    """The loop floor's server: cuts frames, decodes each as the supervisor does and sends
-    a Reply, at once or after a hop to `hop`'s thread and back."""
+class _Answering(asyncio.BufferedProtocol):
+    """The loop floor's server: reads into one buffer (as brood's WorkerFrames does), cuts
+    frames, decodes each as the supervisor does and sends a Reply, at once or after a hop
+    to `hop`'s thread and back."""
 
     def __init__(self, done: asyncio.Future[None], hop: queue.SimpleQueue[Any] | None) -> None:
         self.done, self.hop = done, hop
-        self.buf = bytearray()
+        self.buf = memoryview(bytearray(256 * 1024))
+        self.have = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
 
-    def data_received(self, data: bytes) -> None:
-        self.buf += data
-        while len(self.buf) >= HEADER.size:
-            end = HEADER.size + HEADER.unpack_from(self.buf)[0]
-            if len(self.buf) < end:
-                return
-            msg = decode_worker(bytes(self.buf[HEADER.size : end]))
-            del self.buf[:end]
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.buf[self.have :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.have += nbytes
+        pos = 0
+        while self.have - pos >= HEADER.size:
+            end = pos + HEADER.size + HEADER.unpack_from(self.buf, pos)[0]
+            if self.have < end:
+                break
+            msg = decode_worker(self.buf[pos + HEADER.size : end])
+            pos = end
             assert isinstance(msg, ModelReq)
             if self.hop is None:
                 self.transport.write(encode(Reply(msg.req_id, value="a")))
             else:
                 self.hop.put((asyncio.get_running_loop(), self._answer, msg.req_id))
+        rest = self.have - pos
+        self.buf[:rest] = self.buf[pos : self.have]
+        self.have = rest
 
     def _answer(self, req_id: int, value: str) -> None:
         self.transport.write(encode(Reply(req_id, value=value)))

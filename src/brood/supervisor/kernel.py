@@ -91,6 +91,10 @@ class Spreader(Protocol):
         """The other node whose supervisor has owner token `token` (None if unknown)."""
 
 
+# Kernel.tasks lets go of its ended tasks once it holds twice the live ones it kept the last
+# time, and this many more.
+TASKS_PRUNED_AT = 256
+
 LAZY_EVENTS = frozenset({"model_call", "step", "tool_call", "trace", COST_UNKNOWN})
 
 
@@ -151,7 +155,10 @@ class Kernel:
         # The spans of runs, steps, calls, asks and pool waits (tracing.py): a Tracing
         # that does nothing unless the supervisor was made with tracing on.
         self.tracing = tracing
+        # The tasks started here, held until they end (`task`); ended ones are let go of
+        # in bulk, when the set has doubled, not by a callback per task.
         self.tasks: set[asyncio.Task[Any]] = set()
+        self._prune_at = TASKS_PRUNED_AT
         self._deliveries = itertools.count(1 << 30)  # Deliver ids, apart from Exec ids
         # Bound by the composition root (core.py) to the rooms above the kernel.
         self.finish: Finish = unbound
@@ -164,8 +171,12 @@ class Kernel:
             task = asyncio.get_running_loop().create_task(coro)
         else:
             task = asyncio.ensure_future(coro)
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        tasks = self.tasks
+        tasks.add(task)
+        if len(tasks) >= self._prune_at:  # amortized: at most as many ended as live held
+            live = {t for t in tasks if not t.done()}
+            self.tasks = live
+            self._prune_at = 2 * len(live) + TASKS_PRUNED_AT
         return task
 
     async def move(
