@@ -163,9 +163,9 @@ class Limits:
     worker_file_size (bytes), worker_open_files: per-worker resource limits (None: none).
     worker_processes: the processes (and threads: the kernel counts tasks) model code may
         hold at once, exactly. Where a pids cgroup is usable, its pids.max is this plus
-        brood's own tasks in the worker, counted exactly (the main thread, the link reader
-        and 16 call threads, all started before model code runs, so none of them can find
-        its place taken later); past it `fork` and `Thread.start` fail (EAGAIN). Without
+        brood's own tasks in the worker, counted exactly (the main thread and the link
+        reader, both running before model code starts); the threads `spawn()`ed work runs
+        on count among model code's; past it `fork` and `Thread.start` fail (EAGAIN). Without
         a cgroup it is RLIMIT_NPROC, which counts every process of the user (and does not
         bind root); `brood doctor` says which holds.
 

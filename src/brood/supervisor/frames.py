@@ -28,8 +28,9 @@ from brood.protocol import (
     step_capture,
 )
 
-# Requests of one run being answered at once. A worker makes at most its 16 call threads'
-# worth plus its main thread's; more is a flood, each holding its frame in memory.
+# Requests of one run being answered at once. A worker makes at most 16 batched calls at
+# once (worker.runtime.BATCH_WINDOW) plus one per thread of its spawned work (16) and its
+# main thread's; more is a flood, each holding its frame in memory.
 MAX_REQUESTS_IN_FLIGHT = 256
 PRODUCTS_DEPTH = 64  # nesting of a FINAL's products (JSON arrays and objects)
 # Room past a step's capture for the notes a worker adds to what it keeps (what was dropped,

@@ -177,10 +177,10 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
     `processes` bounds what model code may start. Where a cgroup is usable
     (`Support.cgroup`), the worker's cgroup gets pids.max = processes + CGROUP_HEADROOM:
     pids.max counts tasks, so threads as well as processes, and the headroom is exactly
-    brood's own tasks in the worker (its main thread, the link reader and the BATCH_THREADS
-    call threads, all started before model code runs: `pids_capped`); model code then runs
-    exactly `processes` processes or threads of its own at once, and everything it starts,
-    in any session or process group, counts. RLIMIT_NPROC is set too;
+    brood's own tasks in the worker (its main thread and the link reader, both started
+    before model code runs: `pids_capped`); model code then runs exactly `processes`
+    processes or threads of its own at once, and everything it starts, in any session or
+    process group, counts: the threads its `spawn()`ed work runs on too. RLIMIT_NPROC is set too;
     it counts every process of the user and does not apply to root. `memory` is RLIMIT_AS
     per process and, where the cgroup's memory controller is usable, also the memory limit
     of the worker's whole cgroup.
@@ -1181,13 +1181,15 @@ def enter_private_network() -> bool:
 # kills and removes a worker's cgroup once its exit is confirmed.
 
 BATCH_THREADS = 16
-"""Threads a worker runs its concurrent model calls on (llm_query_batched, spawn)."""
+"""Threads a worker runs the work model code `spawn()`s on, started as work comes. They run
+at model code's request, so they count among its `Policy.processes` (llm_query_batched
+needs none: its calls are all in flight from the calling thread)."""
 
-CGROUP_HEADROOM = 2 + BATCH_THREADS
+CGROUP_HEADROOM = 2
 """Tasks added to `Policy.processes` in pids.max: brood's own tasks in a worker, exactly (its
-main thread, the link reader and the BATCH_THREADS call threads). A worker in a pids cgroup
-starts all of them before model code runs (`pids_capped`), so model code gets exactly
-`Policy.processes` tasks of its own, and none of brood's can fail to start later."""
+main thread and the link reader), both running before model code starts (`pids_capped`), so
+model code gets exactly `Policy.processes` tasks of its own. Starting 16 call threads in
+every worker beforehand, as brood once did, cost each worker about 2.5 ms of CPU."""
 
 _pids_capped = False  # this process is in a worker cgroup whose pids.max caps model code
 
@@ -1469,8 +1471,8 @@ thread's and one its threads share."""
 def share_thread_arenas() -> None:
     """Let the worker's threads share one malloc arena (glibc's M_ARENA_MAX): each arena
     reserves 64 MiB of address space, which RLIMIT_AS (`Policy.memory`) counts, so 16
-    threads started at once would take up to 1 GiB of model code's. Call before they
-    start; a no-op where libc has no mallopt."""
+    spawned jobs at once would take up to 1 GiB of model code's. Call before any thread
+    starts; a no-op where libc has no mallopt."""
     mallopt = getattr(_libc, "mallopt", None)
     if mallopt is not None:
         mallopt(_M_ARENA_MAX, MALLOC_ARENAS)

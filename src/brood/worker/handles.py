@@ -15,7 +15,7 @@ from brood.errors import AskCancelled, ChildFailed, ChildNotReady, InvalidArgume
 from brood.lifecycle import TERMINAL_VALUES, AskState
 from brood.protocol import AskCancelReq, AskUpdate, CancelReq, SendReq
 from brood.worker.link import Link
-from brood.worker.runtime import Runtime, as_spawned
+from brood.worker.runtime import Runtime
 
 
 class ChildHandle:
@@ -248,9 +248,24 @@ class AskHandle:
 Handle = ChildHandle | Task | AskHandle
 
 
-def start_task(rt: Runtime, what: str, fn: Callable[..., Any], /, *args: Any, **kw: Any) -> Task:
-    """Run fn(*args, **kw) on the run's call threads as spawned work; its Task at once."""
-    return Task(rt, rt.pool().submit(as_spawned, fn, *args, **kw), what)
+def start_task(
+    rt: Runtime,
+    what: str,
+    fn: Callable[..., Any],
+    /,
+    *args: Any,
+    prompts: Sequence[str] = (),
+    **kw: Any,
+) -> Task:
+    """Run fn(*args, **kw) on the run's call threads as spawned work; its Task at once.
+    `prompts`: the plain calls it makes, counted as under way from now (`Runtime.reserve`)."""
+    held = rt.reserve(prompts)
+    try:
+        fut = rt.pool().submit(rt.reserved_job, held, fn, *args, **kw)
+    except BaseException:
+        rt.release(held)
+        raise
+    return Task(rt, fut, what)
 
 
 HANDLE_SOURCES = "rlm_spawn/rlm_query(blocking=False)/spawn"

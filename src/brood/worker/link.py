@@ -42,21 +42,27 @@ class _Answer:
     (set_result, set_exception, result with a timeout) on one bare lock, held until the
     reply comes. A Future builds a threading.Condition, in Python, for every request."""
 
-    __slots__ = ("_error", "_ready", "_value")
+    __slots__ = ("_error", "_key", "_notify", "_ready", "_value")
 
-    def __init__(self) -> None:
+    def __init__(self, notify: queue.SimpleQueue[Any] | None = None, key: Any = None) -> None:
         self._ready = _thread.allocate_lock()
         self._ready.acquire()
         self._value: Any = None
         self._error: BaseException | None = None
+        self._notify, self._key = notify, key  # told `key` once answered (`Link.start`)
 
     def set_result(self, value: Any) -> None:
         self._value = value
-        self._ready.release()
+        self._answered()
 
     def set_exception(self, error: BaseException) -> None:
         self._error = error
+        self._answered()
+
+    def _answered(self) -> None:
         self._ready.release()
+        if self._notify is not None:
+            self._notify.put(self._key)
 
     def result(self, timeout: float | None = None) -> Any:
         if not self._ready.acquire(timeout=-1 if timeout is None else timeout):
@@ -113,6 +119,23 @@ class Link:
         StallTimeout (the request stays under way; its reply, if it comes, is dropped)."""
         return self._request(msg, stall, what, whole=False)
 
+    def start(self, msg: Msg, *, notify: queue.SimpleQueue[Any], key: Any) -> _Answer:
+        """Send a request without waiting for its reply: its answer, which puts `key` on
+        `notify` once it comes (many requests in flight from one thread). A request the
+        supervisor could not decode is refused here, naming the field."""
+        check(msg)
+        fut = _Answer(notify, key)
+        with self._pending_lock:
+            self._pending[msg.req_id] = fut  # type: ignore[attr-defined]
+        self.chan.send(msg)
+        return fut
+
+    def forget(self, req_id: int) -> None:
+        """Stop waiting for request `req_id`: its reply, if it ever comes, is dropped."""
+        with self._pending_lock:
+            self._pending.pop(req_id, None)
+            self._whole.discard(req_id)
+
     def request_reply(
         self,
         msg: Msg,
@@ -162,9 +185,7 @@ class Link:
                 return fut.result(timeout=max(stall - quiet, 0.0))
             except FutureTimeout:
                 if time.monotonic() - max(self.heard, began) >= stall:
-                    with self._pending_lock:
-                        self._pending.pop(msg.req_id, None)  # type: ignore[attr-defined]
-                        self._whole.discard(msg.req_id)  # type: ignore[attr-defined]
+                    self.forget(msg.req_id)  # type: ignore[attr-defined]
                     raise stalled(what, stall) from None
 
     def _read_loop(self) -> None:

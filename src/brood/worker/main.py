@@ -89,10 +89,9 @@ def run(start: Start, link: Link) -> None:
         limits=limits,
     )
     if pids_capped():
-        # Every thread of brood's own before model code runs: its cgroup's pids.max leaves
-        # model code exactly Limits.worker_processes places (confine.CGROUP_HEADROOM).
-        share_thread_arenas()  # so that they take no GiB of worker_memory's address space
-        rt.start_threads()
+        # Threads of spawned work start as it comes (they count as model code's own:
+        # confine.CGROUP_HEADROOM); sharing one arena, they take no GiB of worker_memory.
+        share_thread_arenas()
     rt.model_name = start.model_name
     rt.replay = start.replay
     helpers = make_helpers(rt)

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import itertools
 import os
+import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from contextvars import ContextVar
 from typing import Any, Protocol
 
@@ -28,10 +29,16 @@ from brood.worker.threads import CallThreads
 # True inside work started by `spawn` (and what that work starts in turn): nobody waits on
 # it as it goes, so the stall alarm is not its to raise; its waiter's rlm_await raises it.
 SPAWNED: ContextVar[bool] = ContextVar("brood_spawned", default=False)
+# The prompts spawn() counted as under way for the work it handed to a thread, which that
+# work's calls take as they begin (`Runtime.reserve`); None outside such work.
+RESERVED: ContextVar[dict[str, int] | None] = ContextVar("brood_reserved", default=None)
 # A model call is a wait worth hibernating in only once it is slow: unanswered after
 # Limits.hibernate_after and at least this long, so hibernate_after=0 stops no worker for
 # each quick call.
 SLOW_CALL_S = 0.25
+# Plain calls of llm_query_batched in flight at once, across the worker's batches (the rest
+# are sent as these end).
+BATCH_WINDOW = 16
 
 
 def as_spawned(fn: Callable[..., Any], /, *args: Any, **kw: Any) -> Any:
@@ -88,6 +95,9 @@ class Runtime:
         self.notes: list[str] = []  # one-time notes for the model, shown with step output
         self.depth_noted = False
         self._pool: CallThreads | None = None
+        # Plain calls of batches in flight at once, across every batch of the worker (its
+        # spawned work's too), as many as its call threads once made at most.
+        self.call_slots = threading.Semaphore(BATCH_WINDOW)
         self._blocked = 0
         self._block_lock = threading.Lock()
         self._task_ids = itertools.count(1)
@@ -119,8 +129,7 @@ class Runtime:
             return recorded
         prompt = str(messages[-1].get("content", "")) if kind == "llm_query" else ""
         if prompt:
-            with self._block_lock:
-                self.in_flight[prompt] = self.in_flight.get(prompt, 0) + 1
+            self.call_began(prompt)
         new_from = 0
         turn = kind in ("turn", "compact")  # the run's own conversation, not a step's call
         if turn:
@@ -138,7 +147,7 @@ class Runtime:
                     ),
                     stall=None if turn else self.stall_alarm,  # steps' calls only
                     what=what,
-                    slow=self._slow_call(),
+                    slow=self.slow_call(),
                 )
             if kind == "turn":
                 self.prompt_tokens = reply.prompt_tokens
@@ -146,10 +155,61 @@ class Runtime:
             return text
         finally:
             if prompt:
-                with self._block_lock:
-                    self.in_flight[prompt] -= 1
+                self.call_ended(prompt)
 
-    def _slow_call(self) -> tuple[float, Callable[[], AbstractContextManager[None]]] | None:
+    def call_models(
+        self, prompts: list[str], model: str | None
+    ) -> list[tuple[str | None, BaseException | None]]:
+        """`call_model` ("llm_query") for each prompt, up to BATCH_WINDOW in flight at once
+        across the worker's batches, all from this thread (no thread per call): each call's
+        reply or error, in order. Every call has ended when this returns (`_Batch`)."""
+        return _Batch(self, prompts, model).run()
+
+    def call_began(self, prompt: str) -> None:
+        """A plain call of `prompt` is under way (`in_flight`): counted now, unless the
+        spawn() that started this work counted it already (`reserve`)."""
+        held = RESERVED.get()
+        with self._block_lock:
+            if held is not None and held.get(prompt, 0) > 0:
+                held[prompt] -= 1  # its place, kept since the spawn, is the call's now
+            else:
+                self.in_flight[prompt] = self.in_flight.get(prompt, 0) + 1
+
+    def reserve(self, prompts: Sequence[str]) -> dict[str, int]:
+        """Count `prompts` as under way now, for work spawn() hands to a thread: the step
+        that spawned it lists them among its pending calls (a resume asks them again) even
+        if it ends before the thread makes them. The calls take the places as they begin
+        (`call_began`, inside `reserved_job`); `release` gives back those never taken."""
+        held: dict[str, int] = {}
+        with self._block_lock:
+            for p in prompts:
+                held[p] = held.get(p, 0) + 1
+                self.in_flight[p] = self.in_flight.get(p, 0) + 1
+        return held
+
+    def release(self, held: dict[str, int]) -> None:
+        with self._block_lock:
+            for p, n in held.items():
+                self.in_flight[p] -= n
+            held.clear()
+
+    def reserved_job(
+        self, held: dict[str, int], fn: Callable[..., Any], /, *args: Any, **kw: Any
+    ) -> Any:
+        """fn(*args, **kw) as spawned work (`as_spawned`) whose calls take the places
+        `held` (`reserve`); those it never took are given back when it ends."""
+        RESERVED.set(held)  # in this job's own copy of the context
+        try:
+            return as_spawned(fn, *args, **kw)
+        finally:
+            self.release(held)
+
+    def call_ended(self, prompt: str) -> None:
+        """A plain call of `prompt` is no longer under way (`in_flight`)."""
+        with self._block_lock:
+            self.in_flight[prompt] -= 1
+
+    def slow_call(self) -> tuple[float, Callable[[], AbstractContextManager[None]]] | None:
         """A model call unanswered after Limits.hibernate_after is a wait like a child's (the
         run may hibernate in it); None: never (or from spawned work, whose waiter decides)."""
         after = self.limits.hibernate_after
@@ -194,16 +254,10 @@ class Runtime:
         return None
 
     def pool(self) -> CallThreads:
-        """The threads concurrent calls run on, started as work comes (or all at once
-        before model code runs: `start_threads`)."""
+        """The threads spawned work runs on, started as work comes."""
         if self._pool is None:
             self._pool = CallThreads(BATCH_THREADS)
         return self._pool
-
-    def start_threads(self) -> None:
-        """Start every call thread now (`CallThreads.start_all`); call before model code
-        runs."""
-        self.pool().start_all()
 
     # ---- waiting on children -----------------------------------------------------------
     def hazard(self, timeout: float | None) -> str:
@@ -308,6 +362,115 @@ class Runtime:
                 f"note: this run is at depth {self.depth} of max_depth={self.max_depth}, so "
                 "rlm_query answers with a plain model call (llm_query) instead of a child run"
             )
+
+
+class _Batch:
+    """One `llm_query_batched`, sent and waited on from the calling thread: each call holds
+    one of the worker's BATCH_WINDOW call slots while in flight (`Runtime.call_slots`,
+    shared by every batch), and the next is sent as one is answered. A call silent past the
+    stall alarm fails with StallTimeout, as a lone call does; once the batch has waited past
+    the slow-call patience (`Runtime.slow_call`), the run says it waits (it may hibernate)
+    until the batch is done."""
+
+    def __init__(self, rt: Runtime, prompts: list[str], model: str | None) -> None:
+        self.rt, self.prompts, self.model = rt, prompts, model
+        self.results: list[tuple[str | None, BaseException | None]] = [(None, None)] * len(prompts)
+        self.answered: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self.waiting: dict[int, tuple[Any, int, float]] = {}  # index: answer, req_id, sent at
+        self.stall, self.slow = rt.stall_alarm, rt.slow_call()
+        self.says_it_waits = False
+
+    def run(self) -> list[tuple[str | None, BaseException | None]]:
+        todo, left = iter(enumerate(self.prompts)), len(self.prompts)
+        slots = self.rt.call_slots
+        with ExitStack() as waits:
+            try:
+                while True:
+                    # A slot for each call sent; waited for only with none of ours out.
+                    while left and slots.acquire(blocking=not self.waiting):
+                        left -= 1
+                        self._send(*next(todo))
+                    if not self.waiting:
+                        if left:
+                            continue
+                        return self.results
+                    done = self._next_answered(waits)
+                    if done in self.waiting:  # not one dropped as its reply came
+                        answer, _, _ = self.waiting.pop(done)
+                        self._ended(done)
+                        try:
+                            self.results[done] = (answer.result(), None)
+                        except Exception as exc:
+                            self.results[done] = (None, exc)
+            finally:
+                for i in list(self.waiting):  # interrupted: nobody waits on them any more
+                    self._drop(i)
+
+    def _send(self, i: int, prompt: str) -> None:
+        """Call `i`, holding one of the worker's call slots: sent, or settled at once (a
+        recorded reply, an error before sending) and its slot given back."""
+        rt = self.rt
+        messages = [{"role": "user", "content": prompt}]
+        try:
+            recorded = rt.recorded_reply(messages, "llm_query")
+            if recorded is not None:
+                self.results[i] = (recorded, None)
+                self.rt.call_slots.release()
+                return
+            msg = ModelReq(
+                req_id=rt.link.next_id(),
+                kind="llm_query",
+                messages=messages,
+                model=self.model or rt.model_name,
+            )
+            rt.call_began(prompt)
+        except Exception as exc:
+            self.results[i] = (None, exc)
+            self.rt.call_slots.release()
+            return
+        try:
+            answer = rt.link.start(msg, notify=self.answered, key=i)
+        except Exception as exc:
+            self._ended(i)
+            self.results[i] = (None, exc)
+            return
+        self.waiting[i] = (answer, msg.req_id, time.monotonic())
+
+    def _drop(self, i: int) -> None:
+        _, req_id, _ = self.waiting.pop(i)
+        self.rt.link.forget(req_id)
+        self._ended(i)
+
+    def _ended(self, i: int) -> None:
+        self.rt.call_ended(self.prompts[i])
+        self.rt.call_slots.release()
+
+    def _next_answered(self, waits: ExitStack) -> int | None:
+        """The index of the next call answered; None when the wait ended otherwise: calls
+        silent past the stall alarm failed, or the batch became slow and the run now says
+        it waits (in `waits`, until the batch ends)."""
+        link, sent = self.rt.link, [at for _, _, at in self.waiting.values()]
+        patience = None if self.slow is None or self.says_it_waits else self.slow[0]
+        bounds, now = [], time.monotonic()
+        if self.stall is not None:
+            bounds.append(min(max(link.heard, at) for at in sent) + self.stall - now)
+        if patience is not None:
+            bounds.append(min(sent) + patience - now)
+        try:
+            return self.answered.get(timeout=max(min(bounds), 0.0) if bounds else None)
+        except queue.Empty:
+            pass
+        now = time.monotonic()
+        if patience is not None and self.slow is not None and now - min(sent) >= patience:
+            waits.enter_context(self.slow[1]())
+            self.says_it_waits = True
+        if self.stall is not None:
+            for i, (_, _, at) in list(self.waiting.items()):
+                if now - max(link.heard, at) >= self.stall:
+                    self._drop(i)
+                    what = f"the model call (llm_query: {self.prompts[i][:60]!r})"
+                    self.results[i] = (None, stalled(what, self.stall))
+        return None
 
 
 def _open_fds() -> set[str]:

@@ -1,20 +1,19 @@
-"""The threads a worker runs concurrent model calls and spawned work on.
+"""The threads a worker runs spawned work on (`spawn`).
 
 Bare threads (`_thread`), not `threading.Thread`s in a ThreadPoolExecutor: a worker is a
 fresh fork, and threading's bookkeeping costs page faults in it (three times the CPU of a
 bare start, measured for 16 threads). Each job runs in a copy of its submitter's context,
 so work that spawned work starts is spawned work too (`runtime.SPAWNED`).
 
-In a pids cgroup (`confine.pids_capped`) every thread is started before model code runs
-(`start_all`): the cgroup's pids.max leaves model code exactly `Limits.worker_processes`
-places, and none of brood's threads may find them taken later. Elsewhere a thread starts
-when work finds none idle, up to the pool's size.
+A thread starts when work finds none idle, up to the pool's size. In a pids cgroup
+(`confine.pids_capped`) these threads count among model code's `Limits.worker_processes`:
+they run the work it asked for, so a start may be refused when its own processes hold every
+place, and the `spawn` that needed it says so.
 """
 
 from __future__ import annotations
 
 import _thread
-import contextlib
 import queue
 import threading
 from collections.abc import Callable
@@ -34,22 +33,19 @@ class CallThreads(Executor):
         self._load = 0  # jobs submitted and not yet done
         self._idents: set[int] = set()
 
-    def start_all(self) -> None:
-        """Start every thread now. Should a start fail (an address-space limit too small for
-        every stack), the rest start as work comes."""
-        with self._lock, contextlib.suppress(RuntimeError):
-            while self._started < self._size:
-                self._start()
-
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kw: Any) -> Future[Any]:
         fut: Future[Any] = Future()
         with self._lock:
             if self._load >= self._started and self._started < self._size:
                 try:
                     self._start()
-                except RuntimeError:
-                    if not self._started:
-                        raise  # no thread to run it: the caller learns why
+                except RuntimeError as exc:
+                    if not self._started:  # no thread to run it: the caller learns why
+                        raise RuntimeError(
+                            f"spawned work found no thread to run on ({exc}): its threads "
+                            "count among Limits.worker_processes, which the run's own "
+                            "processes and threads hold; end some, or raise the limit"
+                        ) from exc
             self._load += 1
         context = copy_context()
         self._jobs.put((fut, context.run, (fn, *args), kw))

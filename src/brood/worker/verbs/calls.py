@@ -24,14 +24,8 @@ def llm_query_batched(prompts: list[str], model: str | None = None, *, rt: Runti
     for i, p in enumerate(prompts):
         rt.fits(p, f"llm_query_batched[{i}]")
 
-    def one(p: str) -> tuple[str | None, BaseException | None]:
-        try:
-            return llm_query(p, model, rt=rt), None
-        except Exception as exc:  # every call ends before the batch says how it went
-            return None, exc
-
-    with rt.clock.paused():
-        results = list(rt.pool().map(one, prompts))
+    with rt.clock.paused():  # every call ends before the batch says how it went
+        results = rt.call_models(prompts, model)
     failed = [i for i, (_, exc) in enumerate(results) if exc is not None]
     if not failed:
         return [reply for reply, _ in results]  # type: ignore[misc]

@@ -111,7 +111,7 @@ def rlm_query(
         rt.note_depth()
         if blocking:
             return calls.llm_query(prompt, model, rt=rt)
-        return start_task(rt, "llm_query", calls.llm_query, prompt, model, rt=rt)
+        return start_task(rt, "llm_query", calls.llm_query, prompt, model, rt=rt, prompts=[prompt])
     (h,) = spawn_children(
         rt,
         [prompt],

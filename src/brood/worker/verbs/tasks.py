@@ -48,7 +48,7 @@ def spawn(fn: Callable[..., Any], *args: Any, rt: Runtime, **kw: Any) -> Handle:
         fut = rt.pool().submit(as_spawned, collect, rt, handles, None)
         return Task(rt, fut, "rlm_query_batched", handles)
     if target is not None and target in _AS_TASKS:
-        return start_task(rt, fn.__name__, fn, *args, **kw)
+        return start_task(rt, fn.__name__, fn, *args, prompts=_plain_calls(target, args, kw), **kw)
     raise InvalidArgument(
         "spawn(fn, ...) starts one of llm_query, llm_query_batched, rlm_query, "
         "rlm_query_batched, llm_query_chunked, map_files, llm_map_reduce; got "
@@ -69,3 +69,17 @@ def rlm_await_all(tasks: list[Handle], timeout: float | None = None, *, rt: Runt
     """rlm_await over several tasks or handles; results in order."""
     handles = check_handles(tasks, "rlm_await_all", "tasks")
     return collect(rt, handles, check_timeout(timeout, "rlm_await_all"))
+
+
+def _plain_calls(target: object, args: tuple[Any, ...], kw: dict[str, Any]) -> list[str]:
+    """The prompts of the plain calls spawned llm_query or llm_query_batched will make
+    (counted as under way from the spawn: `Runtime.reserve`); none for other helpers,
+    whose calls are counted as they begin."""
+    if target is calls.llm_query:
+        prompt = args[0] if args else kw.get("prompt")
+        return [prompt] if isinstance(prompt, str) else []
+    if target is calls.llm_query_batched:
+        prompts = args[0] if args else kw.get("prompts")
+        if isinstance(prompts, list | tuple) and all(isinstance(p, str) for p in prompts):
+            return list(prompts)
+    return []
