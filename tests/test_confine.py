@@ -721,50 +721,45 @@ replies = llm_query_batched(["ping"] * 16)
 FINAL(f"forks={n} errno={err} replies={sorted(set(replies))}")"""
 
 
-def test_model_code_holds_exactly_worker_processes_and_brood_threads_still_start() -> None:
-    # Model code forks until refused, holding every child alive: it gets exactly
-    # worker_processes (brood's own tasks are all running before it starts, and are the
-    # whole headroom). At the cap a batch is still served: it needs no thread.
+def _hold_all(code: str, processes: int) -> tuple[brood.RunResult, str]:
+    """A run whose step is `code` (its llm_query calls answered "pong") under
+    worker_processes=`processes`: how it ended and the step's output; nothing left behind."""
     require_cgroup()
-
-    def chat_fn(messages: list[dict[str, Any]]) -> str:
-        if messages[-1]["content"] == "ping":
-            return "pong"
-        return f"```repl\n{HOLD_ALL_CODE}\n```"
-
-    limits = brood.Limits(worker_processes=16, shutdown_grace=0.3, term_grace=0.3)
-    before = set(_descendants(os.getpid()))
-    with brood.Supervisor(chat_fn, limits=limits) as sup:
-        result = sup.run("hold all you can")
-    assert result.state == "completed", result
-    assert result.answer == f"forks=16 errno={errno.EAGAIN} replies=['pong']", result.answer
-    assert _wait_dead([p for p in _descendants(os.getpid()) if p not in before]) == []
-
-
-def test_spawned_work_counts_among_worker_processes() -> None:
-    # spawn() runs its work on a thread, which counts as model code's own: with every place
-    # held by its forks, the spawn is refused, naming the limit; a plain call still goes.
-    require_cgroup()
-    code = HOLD_ALL_CODE.replace(
-        "replies = llm_query_batched",
-        "try:\n    spawn(llm_query, 'ping')\nexcept RuntimeError as exc:\n"
-        "    print('refused:', exc)\nreplies = llm_query_batched",
-    )
 
     def chat_fn(messages: list[dict[str, Any]]) -> str:
         if messages[-1]["content"] == "ping":
             return "pong"
         return f"```repl\n{code}\n```"
 
-    limits = brood.Limits(worker_processes=4, shutdown_grace=0.3, term_grace=0.3)
+    limits = brood.Limits(worker_processes=processes, shutdown_grace=0.3, term_grace=0.3)
     before = set(_descendants(os.getpid()))
     with brood.Supervisor(chat_fn, limits=limits) as sup:
-        result = sup.run("hold all you can, then spawn")
+        result = sup.run("hold all you can")
         steps = sup.store.events(result.run_id, "step")
-    assert result.answer == f"forks=4 errno={errno.EAGAIN} replies=['pong']", result.answer
-    out = steps[0]["data"]["stdout"]
-    assert "refused: spawned work found no thread" in out and "worker_processes" in out, out
     assert _wait_dead([p for p in _descendants(os.getpid()) if p not in before]) == []
+    return result, steps[0]["data"]["stdout"] if steps else ""
+
+
+def test_model_code_holds_exactly_worker_processes_and_brood_threads_still_start() -> None:
+    # Model code forks until refused, holding every child alive: it gets exactly
+    # worker_processes (brood's own tasks are all running before it starts, and are the
+    # whole headroom). At the cap a batch is still served: it needs no thread.
+    result, _ = _hold_all(HOLD_ALL_CODE, 16)
+    assert result.state == "completed", result
+    assert result.answer == f"forks=16 errno={errno.EAGAIN} replies=['pong']", result.answer
+
+
+def test_spawned_work_counts_among_worker_processes() -> None:
+    # spawn() runs its work on a thread, which counts as model code's own: with every place
+    # held by its forks, the spawn is refused, naming the limit; a plain call still goes.
+    code = HOLD_ALL_CODE.replace(
+        "replies = llm_query_batched",
+        "try:\n    spawn(llm_query, 'ping')\nexcept RuntimeError as exc:\n"
+        "    print('refused:', exc)\nreplies = llm_query_batched",
+    )
+    result, out = _hold_all(code, 4)
+    assert result.answer == f"forks=4 errno={errno.EAGAIN} replies=['pong']", result.answer
+    assert "refused: spawned work found no thread" in out and "worker_processes" in out, out
 
 
 # ---- the seccomp filter's decisions, for each machine ------------------------------------------
