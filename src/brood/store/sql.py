@@ -568,15 +568,18 @@ class SQLStore:
 
     def _put(self, write: Write, waiter: Waiter, *, urgent: bool) -> None:
         """Queue a write; `urgent` (someone waits on it) ends a lingering writer's wait.
-        On the supervisor's loop, a write nobody blocks a thread on is held until the
-        loop's current callbacks have run, then queued with the others they made."""
+        On the supervisor's loop, an urgent write nobody blocks a thread on is held until
+        the loop's current callbacks have run, then queued with the others they made, so
+        the writer commits once for them. A lazy one (a model call's event) is queued at
+        once, after what the loop holds: the writer lingers for it anyway, and holding it
+        cost every model call a turn of the loop."""
         if self.readonly:
             raise StoreError(f"{self.where} was opened read-only")
         if self._closed:
             raise StoreError(f"the journal {self.where} is closed; it takes no more writes")
         # A _LoopWaiter is only made on the loop; a Future may be blocked on by a thread,
         # so its write is queued now.
-        if isinstance(waiter, _LoopWaiter) or (waiter is _UNWAITED and self._on_loop()):
+        if isinstance(waiter, _LoopWaiter) or (urgent and waiter is _UNWAITED and self._on_loop()):
             assert self._loop is not None
             held = self._held
             held.append((write, waiter, urgent))
