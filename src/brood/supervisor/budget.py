@@ -103,12 +103,7 @@ class Budget:
             run.calls.discard(task)  # ended while it waited: no call was made
             raise
         tree.calls_in_flight += 1
-        tracing = k.tracing
-        span = (
-            tracing.model_call(run, model, msg.model or model.name, msg.kind)
-            if tracing.enabled
-            else None
-        )
+        span = k.tracing.model_call(run, model, msg.model or model.name, msg.kind)
         started = time.perf_counter()
         done: Completion | None = None
         error: str | None = None
@@ -145,8 +140,7 @@ class Budget:
                 far=far,
                 span=span,
             )
-            if tree.budget_waiters:
-                _wake_budget(tree)
+            _wake_budget(tree)
 
     def check_model(self, run: Run, name: str | None) -> None:
         """A model name model code passed (`llm_query` / `rlm_query` with model=): its own
@@ -273,10 +267,9 @@ class Budget:
         cost: float | None = 0.0  # a call that failed is not billed by its tokens
         if done is not None:
             cost = self.pricing.cost(*priced, tokens_in, tokens_out, done.cost)
-        if k.tracing.enabled:
-            k.tracing.model_call_done(
-                span, input_tokens=tokens_in, output_tokens=tokens_out, cost=cost, error=error
-            )
+        k.tracing.model_call_done(
+            span, input_tokens=tokens_in, output_tokens=tokens_out, cost=cost, error=error
+        )
         u = run.rec.usage
         u["model_calls"] = u.get("model_calls", 0) + 1
         u["input_tokens"] = u.get("input_tokens", 0) + tokens_in

@@ -123,10 +123,16 @@ class Link:
         """Send a request without waiting for its reply: its answer, which puts `key` on
         `notify` once it comes (many requests in flight from one thread). A request the
         supervisor could not decode is refused here, naming the field."""
+        return self._send_request(msg, _Answer(notify, key), whole=False)
+
+    def _send_request(self, msg: Msg, fut: _Answer, *, whole: bool) -> _Answer:
+        """Refuse `msg` if the supervisor could not decode it; else wait for its reply in
+        `fut` (the whole Reply with `whole`) and send it."""
         check(msg)
-        fut = _Answer(notify, key)
         with self._pending_lock:
             self._pending[msg.req_id] = fut  # type: ignore[attr-defined]
+            if whole:
+                self._whole.add(msg.req_id)  # type: ignore[attr-defined]
         self.chan.send(msg)
         return fut
 
@@ -159,13 +165,7 @@ class Link:
         whole: bool,
         slow: tuple[float, Callable[[], AbstractContextManager[None]]] | None = None,
     ) -> Any:
-        check(msg)
-        fut = _Answer()
-        with self._pending_lock:
-            self._pending[msg.req_id] = fut  # type: ignore[attr-defined]
-            if whole:
-                self._whole.add(msg.req_id)  # type: ignore[attr-defined]
-        self.chan.send(msg)
+        fut = self._send_request(msg, _Answer(), whole=whole)
         began = time.monotonic()
         if slow is not None:
             patience, waiting = slow
