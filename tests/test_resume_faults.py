@@ -45,6 +45,7 @@ FENCE = "```"
 TICK_ENV = "BROOD_FAULT_TICK"  # the tick's source: set in the crashed process only
 SEED = int(os.environ.get("BROOD_FAULT_SEED") or random.SystemRandom().randrange(2**32))
 GROUPS, POINTS_PER_GROUP = 4, 13  # 52 kill points, split so each test stays well in its timeout
+QUICK_GROUPS = 2  # make test's share of them (a new seed each run); make test-all runs all
 MAX_KILL_DELAY_S = 0.005
 EXIT_TIMEOUT_S = 60
 LIMITS = dict(shutdown_grace=0.2, term_grace=0.2, fs_write=[TEST_FILES])  # max_depth: 3
@@ -385,7 +386,10 @@ def crash_and_resume(tmp: Path, kill_at: int, delay: float, expected: str) -> st
     return f"resumed; {sum(asked.values())} model calls made by the resume"
 
 
-@pytest.mark.parametrize("group", range(GROUPS))
+@pytest.mark.parametrize(
+    "group",
+    [g if g < QUICK_GROUPS else pytest.param(g, marks=pytest.mark.scale) for g in range(GROUPS)],
+)
 def test_resume_after_a_kill_at_random_points(group, tmp_path, uncrashed):
     first = group * POINTS_PER_GROUP
     points = kill_points(uncrashed.ticks)[first : first + POINTS_PER_GROUP]
