@@ -93,14 +93,12 @@ class Admission:
         k = self.kernel
         pool = self.pools.get(run.rec.pool)
         if pool is None:  # journaled under a pool this supervisor's limits do not have
-            k.task(
-                k.finish(
-                    run,
-                    RunState.FAILED,
-                    f"pool {run.rec.pool!r} is not one of this supervisor's pools "
-                    f"({', '.join(sorted(self.pools)) or 'none'}); resume it with "
-                    "Limits(pools=...) naming it",
-                )
+            k.end(
+                run,
+                RunState.FAILED,
+                f"pool {run.rec.pool!r} is not one of this supervisor's pools "
+                f"({', '.join(sorted(self.pools)) or 'none'}); resume it with "
+                "Limits(pools=...) naming it",
             )
             return False
         # Holders are read again here, after any refusal: one that ended meanwhile is gone.

@@ -336,7 +336,7 @@ class Budget:
         over = self._over_budget(tree, 0)
         if over and root.ending is None and not root.guest:
             k = self.kernel
-            k.task(k.finish(root, RunState.CANCELLED, f"budget: {over}"))
+            k.end(root, RunState.CANCELLED, f"budget: {over}")
 
     def _by_ref(self, run: Run, request: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The request as journaled: a system prompt (several KB, the same for most runs of

@@ -146,7 +146,7 @@ class Conversations:
         run.timer = None
         k = self.kernel
         why = f"conversation turn {n} timed out after {timeout:g} s"
-        k.task(k.finish(run, RunState.TIMED_OUT, why))
+        k.end(run, RunState.TIMED_OUT, why)
 
     def check_open(self, run: Run) -> None:
         """ConversationClosed once the root has ended (or is ending); BroodError for one

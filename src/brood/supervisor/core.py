@@ -110,6 +110,7 @@ class Core:
         )
         # The calls that go up from a room to one built on it, bound once here.
         k.finish = self.ending.finish
+        k.end = self.ending.end
         k.waits_changed = self.admission.waits_changed
         self.ending.spread = self.spread.spread
         self.ending.adopt_lost = self.spread.adopt_lost
@@ -139,7 +140,7 @@ class Core:
         run.conn = conn
         on_msg = self.requests.on_msg
         conn.attach(lambda msg: on_msg(run, msg))
-        conn.on_exit = lambda status: k.task(self.ending.on_exit(run, status, conn))
+        conn.on_exit = lambda status: self.ending.exited(run, status, conn)
         run.rec.pid = conn.pid
         if k.keep_scratch:  # the user keeps it: say where it is
             k.event(run, "scratch", {"path": conn.scratch, "pid": conn.pid})
@@ -191,9 +192,7 @@ class Core:
         if run.timeout is not None and run.timer is None:  # a woken run keeps its clock
             run.timer = asyncio.get_running_loop().call_later(
                 run.timeout,
-                lambda: k.task(
-                    k.finish(run, RunState.TIMED_OUT, f"timed out after {run.timeout:g} s")
-                ),
+                lambda: k.end(run, RunState.TIMED_OUT, f"timed out after {run.timeout:g} s"),
             )
 
     # ---- driving a Session root --------------------------------------------------------

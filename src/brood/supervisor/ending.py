@@ -76,9 +76,24 @@ class Ending:
         """
         if run.rec.state.terminal:
             return run.rec.state
-        if run.ending is None:
-            run.ending = self.kernel.task(self._end(run, state, reason, answer, error, kind))
+        self.end(run, state, reason, answer=answer, error=error, kind=kind)
+        assert run.ending is not None
         return await asyncio.shield(run.ending)
+
+    def end(
+        self,
+        run: Run,
+        state: RunState,
+        reason: str,
+        *,
+        answer: str | None = None,
+        error: str | None = None,
+        kind: FailureKind = FailureKind.ERROR,
+    ) -> None:
+        """Begin ending `run` as `finish` does, for a caller that does not wait for it (a
+        frame's handler, a timer): nothing if its ending has begun already."""
+        if run.ending is None and not run.rec.state.terminal:
+            run.ending = self.kernel.task(self._end(run, state, reason, answer, error, kind))
 
     async def _end(
         self,
@@ -273,13 +288,17 @@ class Ending:
         if not k.closing:
             await k.backend.discard_scratch(conn)
 
-    async def on_exit(self, run: Run, status: int, conn: WorkerConn | None = None) -> None:
-        """The worker (`conn`) died. Unless its run is already ending, or the worker was
-        stopped for the run to hibernate (or is not the run's any more), that is a crash."""
-        if run.ending is not None or run.rec.state.terminal:
-            return
-        if run.hibernating or (conn is not None and run.conn is not conn):
-            return
+    def exited(self, run: Run, status: int, conn: WorkerConn) -> None:
+        """`run`'s worker `conn` died. Unless its run is already ending, or the worker was
+        stopped for the run to hibernate (or is not the run's any more), that is a crash
+        (`on_exit`); the common case, a run that ended, costs no task."""
+        ending = run.ending is not None or run.rec.state.terminal or run.hibernating
+        if not ending and run.conn is conn:
+            self.kernel.task(self.on_exit(run, status))
+
+    async def on_exit(self, run: Run, status: int) -> None:
+        """`run`'s worker crashed: its run fails with how it died, once what it sent last
+        was read (a Final may still be queued)."""
         if run.conn is not None:
             await _wait_event(run.conn.closed, DRAIN_ON_EXIT_S)  # a Final may still be queued
             await asyncio.sleep(0)
@@ -388,13 +407,24 @@ def exit_reason(limits: Limits, status: int, cpu_used: float, oom_kills: int = 0
 
 
 async def _wait(fut: asyncio.Future[Any], timeout: float) -> bool:
-    if fut.done():
-        return True
-    try:
-        await asyncio.wait_for(asyncio.shield(fut), timeout)
-        return True
-    except TimeoutError:
-        return False
+    """Whether `fut` is done within `timeout` seconds; it is never cancelled. (Every run's
+    end waits so for its worker's exit: a callback and a timer, not wait_for and shield.)"""
+    if not fut.done():
+        loop = asyncio.get_running_loop()
+        woken: asyncio.Future[None] = loop.create_future()
+
+        def wake(_: object = None) -> None:
+            if not woken.done():
+                woken.set_result(None)
+
+        fut.add_done_callback(wake)
+        timer = loop.call_later(timeout, wake)
+        try:
+            await woken
+        finally:
+            timer.cancel()
+            fut.remove_done_callback(wake)
+    return fut.done()
 
 
 async def _wait_event(event: asyncio.Event, timeout: float) -> bool:

@@ -5,8 +5,8 @@ table, then the journal, and only once that is committed, the parent's worker). 
 here runs on the supervisor's loop thread. The rooms around it (admission, ending, budget,
 spread, resume, starts, requests, asks) each receive this kernel, never `Core`.
 
-Two calls go up from here to rooms built on top of it, bound once by the composition root
-(core.py): `finish` (ending.py) and `waits_changed` (admission.py).
+The calls that go up from here to rooms built on top of it are bound once by the composition
+root (core.py): `finish` and `end` (ending.py) and `waits_changed` (admission.py).
 """
 
 from __future__ import annotations
@@ -42,6 +42,21 @@ if TYPE_CHECKING:  # brood.flow is imported on a flow's first use
 DELIVER_ACK_S = 5.0  # how long a follow-up waits for the worker to confirm it is queued
 HEARTBEAT_S = 0.1  # at most one heartbeat from below per this many seconds to one worker
 ID_DRAWS = 8  # fresh ids tried for a run whose id the journal already holds
+
+
+class End(Protocol):
+    """Beginning a run's ending without waiting for it (ending.py's `Ending.end`)."""
+
+    def __call__(
+        self,
+        run: Run,
+        state: RunState,
+        reason: str,
+        *,
+        answer: str | None = None,
+        error: str | None = None,
+        kind: FailureKind = FailureKind.ERROR,
+    ) -> None: ...
 
 
 class Finish(Protocol):
@@ -162,6 +177,7 @@ class Kernel:
         self._deliveries = itertools.count(1 << 30)  # Deliver ids, apart from Exec ids
         # Bound by the composition root (core.py) to the rooms above the kernel.
         self.finish: Finish = unbound
+        self.end: End = unbound
         self.waits_changed: Callable[[Run], None] = unbound
 
     # ---- bookkeeping -------------------------------------------------------------------
@@ -232,7 +248,7 @@ class Kernel:
         self.store_error = exc
         reason = f"{STORE_FAILED}{exc}"
         for root in self.live_roots():
-            self.task(self.finish(root, RunState.FAILED, reason, kind=FailureKind.STORE))
+            self.end(root, RunState.FAILED, reason, kind=FailureKind.STORE)
 
     def top(self, run: Run) -> Run:
         """The top of `run`'s tree in this supervisor, which holds the tree's counters: its
@@ -348,7 +364,7 @@ class Kernel:
                 f"{run.journaled:,} bytes and would add {size:,}, over "
                 f"Limits.journal_bytes_per_run={lim:,}; print less, or raise the limit"
             )
-            self.task(self.finish(run, RunState.FAILED, reason))
+            self.end(run, RunState.FAILED, reason)
         return False
 
     def new_id(self) -> str:

@@ -94,7 +94,7 @@ class Requests:
             handler(self, run, msg)
         except Violation as exc:
             k = self.kernel
-            k.task(k.finish(run, RunState.FAILED, f"protocol violation: {exc}"))
+            k.end(run, RunState.FAILED, f"protocol violation: {exc}")
 
     # ---- answering a request ----------------------------------------------------------------
     def _ask(self, run: Run, req_id: int, work: Awaitable[Any]) -> None:
@@ -261,7 +261,7 @@ class Requests:
         run.rec.answer = msg.answer
         run.rec.products = products
         k = self.kernel
-        k.task(k.finish(run, RunState.COMPLETED, msg.reason, answer=msg.answer))
+        k.end(run, RunState.COMPLETED, msg.reason, answer=msg.answer)
 
     def _failed(self, run: Run, msg: Failed) -> None:
         """The worker says its run cannot go on. What it says is data: kept (capped) as the
@@ -271,7 +271,7 @@ class Requests:
             reason = f"worker error: {reason}"
         kind = _failure_kind(run, msg)
         k = self.kernel
-        k.task(k.finish(run, RunState.FAILED, reason, error=error, kind=kind))
+        k.end(run, RunState.FAILED, reason, error=error, kind=kind)
         if kind is FailureKind.DIVERGED:
             self.resume.stop_resume(run, reason)
 
@@ -325,7 +325,7 @@ class Requests:
             "StepTimeout was swallowed, disarmed or lost, e.g. in a fork loop), so its "
             "worker was stopped"
         )
-        k.task(k.finish(run, RunState.FAILED, reason))
+        k.end(run, RunState.FAILED, reason)
 
     def _step_done(self, run: Run, msg: StepDone) -> None:
         run.steps.end(msg)

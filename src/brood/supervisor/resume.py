@@ -198,10 +198,10 @@ class Resume:
             parent = run.parent
             if run.rec.state is CANCELLING:  # journaled first, so it stays cancelled
                 ending.add(run)
-                k.task(k.finish(run, RunState.CANCELLED, run.rec.reason or "cancelled"))
+                k.end(run, RunState.CANCELLED, run.rec.reason or "cancelled")
             elif parent is not None and (parent.rec.state.terminal or parent in ending):
                 ending.add(run)
-                k.task(k.finish(run, RunState.CANCELLED, "parent ended before the resume"))
+                k.end(run, RunState.CANCELLED, "parent ended before the resume")
             elif run.rec.model == FLOW_MODEL:
                 pass  # a flow's run has no worker: its ledger rebuilds it, below
             elif run in poisoned:
@@ -210,7 +210,7 @@ class Resume:
                     f"step {poisoned[run]} was under way each time its host process died, twice; "
                     "it is not replayed a third time (its code may be what kills the host)"
                 )
-                k.task(k.finish(run, RunState.FAILED, why))
+                k.end(run, RunState.FAILED, why)
             elif run.rec.state is RUN:
                 self.prepare_replay(run, steps[run])
             else:  # queued: follow-ups held for its start were in memory only
@@ -319,7 +319,7 @@ class Resume:
             why = f"could not resume flow {run.id}: {exc}"
             self.stop_resume(run, why)
             if not run.rec.state.terminal:
-                self.kernel.task(self.kernel.finish(run, RunState.FAILED, why))
+                self.kernel.end(run, RunState.FAILED, why)
 
     def stop_resume(self, run: Run, reason: str) -> None:
         """A replay diverged: the resume of the whole tree stops."""
@@ -327,7 +327,7 @@ class Resume:
         root = k.top(run)
         self.diverged.setdefault(root.id, reason)
         if root is not run:
-            k.task(k.finish(root, RunState.CANCELLED, f"resume stopped: {reason}"))
+            k.end(root, RunState.CANCELLED, f"resume stopped: {reason}")
 
 
 def _record(row: dict[str, Any]) -> RunRecord:

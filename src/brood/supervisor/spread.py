@@ -39,7 +39,7 @@ class Spread:
             run.remote = await k.spreader.start(run)
         except Exception as exc:
             if not run.rec.state.terminal and run.ending is None:
-                k.task(k.finish(run, RunState.FAILED, f"could not start on another node: {exc}"))
+                k.end(run, RunState.FAILED, f"could not start on another node: {exc}")
             return
         if run.remote is None:
             self.admission.queue(run)
@@ -64,7 +64,7 @@ class Spread:
                 return
             if isinstance(exc, NodeLost) and await self.adopt_lost(run, exc):
                 return
-            k.task(k.finish(run, RunState.FAILED, f"its node was lost: {exc}"))
+            k.end(run, RunState.FAILED, f"its node was lost: {exc}")
             return
         if run.ending is None:  # else the one ending it mirrors the end
             self.ending.mirror_end(run, end)
