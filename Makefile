@@ -28,12 +28,16 @@ PARTS = passed=""; failed=""; \
 PARTS_END = echo "make $@: passed:$${passed:- none}"; \
 	if [ -n "$$failed" ]; then echo "make $@: FAILED:$$failed"; exit 1; fi
 
+# make test's pytest part runs on this many processes (pytest-xdist): every test owns its
+# scratch, journal and owner registry, so tests running side by side never meet.
+TEST_WORKERS ?= auto
+
 test: $(STAMP)
 	@$(PARTS); \
 	part ruff $(BIN)/ruff check src tests benchmarks examples docs/*.py; \
 	part ruff-format $(BIN)/ruff format --check src tests benchmarks examples docs/*.py; \
 	part mypy $(BIN)/mypy; \
-	part pytest $(BIN)/pytest -q -m "not local and not browser and not scale and not ray and not train"; \
+	part pytest $(BIN)/pytest -q -n $(TEST_WORKERS) -m "not local and not browser and not scale and not ray and not train"; \
 	part ray $(BIN)/pytest -q -m ray; \
 	$(PARTS_END)
 
