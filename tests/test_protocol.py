@@ -182,7 +182,7 @@ def test_channel_carries_messages_in_order_then_none_at_end(
     pair: tuple[socket.socket, socket.socket],
 ) -> None:
     a, b = pair
-    tx, rx = SyncChannel.over_socket(a), SyncChannel.over_socket(b, buffered=False)
+    tx, rx = SyncChannel.over_socket(a), SyncChannel.over_socket(b)
     for msg in SAMPLES:
         tx.send(msg)
     a.shutdown(socket.SHUT_WR)

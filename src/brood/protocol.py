@@ -544,7 +544,7 @@ def encode(msg: Msg) -> bytes:
     return HEADER.pack(len(body)) + body
 
 
-def decode(body: bytes) -> Msg:
+def decode(body: bytes | bytearray) -> Msg:
     try:
         return _decoder.decode(body)
     except msgspec.DecodeError as exc:
@@ -608,6 +608,36 @@ def rebuild_error(info: ErrorInfo) -> BaseException:
     return exc
 
 
+class _SocketStream:
+    """A socket as SyncChannel's two files: `read(n)` gives n bytes (fewer only at the end
+    of the stream), `write` sends them all. No file objects: a buffered reader and a raw
+    writer made with socket.makefile cost a freshly forked worker about 90 page faults."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    def read(self, n: int) -> bytes | bytearray:
+        if n <= 0:
+            return b""
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            k = self._sock.recv_into(view[got:])
+            if k == 0:
+                del view
+                del buf[got:]  # the stream ended inside the frame: what came of it
+                return buf
+            got += k
+        return buf
+
+    def write(self, data: bytes) -> None:
+        self._sock.sendall(data)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
 class SyncChannel:
     """Blocking framed messages over a socket or a pair of pipe fds; sends are thread-safe."""
 
@@ -618,13 +648,11 @@ class SyncChannel:
         self.limit = limit  # the largest frame body this side may send
 
     @classmethod
-    def over_socket(
-        cls, sock: socket.socket, *, buffered: bool = True, limit: int = MAX_FRAME
-    ) -> SyncChannel:
-        """A channel over `sock`. Pass buffered=False when the reader waits in select():
-        a buffered reader could hold a whole frame that select() no longer sees."""
-        rfile = sock.makefile("rb", buffering=65536 if buffered else 0)
-        return cls(rfile, sock.makefile("wb", buffering=0), limit=limit)
+    def over_socket(cls, sock: socket.socket, *, limit: int = MAX_FRAME) -> SyncChannel:
+        """A channel over `sock`, read frame by frame (never past the frame it reads, so a
+        reader may wait in select() between frames)."""
+        stream = _SocketStream(sock)
+        return cls(stream, stream, limit=limit)
 
     def close(self) -> None:
         for f in (self._r, self._w):
@@ -661,9 +689,9 @@ class SyncChannel:
             return None
         return decode(body)
 
-    def _read(self, n: int) -> bytes | None:
-        buf = b""
-        while len(buf) < n:
+    def _read(self, n: int) -> bytes | bytearray | None:
+        buf = self._r.read(n)
+        while len(buf) < n:  # a file that gives less than it was asked for, or none
             chunk = self._r.read(n - len(buf))
             if not chunk:
                 return None
