@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import signal
 import socket
 import threading
 import typing
@@ -188,6 +189,37 @@ def test_channel_carries_messages_in_order_then_none_at_end(
     a.shutdown(socket.SHUT_WR)
     assert [rx.recv() for _ in SAMPLES] == SAMPLES
     assert rx.recv() is None
+
+
+def test_a_send_interrupted_by_signals_still_sends_whole_frames(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    """A worker's step clock is SIGALRM: a signal landing while a big frame is being sent
+    (a context, an answer) must not cut the frame short and break the stream after it."""
+    a, b = pair
+    tx, rx = SyncChannel.over_socket(a), SyncChannel.over_socket(b)
+    big = Deliver(message="z" * 2_000_000)  # many times a socket's buffer
+    got: list[object] = []
+
+    def read() -> None:
+        try:
+            got.extend(rx.recv() for _ in range(5))
+        except Exception as exc:
+            got.append(exc)
+
+    reader = threading.Thread(target=read)
+    old = signal.signal(signal.SIGALRM, lambda *_: None)
+    signal.setitimer(signal.ITIMER_REAL, 0.0005, 0.0005)  # the point under test: signals
+    reader.start()
+    try:
+        for _ in range(5):
+            tx.send(big)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        a.shutdown(socket.SHUT_WR)
+        reader.join()
+    assert got == [big] * 5
 
 
 def test_channel_over_plain_file_objects() -> None:
