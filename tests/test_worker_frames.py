@@ -1,16 +1,20 @@
-"""The supervisor's frame cutter for one worker's connection (`WorkerFrames`): whatever way
-the bytes arrive (whole frames, several at once, a byte at a time), each frame is handed on
-once and whole; a frame over the bound is refused from its header, before its body comes."""
+"""The supervisor's end of one worker's connection. The frame cutter (`WorkerFrames`):
+whatever way the bytes arrive (whole frames, several at once, a byte at a time), each frame
+is handed on once and whole; a frame over the bound is refused from its header, before its
+body comes. The socket under it (`WorkerSocket`), on a real socket pair: what the worker
+cannot take yet is queued and sent whole and in order, the end of the worker's stream is
+told and leaves the socket open for writing, and a close or a broken pipe is told once."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 from typing import Any
 
 import pytest
 
 from brood.backends.base import WorkerConn
-from brood.backends.local import READ_BUFFER, WorkerFrames
+from brood.backends.local import READ_BUFFER, WorkerFrames, WorkerSocket
 from brood.protocol import HEADER, MAX_WORKER_FRAME, Failed, Msg, Remember, encode
 
 
@@ -93,3 +97,79 @@ def test_an_empty_frame_is_a_violation_however_it_arrives(reads: list[int]) -> N
     assert len(got) == 1 and isinstance(got[0], Failed)
     assert "protocol violation" in got[0].reason
     assert len(backend.closed_conns) == 1
+
+
+class _Recorder(asyncio.BufferedProtocol):
+    def __init__(self) -> None:
+        self.buf = bytearray(65536)
+        self.got = bytearray()
+        self.eof = 0
+        self.lost: list[Exception | None] = []
+        self.eof_told, self.lost_told = asyncio.Event(), asyncio.Event()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return memoryview(self.buf)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.got += self.buf[:nbytes]
+
+    def eof_received(self) -> bool:
+        self.eof += 1
+        self.eof_told.set()
+        return True  # as WorkerFrames: the supervisor decides when its end closes
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost.append(exc)
+        self.lost_told.set()
+
+
+async def _read_all(sock: socket.socket) -> bytes:
+    loop, got = asyncio.get_running_loop(), bytearray()
+    while chunk := await loop.sock_recv(sock, 1 << 16):
+        got += chunk
+    return bytes(got)
+
+
+def test_a_worker_socket_queues_what_the_worker_cannot_take_yet_and_sends_it_whole() -> None:
+    async def go() -> tuple[bytes, bytes, _Recorder]:
+        ours, theirs = socket.socketpair()
+        theirs.setblocking(False)
+        proto = _Recorder()
+        ws = WorkerSocket(asyncio.get_running_loop(), ours, proto)
+        sent = b"".join(bytes([i]) * 1_000_000 for i in range(3))  # far over a socket buffer
+        for i in range(3):
+            ws.write(bytes([i]) * 1_000_000)
+        ws.close()  # sent first, then closed
+        assert ws.is_closing()
+        ws.write(b"after the close")  # dropped, as asyncio's transports drop it
+        got = await _read_all(theirs)
+        theirs.close()
+        return got, sent, proto
+
+    got, sent, proto = asyncio.run(go())
+    assert got == sent
+    assert proto.lost == [None]
+
+
+def test_a_worker_socket_tells_the_end_of_the_stream_and_then_a_broken_pipe() -> None:
+    async def go() -> tuple[_Recorder, bytes]:
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair()
+        theirs.setblocking(False)
+        proto = _Recorder()
+        ws = WorkerSocket(loop, ours, proto)
+        await loop.sock_sendall(theirs, b"last words")
+        theirs.shutdown(socket.SHUT_WR)
+        await proto.eof_told.wait()
+        ws.write(b"still open for writing")
+        heard = await loop.sock_recv(theirs, 100)
+        theirs.close()
+        ws.write(b"to a closed peer")  # the pipe breaks
+        await proto.lost_told.wait()
+        ws.write(b"after the loss")  # dropped
+        return proto, heard
+
+    proto, heard = asyncio.run(go())
+    assert bytes(proto.got) == b"last words" and proto.eof == 1
+    assert heard == b"still open for writing"
+    assert len(proto.lost) == 1 and isinstance(proto.lost[0], OSError)

@@ -310,13 +310,10 @@ class LocalBackend:
         if pid in self._early_exit:
             conn.mark_exited(self._early_exit.pop(pid))
         self._ready.set()
-        self._track(self._serve(conn, socket.socket(fileno=fd)))
-
-    async def _serve(self, conn: WorkerConn, sock: socket.socket) -> None:
-        """Read one worker's frames (`WorkerFrames`), then offer it to runs."""
-        loop = asyncio.get_running_loop()
-        await loop.create_connection(lambda: WorkerFrames(self, conn, self._reads), sock=sock)
-        await self._idle.put(conn)
+        # Its frames are read (`WorkerFrames`) from now on; it is offered to runs at once.
+        frames = WorkerFrames(self, conn, self._reads)
+        WorkerSocket(asyncio.get_running_loop(), socket.socket(fileno=fd), frames)
+        self._idle.put_nowait(conn)
 
     def closed(self, conn: WorkerConn) -> None:
         """Worker `conn`'s connection ended (or broke the protocol): no frame comes any more."""
@@ -428,6 +425,120 @@ class LocalBackend:
                     shutil.rmtree(conn.scratch, ignore_errors=True)
         else:
             shutil.rmtree(self.scratch_root, ignore_errors=True)
+
+
+class WorkerSocket(asyncio.Transport):
+    """The supervisor's end of one worker's socket, read and written from the loop's own
+    selector: the part of asyncio's socket transport a worker's connection uses (reads
+    into its protocol's buffer, writes that queue what the socket does not take, end of
+    stream, close), made in a call instead of `loop.create_connection`'s coroutine, its
+    waiter and four callbacks (about 70 us of the loop for every child on this machine).
+
+    Like asyncio's transport, it tells its protocol of the end of the stream
+    (`eof_received`; a protocol that returns True keeps it open for writing) and of the
+    connection's loss (`connection_lost`, once, on a close or an error)."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sock: socket.socket,
+        protocol: asyncio.BufferedProtocol,
+    ) -> None:
+        super().__init__()
+        self._loop, self._sock, self._protocol = loop, sock, protocol
+        self._fd = sock.fileno()
+        self._out = bytearray()  # what the socket has not taken yet
+        self._reading = self._closing = self._lost = False
+        sock.setblocking(False)
+        protocol.connection_made(self)
+        loop.add_reader(self._fd, self._read_ready)
+        self._reading = True
+
+    def _read_ready(self) -> None:
+        try:
+            n = self._sock.recv_into(self._protocol.get_buffer(-1))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._abort(exc)
+            return
+        if n:
+            self._protocol.buffer_updated(n)
+            return
+        self.pause_reading()
+        if not self._protocol.eof_received():
+            self.close()
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self._closing:
+            return
+        if not self._out:
+            try:
+                sent = self._sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as exc:
+                self._abort(exc)
+                return
+            if sent == len(data):
+                return
+            data = memoryview(data)[sent:]
+            self._loop.add_writer(self._fd, self._write_ready)
+        self._out += data
+
+    def _write_ready(self) -> None:
+        try:
+            sent = self._sock.send(self._out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._abort(exc)
+            return
+        del self._out[:sent]
+        if not self._out:
+            self._loop.remove_writer(self._fd)
+            if self._closing:
+                self._end(None)
+
+    def is_closing(self) -> bool:
+        return self._closing
+
+    def pause_reading(self) -> None:
+        if self._reading:
+            self._reading = False
+            self._loop.remove_reader(self._fd)
+
+    def is_reading(self) -> bool:
+        return self._reading
+
+    def close(self) -> None:
+        """Stop reading; close once what is queued is sent."""
+        if self._closing:
+            return
+        self._closing = True
+        self.pause_reading()
+        if not self._out:
+            self._loop.call_soon(self._end, None)
+
+    def abort(self) -> None:
+        self._abort(None)
+
+    def _abort(self, exc: Exception | None) -> None:
+        self._closing = True
+        self.pause_reading()
+        if self._out:
+            self._out.clear()
+            self._loop.remove_writer(self._fd)
+        self._loop.call_soon(self._end, exc)
+
+    def _end(self, exc: Exception | None) -> None:
+        if self._lost:
+            return
+        self._lost = True
+        try:
+            self._protocol.connection_lost(exc)
+        finally:
+            self._sock.close()
 
 
 class WorkerFrames(asyncio.BufferedProtocol):
