@@ -508,9 +508,6 @@ class WorkerSocket(asyncio.Transport):
             self._reading = False
             self._loop.remove_reader(self._fd)
 
-    def is_reading(self) -> bool:
-        return self._reading
-
     def close(self) -> None:
         """Stop reading; close once what is queued is sent."""
         if self._closing:
@@ -519,9 +516,6 @@ class WorkerSocket(asyncio.Transport):
         self.pause_reading()
         if not self._out:
             self._loop.call_soon(self._end, None)
-
-    def abort(self) -> None:
-        self._abort(None)
 
     def _abort(self, exc: Exception | None) -> None:
         self._closing = True
