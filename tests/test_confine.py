@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import gc
 import json
 import os
 import resource
@@ -97,6 +98,10 @@ def run_child(
 ) -> tuple[Outcome | None, int]:
     """Fork; the child applies `policy` (if any) then runs `action`. Returns the child's
     outcome (None if it died before reporting) and its wait status, after reaping it."""
+    # What earlier tests left in reference cycles is collected first: a TracerProvider
+    # that was shut down runs its fork hook until then, on threads of its own in the
+    # child, and `apply` rightly refuses a process that runs a second thread.
+    gc.collect()
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - child

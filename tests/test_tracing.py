@@ -5,6 +5,7 @@ span carried to another node with a placed child; and tracing off costing no imp
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -418,6 +419,12 @@ def test_brood_otel_turns_tracing_on_and_false_keeps_it_off(monkeypatch):
         assert sup._engine.tracing is NO_TRACING
 
 
+def providers_alive() -> int:
+    """TracerProviders this process holds (one not shut down is held by its exit hook)."""
+    gc.collect()
+    return sum(isinstance(o, TracerProvider) for o in gc.get_objects())
+
+
 def test_bad_tracing_settings_are_refused_naming_the_fix(monkeypatch):
     model = brood.ScriptedModel([final("x")])
     with pytest.raises(brood.InvalidArgument, match=r"tracing must be True, False or an Open"):
@@ -427,8 +434,10 @@ def test_bad_tracing_settings_are_refused_naming_the_fix(monkeypatch):
         brood.Supervisor(model)
     monkeypatch.delenv("BROOD_OTEL")
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "zipkin-nope")
+    before = providers_alive()
     with pytest.raises(brood.InvalidArgument, match=r"OTEL_TRACES_EXPORTER='zipkin-nope'"):
         brood.Supervisor(model, tracing=True)
+    assert providers_alive() == before, "a refused setting left a TracerProvider alive"
     monkeypatch.setitem(sys.modules, "opentelemetry.sdk.trace", None)  # as if not installed
     with pytest.raises(brood.InvalidArgument, match=r"pip install -e '\.\[otel\]'"):
         brood.Supervisor(model, tracing=True)

@@ -284,11 +284,14 @@ def provider_of(model: Model) -> str:
 
 def provider_from_env() -> TracerProvider:
     """A provider with the exporters OTEL_TRACES_EXPORTER names (see the module's doc)."""
+    # The exporters first: a provider lives until it is shut down (its exit hook holds it)
+    # and runs its fork hook in every os.fork() child, so none is made for a refused setting.
+    exporters = _exporters()
     resource = Resource.create()
     if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
         resource = resource.merge(Resource({"service.name": "brood"}))
     provider = TracerProvider(resource=resource)
-    for exporter in _exporters():
+    for exporter in exporters:
         provider.add_span_processor(BatchSpanProcessor(exporter))
     return provider
 
