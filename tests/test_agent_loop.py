@@ -315,6 +315,27 @@ def test_a_step_error_a_worker_limit_causes_names_the_limit():
         assert env.step("print('still here')").stdout == "still here\n"
 
 
+def test_a_worker_that_fills_its_memory_with_scratch_files_is_failed_naming_the_limit():
+    """Files on the scratch tmpfs count toward the worker's memory cgroup, not its address
+    space: a run that writes past Limits.worker_memory there is killed by the kernel, and
+    its reason names the limit (the zygote reads its slot's OOM kills at the reap)."""
+    from brood.worker import confine
+
+    support = confine.probe()
+    if not support.cgroup_memory_dir or not support.disk:
+        pytest.skip("needs a memory cgroup and a scratch tmpfs: `brood doctor` says why not")
+    fill = "with open('fill', 'wb') as f:\n    for _ in range(512):\n        f.write(bytes(2**20))"
+    model = brood.ScriptedModel([f"```repl\n{fill}\n```"])
+    limits = fast(worker_memory=96 * 2**20, worker_disk=2**30)
+    with brood.Supervisor(model, limits=limits) as sup:
+        result = sup.run("fill the scratch")
+    assert result.state == "failed", result
+    assert result.error == (
+        "worker exited with signal 9: the kernel killed it at its memory limit, "
+        f"Limits.worker_memory={96 * 2**20}"
+    ), result
+
+
 def test_a_worker_the_kernel_killed_at_its_memory_limit_says_so():
     """The zygote reads the worker's cgroup OOM count at the reap (cgroup_oom_kills); the
     reason names the limit. (Reaching the cgroup limit before RLIMIT_AS is not reliable to

@@ -258,6 +258,8 @@ class Zygote:
         serve(sock)
 
     def reap(self) -> None:
+        exited = []
+        reaped_any = False
         while True:
             try:
                 pid, status, usage = os.wait4(-1, os.WNOHANG)
@@ -265,27 +267,28 @@ class Zygote:
                 break
             if pid == 0:
                 break
+            reaped_any = True
             if pid in self.groups and pid not in self.reaped:
-                empty = _group_empty(pid)
-                self.kill_strays()
-                empty = empty and not self.strays
-                if empty:
-                    self.groups.discard(pid)
-                    self.release_cgroup(pid)
-                else:
-                    self.reaped.add(pid)
-                cpu = usage.ru_utime + usage.ru_stime
-                slot = self.slot_of.get(pid)
-                oom = (
-                    confine.cgroup_oom_kills(self.cgroup, slot, self.support)
-                    - self.oom_before.get(slot, 0)
-                    if (self.cgroup is not None and slot is not None)
-                    else 0
-                )
-                self.send(Exited(pid, os.waitstatus_to_exitcode(status), empty, cpu, oom))
+                exited.append((pid, status, usage))
             else:
                 self.strays.discard(pid)
-        self.kill_strays()
+        # A stray is born only when a child of ours dies (its orphans become ours): the
+        # children are listed then, once for all the deaths of this pass.
+        if reaped_any:
+            self.kill_strays()
+        for pid, status, usage in exited:
+            empty = _group_empty(pid) and not self.strays
+            slot = self.slot_of.get(pid)
+            # Read before its slot can go to the next worker, whose count starts there.
+            kills = self.oom_kills(slot)
+            oom = kills - self.oom_before.get(slot, 0) if slot is not None else 0
+            if empty:
+                self.groups.discard(pid)
+                self.release_cgroup(pid, kills)
+            else:
+                self.reaped.add(pid)
+            cpu = usage.ru_utime + usage.ru_stime
+            self.send(Exited(pid, os.waitstatus_to_exitcode(status), empty, cpu, oom))
         for pgid in [g for g in self.groups if g in self.reaped]:
             if _group_empty(pgid) and not self.strays:
                 self.groups.discard(pgid)
@@ -294,18 +297,26 @@ class Zygote:
                 self.release_cgroup(pgid)
         self.remove_cgroups()
 
-    def release_cgroup(self, pid: int) -> None:
+    def oom_kills(self, slot: str | None) -> int:
+        """The OOM kills counted in `slot`'s cgroup since it was made (0 without one)."""
+        if self.cgroup is None or slot is None:
+            return 0
+        return confine.cgroup_oom_kills(self.cgroup, slot, self.support)
+
+    def release_cgroup(self, pid: int, kills: int | None = None) -> None:
         """Worker `pid` is confirmed gone: its slot is free again once its cgroup is empty,
         now or at a later reap; anything still in it (a process that left its session and
-        process group) is killed first."""
+        process group) is killed first. `kills`: its slot's OOM kills, read just now."""
         slot = self.slot_of.pop(pid, None)
         if slot is None or self.cgroup is None:
             return
-        if not confine.cgroup_empty(self.cgroup, slot):
-            try:
-                confine.cgroup_kill(self.cgroup, slot, self.support)
-            except OSError:
-                pass
+        if confine.cgroup_empty(self.cgroup, slot):
+            self._free(slot, kills)
+            return
+        try:
+            confine.cgroup_kill(self.cgroup, slot, self.support)
+        except OSError:
+            pass
         self.released.add(slot)
 
     def remove_cgroups(self) -> None:
@@ -316,9 +327,14 @@ class Zygote:
         for slot in list(self.released):
             if confine.cgroup_empty(self.cgroup, slot):
                 self.released.discard(slot)
-                # Counted from here for its next worker (a kill meanwhile was its strays').
-                self.oom_before[slot] = confine.cgroup_oom_kills(self.cgroup, slot, self.support)
-                self.free_slots.append(slot)
+                self._free(slot)
+
+    def _free(self, slot: str, kills: int | None = None) -> None:
+        """Hand `slot` (its cgroup empty) to the next worker, its OOM kills counted from
+        here (`kills` when they were read as its worker was confirmed gone: nothing of its
+        ran since, so none can have been added; a kill meanwhile was its strays')."""
+        self.oom_before[slot] = self.oom_kills(slot) if kills is None else kills
+        self.free_slots.append(slot)
 
     def kill_strays(self, everything: bool = False) -> None:
         """Kill every child that is not a live worker and left its worker's process group
