@@ -330,9 +330,9 @@ class Zygote:
                 self._free(slot)
 
     def _free(self, slot: str, kills: int | None = None) -> None:
-        """Hand `slot` (its cgroup empty) to the next worker, its OOM kills counted from
-        here (`kills` when they were read as its worker was confirmed gone: nothing of its
-        ran since, so none can have been added; a kill meanwhile was its strays')."""
+        """Hand `slot` (its cgroup empty) to the next worker, whose OOM kills are counted
+        from here: `kills` when they were read as the worker before was confirmed gone
+        (nothing has run in the slot since), else read now."""
         self.oom_before[slot] = self.oom_kills(slot) if kills is None else kills
         self.free_slots.append(slot)
 
